@@ -1,0 +1,47 @@
+# The same targets run locally and in CI (.ci/run calls `make test`).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STEPS ?= 12
+RUN_DIR ?= runs/demo
+CONFIG ?= configs/tiny.toml
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck unit integration e2e slow bench fmt clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/streamrl up --config $(CONFIG) --steps $(STEPS) --run-dir $(RUN_DIR)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+fmt: $(VENV)/.installed
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+integration: $(VENV)/.installed
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+e2e: $(VENV)/.installed
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+slow: $(VENV)/.installed
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

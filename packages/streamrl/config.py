@@ -1,0 +1,360 @@
+"""Run configuration: one TOML file per run, validated against a documented schema.
+
+Every field carries a one-line description and its bounds; checks that span fields are
+validators; an unknown key is an error that names it. This module imports no JAX, so a bad
+config fails in milliseconds, before any worker loads the model stack.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "parse_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names every offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunConfig(_Section):
+    name: str = Field(
+        "streamrl",
+        description="Run namespace: every Redis stream and key of this run starts with it.",
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data, initialisation, sampling.")
+
+
+class RedisConfig(_Section):
+    url: str = Field(
+        "",
+        description=(
+            "Redis URL; empty starts an embedded redis-server in the run directory. "
+            "The REDIS_URL environment variable overrides it."
+        ),
+    )
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "everysec", description="AOF fsync policy of the embedded server."
+    )
+    startup_timeout_s: float = Field(
+        10.0, gt=0, le=120, description="Seconds to wait for the embedded server to answer."
+    )
+
+
+class TransportConfig(_Section):
+    block_ms: int = Field(
+        200, ge=1, le=10_000, description="How long one XREADGROUP blocks waiting for entries (ms)."
+    )
+    read_count: int = Field(16, ge=1, le=1024, description="Entries read per XREADGROUP call.")
+    claim_idle_ms: int = Field(
+        5_000,
+        ge=100,
+        le=3_600_000,
+        description="Idle time (ms) after which a pending entry is claimed (XAUTOCLAIM).",
+    )
+    claim_every_ms: int = Field(
+        1_000, ge=10, le=600_000, description="How often (ms) a consumer looks for idle entries."
+    )
+    max_deliveries: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="An entry delivered more than this many times moves to the dead-letter stream.",
+    )
+
+
+class TaskConfig(_Section):
+    name: Literal["arithmetic"] = Field("arithmetic", description="Built-in task to train on.")
+    num_prompts: int = Field(
+        10_000, ge=1, le=10_000_000, description="Distinct prompts in the data set (cycled)."
+    )
+    max_operand: int = Field(
+        99, ge=1, le=1_000_000, description="Largest operand of an arithmetic question."
+    )
+    operators: str = Field(
+        "+-",
+        description="Operators the arithmetic questions use, from '+-*'.",
+        pattern=r"^[+\-*]{1,3}$",
+    )
+    max_backlog: int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Feeder keeps at most this many tasks written but not yet rolled out.",
+    )
+
+
+class ModelConfig(_Section):
+    d_model: int = Field(64, ge=8, le=8192, description="Hidden size.")
+    num_layers: int = Field(2, ge=1, le=128, description="Decoder blocks.")
+    num_heads: int = Field(4, ge=1, le=128, description="Query heads.")
+    num_kv_heads: int = Field(2, ge=1, le=128, description="Key/value heads (grouped-query).")
+    d_ff: int = Field(192, ge=8, le=65536, description="SwiGLU hidden size.")
+    max_seq_len: int = Field(
+        256, ge=16, le=131072, description="Longest sequence (prompt plus all turns), tokens."
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    init: Literal["random", "warmstart"] = Field(
+        "warmstart",
+        description=(
+            "Initial policy: random weights, or a short supervised warm start on the task's "
+            "demonstrations (the stand-in for an instruct checkpoint)."
+        ),
+    )
+    warmstart_steps: int = Field(
+        300, ge=1, le=1_000_000, description="Supervised steps of the warm start."
+    )
+    warmstart_batch: int = Field(32, ge=1, le=4096, description="Sequences per warm-start step.")
+    warmstart_lr: float = Field(3e-3, gt=0, le=1.0, description="Warm-start learning rate.")
+    warmstart_error_rate: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="Fraction of warm-start demonstrations that answer wrongly (room for RL).",
+    )
+    warmstart_cache: str = Field(
+        "",
+        description="Directory caching warm starts by config hash (empty: ~/.cache/streamrl).",
+    )
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.num_heads "
+                f"({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError("model.d_model / model.num_heads must be even for RoPE")
+        return self
+
+
+class RolloutConfig(_Section):
+    num_workers: int = Field(1, ge=1, le=256, description="Rollout worker processes.")
+    num_generations: int = Field(
+        4, ge=2, le=1024, description="Episodes per task (the GRPO group size)."
+    )
+    max_concurrency: int = Field(16, ge=1, le=4096, description="Episodes running at once.")
+    max_steps: int = Field(3, ge=1, le=1000, description="Model turns per episode at most.")
+    max_prompt_length: int = Field(
+        64, ge=1, le=131072, description="Longest task prompt in tokens (longer: episode error)."
+    )
+    max_turn_tokens: int = Field(
+        48, ge=1, le=131072, description="New tokens one model turn may sample."
+    )
+    max_episode_tokens: int = Field(
+        192,
+        ge=1,
+        le=131072,
+        description="Token limit of an episode: prompt, sampled and tool tokens together.",
+    )
+    episode_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="Wall-clock limit of one episode."
+    )
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Top-k sampling (0: off).")
+    max_batch_size: int = Field(
+        32, ge=1, le=4096, description="Model calls batched into one device call at most."
+    )
+    batch_wait_ms: float = Field(
+        5.0, ge=0, le=10_000, description="How long a model call waits for others to batch with."
+    )
+    max_ready_groups: int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Backpressure: no new episode starts while more groups wait for the trainer.",
+    )
+
+    @model_validator(mode="after")
+    def _sizes(self) -> RolloutConfig:
+        if self.max_concurrency < self.num_generations:
+            raise ValueError(
+                f"rollout.max_concurrency ({self.max_concurrency}) must be at least "
+                f"rollout.num_generations ({self.num_generations}): a task's episodes start "
+                "together"
+            )
+        if self.max_prompt_length >= self.max_episode_tokens:
+            raise ValueError(
+                f"rollout.max_prompt_length ({self.max_prompt_length}) must be below "
+                f"rollout.max_episode_tokens ({self.max_episode_tokens})"
+            )
+        return self
+
+
+class ToolsConfig(_Section):
+    num_workers: int = Field(2, ge=1, le=1024, description="Tool worker processes (rq workers).")
+    time_limit_s: float = Field(
+        5.0, gt=0, le=3600, description="A tool call's process is killed after this many seconds."
+    )
+    output_cap_bytes: int = Field(
+        4096, ge=16, le=64 * 2**20, description="Tool output kept at most; the rest is cut."
+    )
+    result_margin_s: float = Field(
+        3.0,
+        gt=0,
+        le=600,
+        description=(
+            "The caller gives up on a call this long after its time limit (a dead tool worker "
+            "is noticed within time_limit_s + result_margin_s)."
+        ),
+    )
+    retries: int = Field(
+        1, ge=0, le=10, description="Times a call lost to a dead tool worker is sent again."
+    )
+    max_parallel_calls: int = Field(
+        64, ge=1, le=100_000, description="Tool calls in flight per rollout worker at most."
+    )
+
+
+class GrouperConfig(_Section):
+    num_workers: int = Field(1, ge=1, le=1024, description="Grouper processes.")
+    off_policy_steps: int = Field(
+        2,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "A trajectory whose oldest turn is more than this many policy versions behind the "
+            "trainer is dropped (with its group) and counted."
+        ),
+    )
+    advantage_epsilon: float = Field(
+        1e-6, gt=0, le=1, description="Added to the group reward std before dividing."
+    )
+
+
+class TrainerConfig(_Section):
+    groups_per_step: int = Field(4, ge=1, le=65536, description="Groups per optimizer step.")
+    learning_rate: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    b2: float = Field(0.99, ge=0, lt=1, description="AdamW second-moment decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global-norm gradient clip.")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO/GRPO ratio clip epsilon.")
+    loss: Literal["grpo"] = Field("grpo", description="Registered loss function.")
+    publish_every: int = Field(
+        1, ge=1, le=1_000_000, description="Publish a new policy version every N steps."
+    )
+    checkpoint_every: int = Field(
+        5, ge=1, le=1_000_000, description="Write an Orbax checkpoint every N steps."
+    )
+    keep_checkpoints: int = Field(3, ge=1, le=1000, description="Checkpoints kept on disk.")
+    max_steps: int = Field(
+        0, ge=0, le=100_000_000, description="Stop after this many steps (0: run until stopped)."
+    )
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
+    transport: TransportConfig = Field(
+        default_factory=TransportConfig,
+        description="Stream delivery.",
+    )
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Data set.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="Rollout workers.",
+    )
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tool workers.")
+    grouper: GrouperConfig = Field(
+        default_factory=GrouperConfig,
+        description="Grouping and advantages.",
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="Trainer.",
+    )
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Config:
+        if self.rollout.max_episode_tokens > self.model.max_seq_len:
+            raise ValueError(
+                f"rollout.max_episode_tokens ({self.rollout.max_episode_tokens}) exceeds "
+                f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        return self
+
+    def redis_url(self) -> str:
+        """The Redis URL this process should use: REDIS_URL, else the configured one."""
+        return os.environ.get("REDIS_URL", "") or self.redis.url
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key `{loc}`")
+        elif loc:
+            lines.append(f"field `{loc}`: {e['msg']}")
+        else:
+            lines.append(e["msg"])
+    return f"invalid config {source}:\n  " + "\n  ".join(lines)
+
+
+_OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    m = _OVERRIDE.match(item)
+    if not m:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    section, key, raw = m.groups()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string such as run.name=foo
+    sub = data.setdefault(section, {})
+    if not isinstance(sub, dict):
+        raise ConfigError(f"override {item!r}: `{section}` is not a section")
+    sub[key] = value
+
+
+def parse_config(
+    data: dict[str, Any], source: str = "<dict>", overrides: list[str] | None = None
+) -> Config:
+    """Validate a parsed TOML document (plus `section.key=value` overrides)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for item in overrides or []:
+        _apply_override(data, item)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read and validate a TOML config file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {p}: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"invalid TOML in {p}: {err}") from None
+    return parse_config(data, source=str(p), overrides=overrides)

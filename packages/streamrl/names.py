@@ -1,0 +1,111 @@
+"""Every Redis stream, consumer-group and key name of a run, built in one place.
+
+All names live under the run namespace (`<ns>:tasks`, ...), so two runs can share one Redis
+server without seeing each other's data.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_NS = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Names of one run's streams and keys."""
+
+    ns: str
+
+    def __post_init__(self) -> None:
+        if not _NS.match(self.ns):
+            raise ValueError(f"invalid run namespace {self.ns!r}")
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.ns, *parts))
+
+    # Streams (see DESIGN.md, "Streams and keys").
+    @property
+    def tasks(self) -> str:
+        return self._k("tasks")
+
+    @property
+    def trajectories(self) -> str:
+        return self._k("trajectories")
+
+    @property
+    def groups(self) -> str:
+        return self._k("groups")
+
+    @property
+    def weights(self) -> str:
+        return self._k("weights")
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")
+
+    @property
+    def control(self) -> str:
+        return self._k("control")
+
+    @property
+    def metrics(self) -> str:
+        """Trainer metrics, one entry per step."""
+        return self._k("metrics")
+
+    def streams(self) -> tuple[str, ...]:
+        return (
+            self.tasks,
+            self.trajectories,
+            self.groups,
+            self.weights,
+            self.dead,
+            self.control,
+            self.metrics,
+        )
+
+    # Consumer groups: one per reading worker type.
+    CG_ROLLOUT = "rollout"
+    CG_GROUPER = "grouper"
+    CG_TRAINER = "trainer"
+
+    # Keys.
+    @property
+    def stats(self) -> str:
+        """Hash of run counters (trajectories, groups, tool_calls, ...)."""
+        return self._k("stats")
+
+    @property
+    def policy_version(self) -> str:
+        """The trainer's latest published policy version (an integer)."""
+        return self._k("policy", "version")
+
+    @property
+    def feeder_cursor(self) -> str:
+        """Next data-set position the feeder writes."""
+        return self._k("feeder", "cursor")
+
+    def group_members(self, group_id: str) -> str:
+        """Hash member index -> encoded trajectory of a group being assembled."""
+        return self._k("group", group_id, "members")
+
+    @property
+    def groups_emitted(self) -> str:
+        """Set of group ids already written to `groups` (each is emitted once)."""
+        return self._k("groups", "emitted")
+
+    @property
+    def groups_dropped(self) -> str:
+        """Set of group ids dropped by a policy (late members are dropped too)."""
+        return self._k("groups", "dropped")
+
+    @property
+    def tool_queue(self) -> str:
+        """rq queue name of this run's tool calls."""
+        return self._k("tools")
+
+    def tool_result(self, call_id: str) -> str:
+        """List a tool worker pushes one call's result onto."""
+        return self._k("toolres", call_id)

@@ -1,0 +1,1 @@
+"""streamrl.rl."""

@@ -1,0 +1,84 @@
+"""Built-in task: arithmetic questions that reward using the calculator tool.
+
+Reward 1 when the episode called the calculator and its final answer equals both the true
+result and a result the calculator returned; 0 otherwise. The data set is generated from the
+run seed, so a cursor names one prompt for ever.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from streamrl.config import TaskConfig
+from streamrl.wire import Task
+
+KIND = "arithmetic"
+
+
+def _rng(seed: int, index: int) -> random.Random:
+    return random.Random(seed * 1_000_003 + index)
+
+
+def expression(cfg: TaskConfig, seed: int, cursor: int) -> tuple[str, int]:
+    """The question at a cursor (cycled over `num_prompts`) and its value."""
+    r = _rng(seed, cursor % cfg.num_prompts)
+    a = r.randint(0, cfg.max_operand)
+    b = r.randint(0, cfg.max_operand)
+    op = r.choice(cfg.operators)
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    return f"{a}{op}{b}", value
+
+
+def make_task(cfg: TaskConfig, seed: int, cursor: int, num_generations: int) -> Task:
+    expr, value = expression(cfg, seed, cursor)
+    # Group ids derive from the cursor: a re-sent task lands in the same group.
+    return Task(
+        task_id=f"t{cursor:09d}",
+        group_id=f"g{cursor:09d}",
+        kind=KIND,
+        prompt=f"Compute {expr} with the calculator.",
+        answer=str(value),
+        num_generations=num_generations,
+        cursor=cursor,
+    )
+
+
+def calculator_call(expr: str) -> str:
+    """The assistant text of a well-formed calculator call."""
+    body = json.dumps(
+        {"name": "calculator", "arguments": {"expression": expr}}, separators=(",", ":")
+    )
+    return f"<tool_call>{body}</tool_call>"
+
+
+def task_expression(task: Task) -> str:
+    return task.prompt.removeprefix("Compute ").removesuffix(" with the calculator.")
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """Assistant turns and tool results of a scripted episode (for the warm start)."""
+
+    turns: list[str]
+    tool_results: list[str]
+
+
+def demonstration(task: Task, rng: random.Random, error_rate: float) -> Demonstration:
+    """Call the calculator, then answer with its result; a fraction answers wrongly."""
+    answer = task.answer
+    if rng.random() < error_rate:
+        answer = str(int(answer) + rng.choice([-10, -2, -1, 1, 2, 10]))
+    return Demonstration(
+        turns=[calculator_call(task_expression(task)), f"<answer>{answer}</answer>"],
+        tool_results=[task.answer],
+    )
+
+
+def reward(answer: str | None, tool_outputs: list[str], expected: str) -> float:
+    """1.0 when the answer equals the true value and a calculator result; else 0.0."""
+    if answer is None:
+        return 0.0
+    a = answer.strip()
+    return 1.0 if a == expected and a in {o.strip() for o in tool_outputs} else 0.0

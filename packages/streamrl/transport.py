@@ -1,0 +1,222 @@
+"""Redis streams with consumer groups: at-least-once delivery that loses nothing.
+
+- An input entry is acknowledged only in the same MULTI/EXEC that writes its outputs.
+- Entries pending on a consumer that stopped answering are claimed with XAUTOCLAIM once
+  they have been idle for `claim_idle_ms`.
+- An entry that cannot be decoded, carries another schema version, or has been delivered
+  more than `max_deliveries` times moves to the dead-letter stream with its reason, and is
+  acknowledged in the same transaction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import redis
+import structlog
+
+from streamrl.config import TransportConfig
+from streamrl.names import Keys
+from streamrl.wire import DeadLetter, Message, WireError, decode, encode, raw_fields
+
+M = TypeVar("M", bound=Message)
+
+Pipeline = Any  # redis.client.Pipeline; its stubs are generic in ways mypy cannot follow
+PipelineOp = Callable[[Pipeline], None]
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[M]):
+    """One decoded entry handed to a consumer."""
+
+    entry_id: str
+    msg: M
+    deliveries: int
+
+
+class Consumer(Protocol[M]):
+    """What a worker needs from its input stream; RedisStreamConsumer is the real one."""
+
+    def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery[M]]: ...
+
+    def commit(
+        self,
+        entry_ids: Sequence[str],
+        outputs: Sequence[tuple[str, Message]] = (),
+        extra: PipelineOp | None = None,
+    ) -> None: ...
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str, start_id: str = "0") -> None:
+    """Create a consumer group (and its stream) unless it exists."""
+    try:
+        client.xgroup_create(stream, group, id=start_id, mkstream=True)
+    except redis.ResponseError as err:
+        if "BUSYGROUP" not in str(err):
+            raise
+
+
+def publish(client: redis.Redis | Pipeline, stream: str, msg: Message) -> Any:
+    """Append one message to a stream; returns its entry id (or the pipeline)."""
+    fields: Any = encode(msg)
+    return client.xadd(stream, fields)
+
+
+def _sid(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+class RedisStreamConsumer(Generic[M]):
+    """A named consumer in a consumer group of one stream, decoding entries as `cls`."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        stream: str,
+        group: str,
+        consumer: str,
+        cls: type[M],
+        cfg: TransportConfig,
+        log: structlog.stdlib.BoundLogger | None = None,
+        *,
+        claim: bool = True,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.stream = stream
+        self.group = group
+        self.name = consumer
+        self.cls = cls
+        self.cfg = cfg
+        self.claim = claim
+        self.log = (log or structlog.get_logger()).bind(stream=stream, consumer=consumer)
+        self._next_claim = 0.0
+        self._claim_cursor = "0-0"
+        ensure_group(client, stream, group)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery[M]]:
+        """Claimed idle entries first, then new ones; bad entries go to the dead letters."""
+        count = count or self.cfg.read_count
+        out: list[Delivery[M]] = []
+        if self.claim and time.monotonic() >= self._next_claim:
+            self._next_claim = time.monotonic() + self.cfg.claim_every_ms / 1000
+            out.extend(self._claim(count))
+            if out:
+                return out
+        block = self.cfg.block_ms if block_ms is None else block_ms
+        resp: Any = self.client.xreadgroup(
+            self.group, self.name, {self.stream: ">"}, count=count, block=block or None
+        )
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                d = self._decode(_sid(entry_id), fields, deliveries=1)
+                if d is not None:
+                    out.append(d)
+        return out
+
+    def _claim(self, count: int) -> list[Delivery[M]]:
+        resp: Any = self.client.xautoclaim(
+            self.stream,
+            self.group,
+            self.name,
+            min_idle_time=self.cfg.claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        self._claim_cursor = _sid(resp[0])
+        entries = [(_sid(eid), fields) for eid, fields in resp[1]]
+        if not entries:
+            return []
+        counts = self._delivery_counts([eid for eid, _ in entries])
+        out: list[Delivery[M]] = []
+        for entry_id, fields in entries:
+            deliveries = counts.get(entry_id, 1)
+            if fields is None:  # deleted from the stream while pending
+                self.client.xack(self.stream, self.group, entry_id)
+                continue
+            self.log.warning("claimed_idle_entry", entry_id=entry_id, deliveries=deliveries)
+            if deliveries > self.cfg.max_deliveries:
+                self.dead_letter(
+                    entry_id,
+                    fields,
+                    f"delivered {deliveries} times, more than max_deliveries "
+                    f"({self.cfg.max_deliveries})",
+                    deliveries,
+                )
+                continue
+            d = self._decode(entry_id, fields, deliveries)
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
+        rows: Any = self.client.xpending_range(
+            self.stream,
+            self.group,
+            min=min(ids, key=_id_key),
+            max=max(ids, key=_id_key),
+            count=len(ids) + 16,
+            consumername=self.name,
+        )
+        return {_sid(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    def _decode(self, entry_id: str, fields: dict[Any, Any], deliveries: int) -> Delivery[M] | None:
+        try:
+            msg = decode(fields, self.cls)
+        except WireError as err:
+            self.dead_letter(entry_id, fields, str(err), deliveries)
+            return None
+        return Delivery(entry_id=entry_id, msg=msg, deliveries=deliveries)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def commit(
+        self,
+        entry_ids: Sequence[str],
+        outputs: Sequence[tuple[str, Message]] = (),
+        extra: PipelineOp | None = None,
+    ) -> None:
+        """Write `outputs` (and `extra` commands) and acknowledge `entry_ids`, atomically."""
+        pipe = self.client.pipeline(transaction=True)
+        for stream, msg in outputs:
+            publish(pipe, stream, msg)
+        if extra is not None:
+            extra(pipe)
+        if entry_ids:
+            pipe.xack(self.stream, self.group, *entry_ids)
+        pipe.execute()
+
+    def dead_letter(
+        self, entry_id: str, fields: dict[Any, Any], reason: str, deliveries: int
+    ) -> None:
+        """Move an entry to the dead-letter stream with its reason (and ack it)."""
+        letter = DeadLetter(
+            source=self.stream,
+            entry_id=entry_id,
+            reason=reason,
+            fields=raw_fields(fields),
+            consumer=self.name,
+            deliveries=deliveries,
+        )
+        self.commit(
+            [entry_id],
+            [(self.keys.dead, letter)],
+            extra=lambda p: p.hincrby(self.keys.stats, "dead_letters", 1),
+        )
+        self.log.error("dead_letter", entry_id=entry_id, reason=reason, deliveries=deliveries)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def make_client(url: str, **kwargs: Any) -> redis.Redis:
+    """A Redis client for `url` with timeouts that fit blocking stream reads."""
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, **kwargs)

@@ -1,0 +1,230 @@
+"""Typed wire messages, msgpack-encoded, with a schema version.
+
+A stream entry has three fields: `v` (schema version), `kind` (message type) and `data`
+(the msgpack body). Decoding checks the version and the kind before the body, so a reader
+can tell "wrong version" from "garbage" and say which in the dead-letter entry. Nothing is
+pickled. Token ids, masks and log-probabilities travel as raw little-endian array bytes:
+a list of Python ints is several times larger and slower to encode for long episodes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+Status = Literal["ok", "timeout", "error", "truncated"]
+
+
+class WireError(ValueError):
+    """An entry that cannot be decoded; the message is the dead-letter reason."""
+
+
+class Message(msgspec.Struct, kw_only=True, frozen=True):
+    KIND: ClassVar[str] = ""
+
+
+class Task(Message, frozen=True, kw_only=True):
+    """One source prompt; its `num_generations` episodes form one group."""
+
+    KIND: ClassVar[str] = "task"
+    task_id: str
+    group_id: str
+    kind: str
+    prompt: str
+    answer: str
+    num_generations: int
+    cursor: int
+
+
+class Trajectory(Message, frozen=True, kw_only=True):
+    """One finished episode.
+
+    `tokens` (int32), `loss_mask` (uint8) and `logprobs` (float32) are aligned arrays of the
+    whole transcript; the mask is 1 only on tokens the policy sampled, and `logprobs` holds
+    the rollout log-probability of those tokens (0 elsewhere). `versions` has the policy
+    version of each model turn, in order.
+    """
+
+    KIND: ClassVar[str] = "trajectory"
+    traj_id: str
+    group_id: str
+    task_id: str
+    member: int
+    num_generations: int
+    tokens: bytes
+    loss_mask: bytes
+    logprobs: bytes
+    prompt_len: int
+    reward: float
+    status: Status
+    versions: list[int]
+    num_tool_calls: int = 0
+    error: str = ""
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+    worker: str = ""
+
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype="<i4")
+
+    def mask_array(self) -> np.ndarray:
+        return np.frombuffer(self.loss_mask, dtype=np.uint8)
+
+    def logprob_array(self) -> np.ndarray:
+        return np.frombuffer(self.logprobs, dtype="<f4")
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else -1
+
+    @property
+    def max_version(self) -> int:
+        return max(self.versions) if self.versions else -1
+
+
+def pack_arrays(tokens: Any, loss_mask: Any, logprobs: Any) -> dict[str, bytes]:
+    """Array fields of a Trajectory from anything numpy can read."""
+    t = np.asarray(tokens, dtype="<i4")
+    m = np.asarray(loss_mask, dtype=np.uint8)
+    lp = np.asarray(logprobs, dtype="<f4")
+    if not (t.shape == m.shape == lp.shape) or t.ndim != 1:
+        raise ValueError(
+            f"trajectory arrays must be 1-D and aligned: {t.shape} {m.shape} {lp.shape}"
+        )
+    return {"tokens": t.tobytes(), "loss_mask": m.tobytes(), "logprobs": lp.tobytes()}
+
+
+class Group(Message, frozen=True, kw_only=True):
+    """A complete group: every member with its GRPO advantage."""
+
+    KIND: ClassVar[str] = "group"
+    group_id: str
+    task_id: str
+    members: list[Trajectory]
+    advantages: list[float]
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class Weights(Message, frozen=True, kw_only=True):
+    """A published policy version, by reference: the bytes live at `path`."""
+
+    KIND: ClassVar[str] = "weights"
+    version: int
+    step: int
+    path: str
+    nbytes: int
+    sha256: str
+    kind: Literal["full", "lora"] = "full"
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class DeadLetter(Message, frozen=True, kw_only=True):
+    """An entry that could not be processed, with why."""
+
+    KIND: ClassVar[str] = "dead"
+    source: str
+    entry_id: str
+    reason: str
+    fields: dict[str, bytes]
+    consumer: str
+    deliveries: int
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class Control(Message, frozen=True, kw_only=True):
+    KIND: ClassVar[str] = "control"
+    command: Literal["pause", "resume", "stop"]
+    reason: str = ""
+
+
+class TrainMetrics(Message, frozen=True, kw_only=True):
+    """One trainer step's figures."""
+
+    KIND: ClassVar[str] = "metrics"
+    step: int
+    version: int
+    loss: float
+    reward_mean: float
+    num_groups: int
+    num_sequences: int
+    num_tokens: int
+    clip_fraction: float
+    grad_norm: float
+    max_policy_lag: int
+    step_time_s: float
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    t.KIND: t for t in (Task, Trajectory, Group, Weights, DeadLetter, Control, TrainMetrics)
+}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
+    t: msgspec.msgpack.Decoder(t) for t in MESSAGE_TYPES.values()
+}
+
+M = TypeVar("M", bound=Message)
+
+Fields = dict[str, bytes]
+
+
+def encode_body(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_body(data: bytes, cls: type[M]) -> M:
+    try:
+        out = _decoders[cls].decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise WireError(f"cannot decode {cls.KIND} body: {err}") from None
+    assert isinstance(out, cls)
+    return out
+
+
+def encode(msg: Message) -> Fields:
+    """Stream entry fields for a message."""
+    return {
+        "v": str(SCHEMA_VERSION).encode(),
+        "kind": msg.KIND.encode(),
+        "data": _encoder.encode(msg),
+    }
+
+
+def _field(fields: dict[Any, Any], name: str) -> bytes | None:
+    v = fields.get(name.encode(), fields.get(name))
+    if isinstance(v, str):
+        return v.encode()
+    return v if isinstance(v, bytes) else None
+
+
+def decode(fields: dict[Any, Any], cls: type[M]) -> M:
+    """Decode stream entry fields into `cls`; raises WireError with a dead-letter reason."""
+    version = _field(fields, "v")
+    if version is None:
+        raise WireError("missing schema version field `v`")
+    if version != str(SCHEMA_VERSION).encode():
+        raise WireError(
+            f"schema version {version.decode(errors='replace')!r} != {SCHEMA_VERSION} expected"
+        )
+    kind = _field(fields, "kind")
+    if kind != cls.KIND.encode():
+        shown = kind.decode(errors="replace") if kind is not None else None
+        raise WireError(f"message kind {shown!r} where {cls.KIND!r} was expected")
+    data = _field(fields, "data")
+    if data is None:
+        raise WireError("missing body field `data`")
+    return decode_body(data, cls)
+
+
+def raw_fields(fields: dict[Any, Any]) -> dict[str, bytes]:
+    """Entry fields as str -> bytes, for keeping a bad entry in a dead letter."""
+    out: dict[str, bytes] = {}
+    for k, v in fields.items():
+        key = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
+        out[key] = v if isinstance(v, bytes) else str(v).encode()
+    return out

@@ -1,0 +1,136 @@
+"""Group assembly against a real redis-server: exactly once, with racing groupers."""
+
+import random
+import threading
+
+import redis
+import structlog
+
+from streamrl.config import Config, parse_config
+from streamrl.grouper import Grouper
+from streamrl.names import Keys
+from streamrl.transport import publish
+from streamrl.wire import Group, Status, Trajectory, decode, encode_body, pack_arrays
+from tests.conftest import entries
+
+CFG = parse_config(
+    {"transport": {"block_ms": 5, "claim_idle_ms": 200, "claim_every_ms": 20},
+     "grouper": {"off_policy_steps": 1}}
+)  # fmt: skip
+
+
+def traj(group: int, member: int, reward: float, version: int = 0, n: int = 4,
+         status: Status = "ok") -> Trajectory:  # fmt: skip
+    return Trajectory(
+        traj_id=f"g{group}:{member}", group_id=f"g{group}", task_id=f"t{group}", member=member,
+        num_generations=n, **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
+        prompt_len=1, reward=reward, status=status, versions=[version],
+    )  # fmt: skip
+
+
+def groups_out(rclient: redis.Redis, keys: Keys) -> list[Group]:
+    return [decode(f, Group) for _, f in entries(rclient, keys.groups)]
+
+
+def grouper(url: str, keys: Keys, name: str, cfg: Config = CFG) -> Grouper:
+    return Grouper(redis.Redis.from_url(url), keys, cfg, name, structlog.get_logger())
+
+
+def test_group_emitted_with_advantages(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    g = grouper(redis_url, keys, "g0")
+    for m, r in enumerate([1.0, 0.0, 0.0, 1.0]):
+        publish(rclient, keys.trajectories, traj(1, m, r, version=m % 2))
+    kinds = [o.kind for o in g.step()]
+    assert kinds == ["partial", "partial", "partial", "emitted"]
+    [group] = groups_out(rclient, keys)
+    assert [t.member for t in group.members] == [0, 1, 2, 3]
+    # mean 0.5, population std 0.5: advantages +-1 (minus the epsilon's tiny effect)
+    assert [round(a, 4) for a in group.advantages] == [1.0, -1.0, -1.0, 1.0]
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups"] == b"1"
+    assert stats[b"max_trajectory_policy_version"] == b"1"
+    assert not rclient.exists(keys.group_members("g1"))  # partial state cleaned up
+    assert rclient.xpending(keys.trajectories, keys.CG_GROUPER)["pending"] == 0
+
+
+def test_duplicates_ignored(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    g = grouper(redis_url, keys, "g0")
+    for m in [0, 1, 1, 0, 2, 3, 3, 2]:  # a re-run task sends members again
+        publish(rclient, keys.trajectories, traj(1, m, float(m)))
+    g.step()
+    assert len(groups_out(rclient, keys)) == 1
+
+
+def test_error_members_get_zero_advantage(rclient: redis.Redis, redis_url: str,
+                                          keys: Keys) -> None:  # fmt: skip
+    g = grouper(redis_url, keys, "g0")
+    publish(rclient, keys.trajectories, traj(1, 0, 1.0))
+    publish(rclient, keys.trajectories, traj(1, 1, 0.0, status="error"))
+    publish(rclient, keys.trajectories, traj(1, 2, 0.0))
+    publish(rclient, keys.trajectories, traj(1, 3, 1.0))
+    g.step()
+    [group] = groups_out(rclient, keys)
+    # scored rewards 1, 0, 1: mean 2/3, std sqrt(2/9)=0.4714; (1-2/3)/0.4714 = 0.7071
+    assert [round(a, 4) for a in group.advantages] == [0.7071, 0.0, -1.4142, 0.7071]
+
+
+def test_stale_trajectory_drops_group(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    g = grouper(redis_url, keys, "g0")
+    rclient.set(keys.policy_version, 5)
+    publish(rclient, keys.trajectories, traj(1, 0, 1.0, version=5))
+    publish(rclient, keys.trajectories, traj(1, 1, 1.0, version=3))  # 2 behind > off_policy 1
+    publish(rclient, keys.trajectories, traj(1, 2, 1.0, version=4))
+    publish(rclient, keys.trajectories, traj(1, 3, 1.0, version=4))
+    assert [o.kind for o in g.step()] == ["partial", "dropped", "closed", "closed"]
+    assert groups_out(rclient, keys) == []
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups_dropped"] == b"1"
+    assert stats[b"trajectories_dropped"] == b"4"
+    assert rclient.xpending(keys.trajectories, keys.CG_GROUPER)["pending"] == 0
+
+
+def test_two_groupers_racing(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    n_groups, n = 60, 4
+    items = [traj(gi, m, float((gi + m) % 3)) for gi in range(n_groups) for m in range(n)]
+    items += random.Random(0).sample(items, 40)  # re-sent members
+    random.Random(1).shuffle(items)
+    workers = [grouper(redis_url, keys, f"g{i}") for i in range(2)]
+    pipe = rclient.pipeline(transaction=False)
+    for it in items:
+        publish(pipe, keys.trajectories, it)
+    pipe.execute()
+    # Both read the same stream through one consumer group, in burst mode (they stop once
+    # the stream is drained and nothing is pending).
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, args=(stop, True)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    out = groups_out(rclient, keys)
+    ids = [g.group_id for g in out]
+    assert len(ids) == len(set(ids)) == n_groups  # every group exactly once, none lost
+    assert all(sorted(t.member for t in g.members) == list(range(n)) for g in out)
+    assert rclient.xpending(keys.trajectories, keys.CG_GROUPER)["pending"] == 0
+
+
+def test_crash_between_add_and_emit(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    """A grouper that dies after seeing its group complete leaves the entry pending;
+    a second grouper claims it and emits the group once."""
+    a = grouper(redis_url, keys, "a")
+    for m in range(3):
+        publish(rclient, keys.trajectories, traj(1, m, float(m)))
+    a.step()
+    publish(rclient, keys.trajectories, traj(1, 3, 1.0))
+    [d] = a.input.read()
+    a._add(  # the first script only: `a` dies before emitting
+        keys=[keys.group_members("g1"), keys.groups_emitted, keys.groups_dropped,
+              keys.trajectories, keys.stats],
+        args=["g1", 3, encode_body(d.msg), 4, d.entry_id, keys.CG_GROUPER, 0],
+    )  # fmt: skip
+    assert groups_out(rclient, keys) == []
+    b = grouper(redis_url, keys, "b")
+    b.run(threading.Event(), burst=True)
+    [group] = groups_out(rclient, keys)
+    assert group.group_id == "g1" and len(group.members) == 4

@@ -1,0 +1,110 @@
+"""Delivery guarantees against a real redis-server."""
+
+import time
+
+import redis
+
+from streamrl.config import TransportConfig
+from streamrl.names import Keys
+from streamrl.transport import RedisStreamConsumer, publish
+from streamrl.wire import Control, DeadLetter, Task, decode
+from tests.conftest import entries
+
+FAST = TransportConfig(block_ms=10, claim_idle_ms=100, claim_every_ms=10, max_deliveries=2)
+
+
+def _task(i: int) -> Task:
+    return Task(task_id=f"t{i}", group_id=f"g{i}", kind="arithmetic", prompt="p", answer="1",
+                num_generations=2, cursor=i)  # fmt: skip
+
+
+def _consumer(rclient: redis.Redis, keys: Keys, name: str) -> RedisStreamConsumer[Task]:
+    return RedisStreamConsumer(rclient, keys, keys.tasks, "cg", name, Task, FAST)
+
+
+def _pending(rclient: redis.Redis, keys: Keys) -> int:
+    return int(rclient.xpending(keys.tasks, "cg")["pending"])
+
+
+def test_ack_only_after_output(rclient: redis.Redis, keys: Keys) -> None:
+    c = _consumer(rclient, keys, "a")
+    publish(rclient, keys.tasks, _task(1))
+    [d] = c.read()
+    assert d.msg.task_id == "t1" and d.deliveries == 1
+    # Read but not committed: still pending, nothing written downstream.
+    assert _pending(rclient, keys) == 1
+    assert rclient.xlen(keys.control) == 0
+    c.commit([d.entry_id], [(keys.control, Control(command="pause"))])
+    assert _pending(rclient, keys) == 0
+    [(_, fields)] = entries(rclient, keys.control)
+    assert decode(fields, Control).command == "pause"
+
+
+def test_commit_is_one_transaction(rclient: redis.Redis, keys: Keys) -> None:
+    c = _consumer(rclient, keys, "a")
+    publish(rclient, keys.tasks, _task(1))
+    [d] = c.read()
+    # Watch what the server receives: output and ack must sit inside one MULTI/EXEC.
+    monitor_client = redis.Redis(connection_pool=rclient.connection_pool)
+    with monitor_client.monitor() as m:
+        c.commit([d.entry_id], [(keys.control, Control(command="pause"))])
+        seen: list[str] = []
+        while not seen or seen[-1] != "EXEC":
+            seen.append(str(m.next_command()["command"]).split()[0].upper())
+    assert seen[-4:] == ["MULTI", "XADD", "XACK", "EXEC"]
+
+
+def test_claim_from_dead_consumer(rclient: redis.Redis, keys: Keys) -> None:
+    dead = _consumer(rclient, keys, "dead")
+    publish(rclient, keys.tasks, _task(1))
+    [d] = dead.read()
+    # `dead` never commits. Before the idle timeout nobody else gets the entry...
+    alive = _consumer(rclient, keys, "alive")
+    assert alive.read(block_ms=1) == []
+    time.sleep(0.15)
+    alive._next_claim = 0.0
+    [again] = alive.read(block_ms=1)
+    assert again.entry_id == d.entry_id and again.deliveries == 2
+    alive.commit([again.entry_id])
+    assert _pending(rclient, keys) == 0
+
+
+def _dead_letters(rclient: redis.Redis, keys: Keys) -> list[DeadLetter]:
+    return [decode(f, DeadLetter) for _, f in entries(rclient, keys.dead)]
+
+
+def test_undecodable_entry_goes_to_dead_letters(rclient: redis.Redis, keys: Keys) -> None:
+    c = _consumer(rclient, keys, "a")
+    rclient.xadd(keys.tasks, {"v": "1", "kind": "task", "data": b"\xc1garbage"})
+    rclient.xadd(keys.tasks, {"v": "7", "kind": "task", "data": b"x"})
+    rclient.xadd(keys.tasks, {"hello": "world"})
+    publish(rclient, keys.tasks, _task(2))
+    out = c.read()
+    assert [d.msg.task_id for d in out] == ["t2"]  # the good entry still comes through
+    letters = _dead_letters(rclient, keys)
+    assert [dl.reason.split(":")[0] for dl in letters] == [
+        "cannot decode task body",
+        "schema version '7' != 1 expected",
+        "missing schema version field `v`",
+    ]
+    assert all(dl.source == keys.tasks for dl in letters)
+    assert letters[0].fields["data"] == b"\xc1garbage"  # the payload is kept for replay
+    assert int(rclient.hget(keys.stats, "dead_letters") or 0) == 3
+    # Dead-lettered entries are acknowledged; only the good one is pending.
+    assert _pending(rclient, keys) == 1
+
+
+def test_too_many_deliveries_go_to_dead_letters(rclient: redis.Redis, keys: Keys) -> None:
+    publish(rclient, keys.tasks, _task(1))
+    names = ["c1", "c2", "c3"]
+    got = []
+    for name in names:
+        c = _consumer(rclient, keys, name)
+        time.sleep(0.15)
+        got.append(c.read(block_ms=1))
+    # delivered to c1 (1), claimed by c2 (2 = max_deliveries), claimed by c3 (3 > 2): dead
+    assert [len(g) for g in got] == [1, 1, 0]
+    [letter] = _dead_letters(rclient, keys)
+    assert letter.reason == "delivered 3 times, more than max_deliveries (2)"
+    assert letter.deliveries == 3
+    assert _pending(rclient, keys) == 0

@@ -1,0 +1,70 @@
+from pathlib import Path
+
+import pytest
+
+from streamrl.config import Config, ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+
+def test_repo_has_configs() -> None:
+    assert any(p.name == "tiny.toml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_parses(path: Path) -> None:
+    assert isinstance(load_config(path), Config)
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key `trainer.lerning_rate`"):
+        parse_config({"trainer": {"lerning_rate": 0.1}})
+
+
+def test_unknown_section_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key `trainr`"):
+        parse_config({"trainr": {}})
+
+
+def test_bounds_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"field `rollout.temperature`"):
+        parse_config({"rollout": {"temperature": -1.0}})
+
+
+def test_cross_field_check() -> None:
+    with pytest.raises(ConfigError, match=r"max_concurrency \(2\).*num_generations \(4\)"):
+        parse_config({"rollout": {"max_concurrency": 2, "num_generations": 4}})
+    with pytest.raises(ConfigError, match=r"max_episode_tokens \(512\) exceeds model.max_seq_len"):
+        parse_config({"rollout": {"max_episode_tokens": 512}, "model": {"max_seq_len": 256}})
+
+
+def test_overrides() -> None:
+    cfg = parse_config({}, overrides=["trainer.publish_every=3", "run.name=abc"])
+    assert cfg.trainer.publish_every == 3
+    assert cfg.run.name == "abc"
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        parse_config({}, overrides=["nonsense"])
+
+
+def test_every_field_is_documented() -> None:
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+            if not field.description:
+                missing.append(f"{model.__name__}.{name}")
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                missing += walk(ann)
+        return missing
+
+    assert walk(Config) == []
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nname=")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "nope.toml")

@@ -1,0 +1,103 @@
+import msgspec
+import numpy as np
+import pytest
+
+from streamrl.wire import (
+    SCHEMA_VERSION,
+    Control,
+    DeadLetter,
+    Group,
+    Task,
+    TrainMetrics,
+    Trajectory,
+    Weights,
+    WireError,
+    decode,
+    encode,
+    pack_arrays,
+)
+
+
+def _traj(member: int = 0) -> Trajectory:
+    return Trajectory(
+        traj_id=f"g1:{member}",
+        group_id="g1",
+        task_id="t1",
+        member=member,
+        num_generations=2,
+        **pack_arrays([5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.5, -1.25]),
+        prompt_len=2,
+        reward=1.0,
+        status="ok",
+        versions=[3, 4],
+        num_tool_calls=1,
+        timings={"episode_s": 0.5},
+    )
+
+
+MESSAGES = [
+    Task(task_id="t1", group_id="g1", kind="arithmetic", prompt="Compute 1+2", answer="3",
+         num_generations=4, cursor=7),
+    _traj(),
+    Group(group_id="g1", task_id="t1", members=[_traj(0), _traj(1)], advantages=[1.0, -1.0]),
+    Weights(version=2, step=2, path="/x/v2.msgpack", nbytes=10, sha256="ab" * 32),
+    DeadLetter(source="s", entry_id="1-0", reason="bad", fields={"data": b"\x00"},
+               consumer="c", deliveries=3),
+    Control(command="stop", reason="done"),
+    TrainMetrics(step=1, version=1, loss=0.5, reward_mean=0.25, num_groups=2, num_sequences=8,
+                 num_tokens=100, clip_fraction=0.0, grad_norm=1.0, max_policy_lag=1,
+                 step_time_s=0.1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: msgspec.Struct) -> None:
+    fields = encode(msg)
+    assert fields["v"] == str(SCHEMA_VERSION).encode()
+    # Redis hands back bytes keys; decoding accepts those.
+    as_redis = {k.encode(): v for k, v in fields.items()}
+    assert decode(as_redis, type(msg)) == msg
+
+
+def test_trajectory_arrays() -> None:
+    t = _traj()
+    assert t.token_array().tolist() == [5, 6, 7, 8]
+    assert t.mask_array().tolist() == [0, 0, 1, 1]
+    np.testing.assert_allclose(t.logprob_array(), [0.0, 0.0, -0.5, -1.25])
+    assert (t.min_version, t.max_version) == (3, 4)
+
+
+def test_pack_arrays_rejects_misaligned() -> None:
+    with pytest.raises(ValueError, match="aligned"):
+        pack_arrays([1, 2], [1], [0.0, 0.0])
+
+
+def test_wrong_schema_version() -> None:
+    fields = encode(MESSAGES[0])
+    fields["v"] = b"99"
+    with pytest.raises(WireError, match="schema version '99'"):
+        decode(fields, Task)
+
+
+def test_wrong_kind() -> None:
+    with pytest.raises(WireError, match="'task' where 'trajectory'"):
+        decode(encode(MESSAGES[0]), Trajectory)
+
+
+def test_garbage_body() -> None:
+    fields = encode(MESSAGES[0])
+    fields["data"] = b"\xc1\xff garbage"
+    with pytest.raises(WireError, match="cannot decode task body"):
+        decode(fields, Task)
+
+
+def test_missing_field_in_body() -> None:
+    body = msgspec.msgpack.encode({"task_id": "t"})
+    with pytest.raises(WireError, match="cannot decode task body"):
+        decode({"v": b"1", "kind": b"task", "data": body}, Task)
+
+
+def test_no_pickle_anywhere() -> None:
+    # Bodies are msgpack maps: the first byte is a msgpack map marker, never pickle's 0x80.
+    for msg in MESSAGES:
+        assert encode(msg)["data"][:1] != b"\x80"

@@ -1,0 +1,1 @@
+"""Thin process entrypoints: each wires parts from `streamrl` and runs them."""
