@@ -171,6 +171,12 @@ class RolloutConfig(_Section):
     episode_timeout_s: float = Field(
         60.0, gt=0, le=86400, description="Wall-clock limit of one episode."
     )
+    env_step_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=86400,
+        description="Limit of one environment step (all tool calls of a turn); then: error.",
+    )
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
     top_k: int = Field(0, ge=0, le=1_000_000, description="Top-k sampling (0: off).")
@@ -294,6 +300,17 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.max_episode_tokens ({self.rollout.max_episode_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tool_wait(self) -> Config:
+        wait = (self.tools.time_limit_s + self.tools.result_margin_s) * (self.tools.retries + 1)
+        if self.rollout.env_step_timeout_s < wait:
+            raise ValueError(
+                f"rollout.env_step_timeout_s ({self.rollout.env_step_timeout_s:g}) is shorter "
+                f"than a tool call may wait: (tools.time_limit_s + tools.result_margin_s) x "
+                f"(tools.retries + 1) = {wait:g}"
             )
         return self
 

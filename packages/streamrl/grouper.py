@@ -125,9 +125,15 @@ class Grouper:
         self.cfg = cfg
         self.log = log
         self.input = RedisStreamConsumer(
-            client, keys, keys.trajectories, keys.CG_GROUPER, consumer, Trajectory,
-            cfg.transport, log,
-        )  # fmt: skip
+            client,
+            keys,
+            keys.trajectories,
+            keys.CG_GROUPER,
+            consumer,
+            Trajectory,
+            cfg.transport,
+            log,
+        )
         self._add = client.register_script(_ADD_MEMBER)
         self._emit = client.register_script(_EMIT)
         self._drop = client.register_script(_DROP)
@@ -141,14 +147,29 @@ class Grouper:
         k = self.keys
         lag = trainer_version - t.min_version
         if t.versions and lag > self.cfg.grouper.off_policy_steps:
-            return self._drop_group(d, f"stale: policy version {t.min_version} is {lag} behind "
-                                       f"trainer version {trainer_version}")  # fmt: skip
+            return self._drop_group(
+                d,
+                f"stale: policy version {t.min_version} is {lag} behind "
+                f"trainer version {trainer_version}",
+            )
         res: list[Any] = self._add(
-            keys=[k.group_members(t.group_id), k.groups_emitted, k.groups_dropped,
-                  k.trajectories, k.stats],
-            args=[t.group_id, t.member, encode_body(t), t.num_generations, d.entry_id,
-                  k.CG_GROUPER, t.max_version],
-        )  # fmt: skip
+            keys=[
+                k.group_members(t.group_id),
+                k.groups_emitted,
+                k.groups_dropped,
+                k.trajectories,
+                k.stats,
+            ],
+            args=[
+                t.group_id,
+                t.member,
+                encode_body(t),
+                t.num_generations,
+                d.entry_id,
+                k.CG_GROUPER,
+                t.max_version,
+            ],
+        )
         state = res[0].decode()
         if state == "emitted":
             return Outcome("duplicate", t.group_id)
@@ -159,11 +180,16 @@ class Grouper:
         if group is None:
             return self._drop_group(d, "every member of the group ended with status error")
         first = self._emit(
-            keys=[k.group_members(t.group_id), k.groups_emitted, k.groups, k.trajectories,
-                  k.stats],
-            args=[t.group_id, SCHEMA_VERSION, Group.KIND, encode_body(group), d.entry_id,
-                  k.CG_GROUPER],
-        )  # fmt: skip
+            keys=[k.group_members(t.group_id), k.groups_emitted, k.groups, k.trajectories, k.stats],
+            args=[
+                t.group_id,
+                SCHEMA_VERSION,
+                Group.KIND,
+                encode_body(group),
+                d.entry_id,
+                k.CG_GROUPER,
+            ],
+        )
         if not first:
             return Outcome("duplicate", t.group_id)
         self.log.info(
@@ -179,14 +205,22 @@ class Grouper:
         t = d.msg
         k = self.keys
         self._drop(
-            keys=[k.group_members(t.group_id), k.groups_emitted, k.groups_dropped,
-                  k.trajectories, k.stats],
+            keys=[
+                k.group_members(t.group_id),
+                k.groups_emitted,
+                k.groups_dropped,
+                k.trajectories,
+                k.stats,
+            ],
             args=[t.group_id, d.entry_id, k.CG_GROUPER],
-        )  # fmt: skip
+        )
         self.log.warning(
-            "group_dropped", group_id=t.group_id, traj_id=t.traj_id, entry_id=d.entry_id,
+            "group_dropped",
+            group_id=t.group_id,
+            traj_id=t.traj_id,
+            entry_id=d.entry_id,
             reason=reason,
-        )  # fmt: skip
+        )
         return Outcome("dropped", t.group_id)
 
     def step(self, block_ms: int | None = None) -> list[Outcome]:

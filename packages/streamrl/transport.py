@@ -84,6 +84,7 @@ class RedisStreamConsumer(Generic[M]):
         log: structlog.stdlib.BoundLogger | None = None,
         *,
         claim: bool = True,
+        pending_first: bool = False,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -93,6 +94,9 @@ class RedisStreamConsumer(Generic[M]):
         self.cls = cls
         self.cfg = cfg
         self.claim = claim
+        # Entries this consumer name read before a restart and never acknowledged: a fixed
+        # consumer name (the trainer's) reads them again first, from id 0.
+        self._read_from = "0" if pending_first else ">"
         self.log = (log or structlog.get_logger()).bind(stream=stream, consumer=consumer)
         self._next_claim = 0.0
         self._claim_cursor = "0-0"
@@ -110,14 +114,27 @@ class RedisStreamConsumer(Generic[M]):
             if out:
                 return out
         block = self.cfg.block_ms if block_ms is None else block_ms
+        history = self._read_from != ">"
         resp: Any = self.client.xreadgroup(
-            self.group, self.name, {self.stream: ">"}, count=count, block=block or None
+            self.group,
+            self.name,
+            {self.stream: self._read_from},
+            count=count,
+            block=None if history else (block or None),
         )
-        for _stream, entries in resp or []:
-            for entry_id, fields in entries:
-                d = self._decode(_sid(entry_id), fields, deliveries=1)
-                if d is not None:
-                    out.append(d)
+        entries = [e for _stream, es in resp or [] for e in es]
+        if history:
+            if not entries:
+                self._read_from = ">"
+                return self.read(count, block_ms)
+            self._read_from = _sid(entries[-1][0])
+        for entry_id, fields in entries:
+            if fields is None:  # 6.2 answers a deleted-but-pending entry with no fields
+                self.client.xack(self.stream, self.group, entry_id)
+                continue
+            d = self._decode(_sid(entry_id), fields, deliveries=1 if not history else 2)
+            if d is not None:
+                out.append(d)
         return out
 
     def _claim(self, count: int) -> list[Delivery[M]]:
@@ -191,6 +208,20 @@ class RedisStreamConsumer(Generic[M]):
         if entry_ids:
             pipe.xack(self.stream, self.group, *entry_ids)
         pipe.execute()
+
+    def touch(self, entry_ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this consumer is still working on, so that a long
+        job is not claimed by others as if its consumer had died (XCLAIM ... JUSTID keeps the
+        delivery count)."""
+        if entry_ids:
+            self.client.xclaim(
+                self.stream,
+                self.group,
+                self.name,
+                min_idle_time=0,
+                message_ids=list(entry_ids),
+                justid=True,
+            )
 
     def dead_letter(
         self, entry_id: str, fields: dict[Any, Any], reason: str, deliveries: int

@@ -159,8 +159,21 @@ class TrainMetrics(Message, frozen=True, kw_only=True):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
+class ToolResult(Message, frozen=True, kw_only=True):
+    """The outcome of one tool call as the agent sees it."""
+
+    KIND: ClassVar[str] = "tool_result"
+    call_id: str
+    ok: bool
+    output: str
+    error: str = ""
+    duration_s: float = 0.0
+    worker: str = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    t.KIND: t for t in (Task, Trajectory, Group, Weights, DeadLetter, Control, TrainMetrics)
+    t.KIND: t
+    for t in (Task, Trajectory, Group, Weights, DeadLetter, Control, TrainMetrics, ToolResult)
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -14,18 +14,28 @@ from streamrl.wire import Group, Status, Trajectory, decode, encode_body, pack_a
 from tests.conftest import entries
 
 CFG = parse_config(
-    {"transport": {"block_ms": 5, "claim_idle_ms": 200, "claim_every_ms": 20},
-     "grouper": {"off_policy_steps": 1}}
-)  # fmt: skip
+    {
+        "transport": {"block_ms": 5, "claim_idle_ms": 200, "claim_every_ms": 20},
+        "grouper": {"off_policy_steps": 1},
+    }
+)
 
 
-def traj(group: int, member: int, reward: float, version: int = 0, n: int = 4,
-         status: Status = "ok") -> Trajectory:  # fmt: skip
+def traj(
+    group: int, member: int, reward: float, version: int = 0, n: int = 4, status: Status = "ok"
+) -> Trajectory:
     return Trajectory(
-        traj_id=f"g{group}:{member}", group_id=f"g{group}", task_id=f"t{group}", member=member,
-        num_generations=n, **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
-        prompt_len=1, reward=reward, status=status, versions=[version],
-    )  # fmt: skip
+        traj_id=f"g{group}:{member}",
+        group_id=f"g{group}",
+        task_id=f"t{group}",
+        member=member,
+        num_generations=n,
+        **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
+        prompt_len=1,
+        reward=reward,
+        status=status,
+        versions=[version],
+    )
 
 
 def groups_out(rclient: redis.Redis, keys: Keys) -> list[Group]:
@@ -61,8 +71,7 @@ def test_duplicates_ignored(rclient: redis.Redis, redis_url: str, keys: Keys) ->
     assert len(groups_out(rclient, keys)) == 1
 
 
-def test_error_members_get_zero_advantage(rclient: redis.Redis, redis_url: str,
-                                          keys: Keys) -> None:  # fmt: skip
+def test_error_members_get_zero_advantage(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
     g = grouper(redis_url, keys, "g0")
     publish(rclient, keys.trajectories, traj(1, 0, 1.0))
     publish(rclient, keys.trajectories, traj(1, 1, 0.0, status="error"))
@@ -125,10 +134,15 @@ def test_crash_between_add_and_emit(rclient: redis.Redis, redis_url: str, keys: 
     publish(rclient, keys.trajectories, traj(1, 3, 1.0))
     [d] = a.input.read()
     a._add(  # the first script only: `a` dies before emitting
-        keys=[keys.group_members("g1"), keys.groups_emitted, keys.groups_dropped,
-              keys.trajectories, keys.stats],
+        keys=[
+            keys.group_members("g1"),
+            keys.groups_emitted,
+            keys.groups_dropped,
+            keys.trajectories,
+            keys.stats,
+        ],
         args=["g1", 3, encode_body(d.msg), 4, d.entry_id, keys.CG_GROUPER, 0],
-    )  # fmt: skip
+    )
     assert groups_out(rclient, keys) == []
     b = grouper(redis_url, keys, "b")
     b.run(threading.Event(), burst=True)

@@ -14,8 +14,15 @@ FAST = TransportConfig(block_ms=10, claim_idle_ms=100, claim_every_ms=10, max_de
 
 
 def _task(i: int) -> Task:
-    return Task(task_id=f"t{i}", group_id=f"g{i}", kind="arithmetic", prompt="p", answer="1",
-                num_generations=2, cursor=i)  # fmt: skip
+    return Task(
+        task_id=f"t{i}",
+        group_id=f"g{i}",
+        kind="arithmetic",
+        prompt="p",
+        answer="1",
+        num_generations=2,
+        cursor=i,
+    )
 
 
 def _consumer(rclient: redis.Redis, keys: Keys, name: str) -> RedisStreamConsumer[Task]:

@@ -36,18 +36,41 @@ def _traj(member: int = 0) -> Trajectory:
 
 
 MESSAGES = [
-    Task(task_id="t1", group_id="g1", kind="arithmetic", prompt="Compute 1+2", answer="3",
-         num_generations=4, cursor=7),
+    Task(
+        task_id="t1",
+        group_id="g1",
+        kind="arithmetic",
+        prompt="Compute 1+2",
+        answer="3",
+        num_generations=4,
+        cursor=7,
+    ),
     _traj(),
     Group(group_id="g1", task_id="t1", members=[_traj(0), _traj(1)], advantages=[1.0, -1.0]),
     Weights(version=2, step=2, path="/x/v2.msgpack", nbytes=10, sha256="ab" * 32),
-    DeadLetter(source="s", entry_id="1-0", reason="bad", fields={"data": b"\x00"},
-               consumer="c", deliveries=3),
+    DeadLetter(
+        source="s",
+        entry_id="1-0",
+        reason="bad",
+        fields={"data": b"\x00"},
+        consumer="c",
+        deliveries=3,
+    ),
     Control(command="stop", reason="done"),
-    TrainMetrics(step=1, version=1, loss=0.5, reward_mean=0.25, num_groups=2, num_sequences=8,
-                 num_tokens=100, clip_fraction=0.0, grad_norm=1.0, max_policy_lag=1,
-                 step_time_s=0.1),
-]  # fmt: skip
+    TrainMetrics(
+        step=1,
+        version=1,
+        loss=0.5,
+        reward_mean=0.25,
+        num_groups=2,
+        num_sequences=8,
+        num_tokens=100,
+        clip_fraction=0.0,
+        grad_norm=1.0,
+        max_policy_lag=1,
+        step_time_s=0.1,
+    ),
+]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)

@@ -1,0 +1,301 @@
+"""`streamrl up`: start Redis and every worker as its own process, show progress, stop.
+
+The run ends after the trainer's `--steps` (the trainer exits 0 when it has written its
+final checkpoint), on Ctrl-C or SIGTERM (exit code 0), or when a worker dies (exit code 1,
+naming the worker and its log). Every worker runs in its own session, so stopping one kills
+its whole process group (tool subprocesses included) and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import redis
+import structlog
+
+from streamrl.config import Config
+from streamrl.logs import configure_logging, redact_url
+from streamrl.names import Keys
+from streamrl.redis_server import EmbeddedRedis
+from streamrl.transport import make_client
+from streamrl.wire import TrainMetrics, WireError, decode
+
+STOP_TIMEOUT_S = 20.0
+SUMMARY_SHOWN = (
+    "trainer_steps",
+    "policy_version",
+    "groups",
+    "groups_dropped",
+    "dead_letters",
+    "tool_calls",
+    "max_trajectory_policy_version",
+    "mean_reward_first",
+    "mean_reward_last",
+)
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+@dataclass
+class WorkerProc:
+    name: str
+    index: int
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    stderr_path: Path
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.name}-{self.index}"
+
+
+class Launcher:
+    def __init__(
+        self,
+        cfg: Config,
+        config_path: str,
+        overrides: list[str],
+        run_dir: Path,
+        steps: int,
+        out: TextIO | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.config_path = str(Path(config_path).resolve())
+        self.overrides = overrides
+        self.run_dir = run_dir.resolve()
+        self.steps = steps or cfg.trainer.max_steps
+        self.keys = Keys(cfg.run.name)
+        self.out = out or sys.stderr
+        self.procs: list[WorkerProc] = []
+        self.redis: EmbeddedRedis | None = None
+        self._stop_signal: str | None = None
+        self._stopped = False
+        self.started = time.monotonic()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self._prepare_dir()
+        except RunDirError as err:
+            print(f"streamrl: {err}", file=sys.stderr)
+            return 2
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / "launcher.log", "a") as log_file:
+            log = configure_logging("launcher", stream=log_file, run=self.cfg.run.name)
+            return self._run(log)
+
+    def _run(self, log: structlog.stdlib.BoundLogger) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        url = self.cfg.redis_url()
+        try:
+            if not url:
+                self.redis = EmbeddedRedis(
+                    self.run_dir / "redis",
+                    appendfsync=self.cfg.redis.appendfsync,
+                    startup_timeout_s=self.cfg.redis.startup_timeout_s,
+                ).start()
+                url = self.redis.url
+            log.info("redis", url=redact_url(url), embedded=self.redis is not None)
+            client = make_client(url)
+            self._check_namespace(client)
+            self._spawn_all(url)
+            log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
+            reason, code = self._monitor(client, log)
+            self._shutdown(log)
+            self._write_summary(client, reason)
+            client.close()
+        except RunDirError as err:
+            print(f"\nstreamrl: {err}", file=sys.stderr)
+            code = 2
+        finally:
+            self._shutdown(log)
+            if self.redis is not None:
+                self.redis.stop()
+        log.info("run_end", exit_code=code)
+        return code
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self._stop_signal = signal.Signals(signum).name
+
+    def _prepare_dir(self) -> None:
+        if self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise RunDirError(
+                f"run directory {self.run_dir} already holds a run; choose a new --run-dir "
+                "(resuming a run is `--resume`, a later feature)"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _check_namespace(self, client: redis.Redis) -> None:
+        if client.exists(self.keys.stats, self.keys.tasks):
+            raise RunDirError(
+                f"Redis already holds a run named {self.cfg.run.name!r}; set another run.name "
+                "or delete its keys"
+            )
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[str, int]]:
+        c = self.cfg
+        plan = [("tools", i) for i in range(c.tools.num_workers)]
+        plan += [("grouper", i) for i in range(c.grouper.num_workers)]
+        plan += [("trainer", 0)]
+        plan += [("rollout", i) for i in range(c.rollout.num_workers)]
+        return [*plan, ("feeder", 0)]
+
+    def _spawn_all(self, url: str) -> None:
+        env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+        for name, index in self._plan():
+            self.procs.append(self._spawn(name, index, env))
+
+    def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
+        cmd = [
+            sys.executable,
+            "-m",
+            "streamrl_workers.cli",
+            "worker",
+            name,
+            "--config",
+            self.config_path,
+            "--run-dir",
+            str(self.run_dir),
+            "--index",
+            str(index),
+        ]
+        for item in self.overrides:
+            cmd += ["--set", item]
+        if name == "trainer" and self.steps:
+            cmd += ["--steps", str(self.steps)]
+        log_path = self.run_dir / "logs" / f"{name}-{index}.log"
+        err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
+        with open(log_path, "ab") as out, open(err_path, "ab") as err:
+            popen = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
+        return WorkerProc(name, index, popen, log_path, err_path)
+
+    def _monitor(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> tuple[str, int]:
+        next_progress = 0.0
+        while True:
+            if self._stop_signal:
+                log.info("stop_requested", signal=self._stop_signal)
+                return f"stopped by {self._stop_signal}", 0
+            for p in self.procs:
+                rc = p.popen.poll()
+                if rc is None:
+                    continue
+                if p.name == "trainer" and rc == 0:
+                    return f"trainer finished {self.steps} steps", 0
+                msg = f"worker {p.worker_id} exited with code {rc}; see {p.stderr_path}"
+                log.error("worker_failed", worker=p.worker_id, code=rc)
+                print(f"\nstreamrl: {msg}", file=sys.stderr)
+                return msg, 1
+            if time.monotonic() >= next_progress:
+                self._progress(client)
+                next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
+            time.sleep(0.2)
+
+    def _shutdown(self, log: structlog.stdlib.BoundLogger) -> None:
+        """SIGTERM every worker's process group, then SIGKILL what is left."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for p in self.procs:
+            _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker_kill", worker=p.worker_id)
+        for p in self.procs:
+            _signal_group(p.popen, signal.SIGKILL)
+            p.popen.wait()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def _stats(self, client: redis.Redis) -> dict[str, int]:
+        raw: Any = client.hgetall(self.keys.stats)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def _metrics(self, client: redis.Redis) -> list[TrainMetrics]:
+        out = []
+        raw: Any = client.xrange(self.keys.metrics)
+        for _id, fields in raw:
+            try:
+                out.append(decode(fields, TrainMetrics))
+            except WireError:
+                continue
+        return out
+
+    def _progress(self, client: redis.Redis) -> None:
+        s = self._stats(client)
+        last: Any = client.xrevrange(self.keys.metrics, count=1)
+        reward = decode(last[0][1], TrainMetrics).reward_mean if last else float("nan")
+        minutes = max(1e-9, (time.monotonic() - self.started) / 60)
+        line = (
+            f"[{time.monotonic() - self.started:6.1f}s] step {s.get('trainer_steps', 0)}"
+            f"/{self.steps or '-'} | policy v{s.get('policy_version', 0)} | "
+            f"{s.get('groups', 0) / minutes:5.1f} groups/min | reward {reward:.3f} | "
+            f"traj {s.get('trajectories', 0)} | tool calls {s.get('tool_calls', 0)} | "
+            f"dropped {s.get('groups_dropped', 0)} | dead {s.get('dead_letters', 0)}"
+        )
+        end = "\r" if self.out.isatty() else "\n"
+        print(line, end=end, file=self.out, flush=True)
+
+    def _write_summary(self, client: redis.Redis, reason: str) -> None:
+        s = self._stats(client)
+        rewards = [m.reward_mean for m in self._metrics(client)]
+        k = max(1, min(5, len(rewards) // 2))
+        summary = {
+            "run": self.cfg.run.name,
+            "exit_reason": reason,
+            "elapsed_s": round(time.monotonic() - self.started, 2),
+            "trainer_steps": s.get("trainer_steps", 0),
+            "policy_version": s.get("policy_version", 0),
+            "trajectories": s.get("trajectories", 0),
+            "groups": s.get("groups", 0),
+            "groups_trained": s.get("groups_trained", 0),
+            "groups_dropped": s.get("groups_dropped", 0),
+            "trajectories_dropped": s.get("trajectories_dropped", 0),
+            "dead_letters": int(client.xlen(self.keys.dead)),
+            "tool_calls": s.get("tool_calls", 0),
+            "tool_errors": s.get("tool_errors", 0),
+            "episodes": {
+                st: s.get(f"episodes_{st}", 0) for st in ("ok", "truncated", "timeout", "error")
+            },
+            "max_trajectory_policy_version": s.get("max_trajectory_policy_version", -1),
+            "mean_reward_first": sum(rewards[:k]) / k if rewards else None,
+            "mean_reward_last": sum(rewards[-k:]) / k if rewards else None,
+            "rewards_per_step": rewards,
+            "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
+            "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
+        }
+        path = self.run_dir / "summary.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        shown = {k: summary[k] for k in SUMMARY_SHOWN}
+        print(f"\n{reason}; summary in {path}\n{json.dumps(shown)}", file=self.out, flush=True)
+
+
+def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)

@@ -1,0 +1,171 @@
+"""One agent-environment episode: model turn, tool step, next model turn, until it ends.
+
+An episode ends on a final answer, `max_steps` model turns, its token limit or
+`episode_timeout_s`. Whatever goes wrong inside it (a model call the generator refuses, an
+environment that raises or hangs) ends that episode with status `error` and a reason; the
+worker and the other episodes carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from streamrl.chat import ChatFormat, ParsedTurn, Transcript, parse_turn
+from streamrl.config import RolloutConfig
+from streamrl.model.generate import GenRequest
+from streamrl.rollout.env import Environment, StepResult
+from streamrl.rollout.server import ModelServer
+from streamrl.tokenizer import Tokenizer
+from streamrl.wire import Status, Task, Trajectory, pack_arrays
+
+
+class EpisodeError(RuntimeError):
+    """An episode that cannot go on; the message becomes the trajectory's `error`."""
+
+
+def traj_id(task: Task, member: int) -> str:
+    return f"{task.group_id}-m{member}"
+
+
+def sample_seed(run_seed: int, tid: str, turn: int) -> int:
+    """A stable per-turn sampling seed: a replayed episode samples the same way."""
+    digest = hashlib.blake2b(f"{run_seed}:{tid}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class _State:
+    transcript: Transcript = field(default_factory=Transcript)
+    status: Status = "ok"
+    reward: float = 0.0
+    error: str = ""
+    model_s: float = 0.0
+    env_s: float = 0.0
+
+
+class EpisodeRunner:
+    """Runs episodes against a shared ModelServer."""
+
+    def __init__(
+        self,
+        server: ModelServer,
+        tokenizer: Tokenizer,
+        cfg: RolloutConfig,
+        run_seed: int,
+        worker: str,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.server = server
+        self.tok = tokenizer
+        self.chat = ChatFormat(tokenizer)
+        self.cfg = cfg
+        self.run_seed = run_seed
+        self.worker = worker
+        self.log = log
+
+    async def run(self, task: Task, member: int, make_env: Callable[[], Environment]) -> Trajectory:
+        """Play one episode to its end; never raises for the episode's own failures."""
+        st = _State()
+        tid = traj_id(task, member)
+        start = time.monotonic()
+        env: Environment | None = None
+        try:
+            env = make_env()
+            await asyncio.wait_for(self._play(tid, env, st), self.cfg.episode_timeout_s)
+        except TimeoutError:
+            st.status, st.reward = "timeout", 0.0
+            st.error = f"episode exceeded episode_timeout_s ({self.cfg.episode_timeout_s:g}s)"
+        except Exception as err:
+            st.status, st.reward = "error", 0.0
+            st.error = f"{type(err).__name__}: {err}"
+            self.log.warning("episode_error", traj_id=tid, error=st.error)
+        finally:
+            if env is not None:
+                await _close(env, self.log, tid)
+        tr = st.transcript
+        num_calls = getattr(env, "num_tool_calls", 0)
+        return Trajectory(
+            traj_id=tid,
+            group_id=task.group_id,
+            task_id=task.task_id,
+            member=member,
+            num_generations=task.num_generations,
+            **pack_arrays(tr.tokens, tr.mask, tr.logprobs),
+            prompt_len=tr.prompt_len,
+            reward=st.reward,
+            status=st.status,
+            versions=list(tr.versions),
+            num_tool_calls=int(num_calls),
+            error=st.error,
+            timings={
+                "episode_s": time.monotonic() - start,
+                "model_s": st.model_s,
+                "env_s": st.env_s,
+            },
+            worker=self.worker,
+        )
+
+    async def _play(self, tid: str, env: Environment, st: _State) -> None:
+        cfg = self.cfg
+        tr = st.transcript
+        prompt = self.chat.prompt(env.prompt())
+        if len(prompt) > cfg.max_prompt_length:
+            raise EpisodeError(
+                f"prompt of {len(prompt)} tokens exceeds rollout.max_prompt_length "
+                f"({cfg.max_prompt_length})"
+            )
+        tr.add_template(prompt)
+        tr.prompt_len = len(prompt)
+        for turn in range(cfg.max_steps):
+            budget = cfg.max_episode_tokens - len(tr)
+            if budget <= 0:
+                st.status = "truncated"
+                return
+            request = GenRequest(
+                prompt=list(tr.tokens),
+                max_new_tokens=min(cfg.max_turn_tokens, budget),
+                seed=sample_seed(self.run_seed, tid, turn),
+            )
+            t0 = time.monotonic()
+            result, version = await self.server.generate(request)
+            st.model_s += time.monotonic() - t0
+            tr.add_sampled(result.tokens, result.logprobs, version)
+            if not result.stopped:
+                st.status = "truncated"
+                return
+            parsed = parse_turn(self.tok.decode(result.tokens[:-1]))
+            t0 = time.monotonic()
+            step = await self._env_step(env, parsed, f"{tid}-{turn}")
+            st.env_s += time.monotonic() - t0
+            if step.done:
+                st.reward = step.reward
+                return
+            observation = self.chat.tool_results(step.observations)
+            if len(tr) + len(observation) >= cfg.max_episode_tokens:
+                st.status = "truncated"
+                return
+            tr.add_template(observation)
+        st.status = "truncated"  # max_steps turns without a final answer
+
+    async def _env_step(self, env: Environment, parsed: ParsedTurn, call_prefix: str) -> StepResult:
+        try:
+            return await asyncio.wait_for(
+                env.step(parsed, call_prefix), self.cfg.env_step_timeout_s
+            )
+        except TimeoutError:
+            raise EpisodeError(
+                f"environment step exceeded env_step_timeout_s ({self.cfg.env_step_timeout_s:g}s)"
+            ) from None
+
+
+async def _close(env: Environment, log: structlog.stdlib.BoundLogger, tid: str) -> None:
+    try:
+        await asyncio.wait_for(env.close(), 5.0)
+    except Exception:
+        log.exception("env_close_failed", traj_id=tid)

@@ -1,0 +1,112 @@
+"""One batched decode loop shared by every concurrent episode of a rollout worker.
+
+Episodes await `generate()` on the event loop; the server gathers the calls that arrive
+within `batch_wait_ms` (up to `max_batch_size`) into one device call, run on a single
+dedicated thread so the event loop keeps serving tool results and weight-sync signals
+meanwhile. Each result carries the policy version of the params it was sampled with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from streamrl.model.generate import Generator, GenRequest, GenResult
+
+
+@dataclass
+class _Pending:
+    request: GenRequest
+    future: asyncio.Future[tuple[GenResult, int]]
+
+
+class ModelServer:
+    """Batches model calls from many episodes into device calls on one thread."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        params: Any,
+        version: int,
+        max_batch_size: int,
+        batch_wait_ms: float,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.generator = generator
+        self._params = params
+        self.version = version
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000
+        self.log = log
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.batches = 0
+        self.busy_s = 0.0
+
+    def set_weights(self, params: Any, version: int) -> None:
+        """Swap the params; batches already running finish on the old version."""
+        self._params = params
+        self.version = version
+
+    async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
+        """Sample one turn; returns the result and the policy version that produced it.
+
+        A request the generator cannot take (too long, say) raises ValueError here, before it
+        can fail a whole batch.
+        """
+        self.generator.check(request)
+        fut: asyncio.Future[tuple[GenResult, int]] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(request, fut))
+        return await fut
+
+    async def serve(self) -> None:
+        """Run batches until cancelled."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                batch = await self._gather()
+                if not batch:
+                    continue
+                params, version = self._params, self.version
+                start = time.monotonic()
+                try:
+                    results = await loop.run_in_executor(
+                        self._executor,
+                        self.generator.generate,
+                        params,
+                        [p.request for p in batch],
+                    )
+                except Exception as err:  # a failed device call fails its episodes only
+                    self.log.exception("model_batch_failed", batch=len(batch))
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(err)
+                    continue
+                self.busy_s += time.monotonic() - start
+                self.batches += 1
+                for p, r in zip(batch, results, strict=True):
+                    if not p.future.done():  # its episode may have been cancelled
+                        p.future.set_result((r, version))
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _gather(self) -> list[_Pending]:
+        first = await self._queue.get()
+        batch = [first]
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(batch) < self.max_batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), left))
+            except TimeoutError:
+                break
+        while len(batch) < self.max_batch_size and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        return [p for p in batch if not p.future.cancelled()]

@@ -1,0 +1,100 @@
+"""The rollout side of a tool call: enqueue on rq, await the result without a thread.
+
+A call that gets no result within `time_limit_s + result_margin_s` (its tool worker was
+killed, say) is sent again up to `retries` times, then reported to the agent as a tool
+error. rq itself would notice a killed worker's job only at its next maintenance pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+
+import redis
+import redis.asyncio as aioredis
+import structlog
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from streamrl.config import ToolsConfig
+from streamrl.names import Keys
+from streamrl.tools.jobs import JOB_PATH
+from streamrl.wire import ToolResult, WireError, decode_body
+
+_JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class ToolClient:
+    """Sends tool calls to the tool workers of one run."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        aclient: aioredis.Redis,
+        keys: Keys,
+        cfg: ToolsConfig,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.keys = keys
+        self.cfg = cfg
+        self.aclient = aclient
+        self.log = log
+        self.queue = Queue(keys.tool_queue, connection=client, serializer=JSONSerializer)
+        self._slots = asyncio.Semaphore(cfg.max_parallel_calls)
+
+    async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+        """Run one call; infrastructure failures come back as a ToolResult error."""
+        async with self._slots:
+            result = await self._call(name, arguments, call_id)
+        pipe = self.aclient.pipeline(transaction=False)
+        pipe.hincrby(self.keys.stats, "tool_calls", 1)
+        if not result.ok:
+            pipe.hincrby(self.keys.stats, "tool_errors", 1)
+        await pipe.execute()
+        return result
+
+    async def _call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+        wait_s = self.cfg.time_limit_s + self.cfg.result_margin_s
+        start = time.monotonic()
+        for attempt in range(self.cfg.retries + 1):
+            await asyncio.to_thread(self._enqueue, name, arguments, call_id, attempt, wait_s)
+            got = await self.aclient.blpop([self.keys.tool_result(call_id)], timeout=wait_s)
+            if got is not None:
+                try:
+                    return decode_body(got[1], ToolResult)
+                except WireError as err:
+                    return ToolResult(call_id=call_id, ok=False, output="", error=str(err))
+            self.log.warning("tool_call_lost", call_id=call_id, attempt=attempt, wait_s=wait_s)
+        return ToolResult(
+            call_id=call_id,
+            ok=False,
+            output="",
+            error=(
+                f"no tool worker answered within {wait_s:g}s, {self.cfg.retries + 1} attempts "
+                "(tool infrastructure error)"
+            ),
+            duration_s=time.monotonic() - start,
+        )
+
+    def _enqueue(
+        self, name: str, arguments: str, call_id: str, attempt: int, wait_s: float
+    ) -> None:
+        self.queue.enqueue_call(
+            JOB_PATH,
+            kwargs={
+                "ns": self.keys.ns,
+                "call_id": call_id,
+                "name": name,
+                "arguments": arguments,
+                "time_limit_s": self.cfg.time_limit_s,
+                "output_cap": self.cfg.output_cap_bytes,
+                "deadline": time.time() + wait_s,
+            },
+            job_id=_JOB_ID_UNSAFE.sub("_", f"{self.keys.ns}-{call_id}-a{attempt}"),
+            timeout=math.ceil(self.cfg.time_limit_s) + 5,
+            ttl=math.ceil(wait_s) + 1,
+            result_ttl=60,
+            failure_ttl=600,
+        )

@@ -1,0 +1,139 @@
+"""Where a tool call's untrusted payload runs: the sandbox interface and its local backend.
+
+`SubprocessSandbox` runs a command as a child process in its own session, with resource
+limits, a wall-clock limit enforced by killing the whole process group, and capped output.
+Hardened containers (a later issue) implement the same `Sandbox` protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+TRUNCATED = b"\n[output truncated]"
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+
+class Sandbox(Protocol):
+    def exec(
+        self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
+    ) -> ExecResult: ...
+
+
+def _limits(time_limit_s: float, memory_bytes: int) -> None:  # runs in the child
+    cpu = int(time_limit_s) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+class SubprocessSandbox:
+    """Runs each call as a child process group with rlimits, a deadline and an output cap."""
+
+    def __init__(self, memory_bytes: int = 512 * 2**20) -> None:
+        self.memory_bytes = memory_bytes
+
+    def exec(
+        self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
+    ) -> ExecResult:
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="streamrl-tool-") as cwd:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,
+                # Only setrlimit runs between fork and exec; tool workers run calls on one
+                # thread, which is what makes preexec_fn safe here.
+                preexec_fn=lambda: _limits(time_limit_s, self.memory_bytes),  # noqa: PLW1509
+            )
+            out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
+        return ExecResult(
+            exit_code=proc.returncode,
+            stdout=out,
+            stderr=err,
+            timed_out=timed_out,
+            truncated=truncated,
+            duration_s=time.monotonic() - start,
+        )
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _drive(
+    proc: subprocess.Popen[bytes], stdin: bytes, deadline: float, cap: int
+) -> tuple[bytes, bytes, bool, bool]:
+    """Feed stdin, read stdout/stderr up to `cap` bytes each, kill at the deadline.
+
+    Reading stops at the cap and the process group is killed: a tool that floods its
+    output must not fill the worker's memory.
+    """
+    assert proc.stdin and proc.stdout and proc.stderr
+    try:
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    bufs = {out_fd: bytearray(), err_fd: bytearray()}
+    sel = selectors.DefaultSelector()
+    for f in (proc.stdout, proc.stderr):
+        sel.register(f, selectors.EVENT_READ)
+    timed_out = truncated = False
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.fd]
+                buf += chunk
+                if len(buf) > cap:
+                    del buf[cap:]
+                    truncated = True
+            if truncated:
+                break
+    finally:
+        sel.close()
+        if timed_out or truncated:
+            _kill_group(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            proc.wait()
+        # The group may hold children that outlived the leader: stop them too.
+        _kill_group(proc)
+    return bytes(bufs[out_fd]), bytes(bufs[err_fd]), timed_out, truncated

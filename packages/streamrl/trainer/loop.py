@@ -1,0 +1,230 @@
+"""The trainer's loop: groups in, `train_step(state, batch) -> (state, metrics)`, hooks out.
+
+Publishing weights and writing checkpoints hang off the loop as hooks that run every N
+steps. Groups are acknowledged only by the checkpoint hook, once the checkpoint that holds
+the update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending
+on the trainer's fixed consumer name, and the ids already trained are skipped if delivered
+again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import orbax.checkpoint as ocp
+import redis
+import structlog
+
+from streamrl.config import Config
+from streamrl.model.weights import write_weights
+from streamrl.names import Keys
+from streamrl.trainer.step import TrainState, build_batch
+from streamrl.transport import Delivery, RedisStreamConsumer, publish
+from streamrl.wire import Group, TrainMetrics, Weights
+
+TRAINER_CONSUMER = "trainer"
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+class Hook(Protocol):
+    every: int
+
+    def __call__(self, loop: TrainerLoop, final: bool) -> None: ...
+
+
+@dataclass
+class TrainerLoop:
+    """State the hooks see: the train state, the step's groups, what is not yet acked."""
+
+    client: redis.Redis
+    keys: Keys
+    cfg: Config
+    state: TrainState
+    train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+    log: structlog.stdlib.BoundLogger
+    stop: Callable[[], bool]
+    pad_id: int
+    max_steps: int = 0
+    hooks: list[Hook] = field(default_factory=list)
+    version: int = 0
+    unacked: list[str] = field(default_factory=list)
+    trained_ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.input = RedisStreamConsumer(
+            self.client,
+            self.keys,
+            self.keys.groups,
+            self.keys.CG_TRAINER,
+            TRAINER_CONSUMER,
+            Group,
+            self.cfg.transport,
+            self.log,
+            claim=False,
+            pending_first=True,
+        )
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def collect(self) -> list[Delivery[Group]]:
+        """The next `groups_per_step` groups never trained before (fewer if stopped)."""
+        want = self.cfg.trainer.groups_per_step
+        out: list[Delivery[Group]] = []
+        while len(out) < want and not self.stop():
+            for d in self.input.read(count=want - len(out)):
+                if d.msg.group_id in self.trained_ids:
+                    self.log.warning(
+                        "group_already_trained", group_id=d.msg.group_id, entry_id=d.entry_id
+                    )
+                    self.unacked.append(d.entry_id)
+                    continue
+                out.append(d)
+        return out
+
+    def train_once(self, groups: list[Delivery[Group]]) -> TrainMetrics:
+        start = time.monotonic()
+        items, advantages, rewards, min_versions = [], [], [], []
+        for d in groups:
+            for traj, adv in zip(d.msg.members, d.msg.advantages, strict=True):
+                mask = traj.mask_array() if traj.status != "error" else None
+                items.append(
+                    (
+                        traj.token_array(),
+                        _zeros_like(traj) if mask is None else mask,
+                        traj.logprob_array(),
+                    )
+                )
+                advantages.append(adv)
+                rewards.append(traj.reward)
+                min_versions.append(traj.min_version)
+        batch = build_batch(items, advantages, self.pad_id)
+        self.state, m = self.train_step(self.state, batch)
+        loss = float(m["loss"])
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(f"loss is {loss} at step {self.step}: stopping the run")
+        for d in groups:
+            self.trained_ids.add(d.msg.group_id)
+            self.unacked.append(d.entry_id)
+        return TrainMetrics(
+            step=self.step,
+            version=self.version,
+            loss=loss,
+            reward_mean=float(np.mean(rewards)),
+            num_groups=len(groups),
+            num_sequences=len(items),
+            num_tokens=int(m["num_tokens"]),
+            clip_fraction=float(m["clip_fraction"]),
+            grad_norm=float(m["grad_norm"]),
+            max_policy_lag=self.version - min(min_versions),
+            step_time_s=time.monotonic() - start,
+        )
+
+    def record(self, metrics: TrainMetrics) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        publish(pipe, self.keys.metrics, metrics)
+        pipe.hset(self.keys.stats, "trainer_steps", metrics.step)
+        pipe.hincrby(self.keys.stats, "groups_trained", metrics.num_groups)
+        pipe.execute()
+        self.log.info("train_step", **{k: getattr(metrics, k) for k in metrics.__struct_fields__})
+
+    def run(self) -> None:
+        for hook in self.hooks:  # version 0: what rollout starts from
+            if isinstance(hook, PublishHook):
+                hook(self, final=True)
+        while not self.stop() and (self.max_steps == 0 or self.step < self.max_steps):
+            groups = self.collect()
+            if len(groups) < self.cfg.trainer.groups_per_step:
+                break  # stopped while waiting
+            self.record(self.train_once(groups))
+            for hook in self.hooks:
+                if self.step % hook.every == 0:
+                    hook(self, final=False)
+        for hook in self.hooks:
+            if self.step % hook.every != 0:
+                hook(self, final=True)
+        self.log.info("trainer_done", step=self.step, version=self.version)
+
+
+def _zeros_like(traj: Any) -> np.ndarray:
+    return np.zeros(len(traj.token_array()), dtype=np.uint8)
+
+
+@dataclass
+class PublishHook:
+    """Writes the params as a new policy version and signals it on `weights`."""
+
+    every: int
+    weights_dir: Path
+    keep: int = 4
+    published: list[Path] = field(default_factory=list)
+
+    def __call__(self, loop: TrainerLoop, final: bool) -> None:
+        version = loop.version + 1 if self.published else loop.version
+        path = self.weights_dir / f"v{version:06d}.msgpack"
+        start = time.monotonic()
+        nbytes, sha = write_weights(path, loop.state.params)
+        msg = Weights(
+            version=version, step=loop.step, path=str(path.resolve()), nbytes=nbytes, sha256=sha
+        )
+        pipe = loop.client.pipeline(transaction=True)
+        publish(pipe, loop.keys.weights, msg)
+        pipe.set(loop.keys.policy_version, version)
+        pipe.hset(loop.keys.stats, "policy_version", version)
+        pipe.execute()
+        loop.version = version
+        self.published.append(path)
+        # Rollout workers may still be reading a recent version; older ones can go.
+        while len(self.published) > self.keep:
+            self.published.pop(0).unlink(missing_ok=True)
+        loop.log.info(
+            "weights_published",
+            version=version,
+            step=loop.step,
+            nbytes=nbytes,
+            write_s=round(time.monotonic() - start, 4),
+        )
+
+
+@dataclass
+class CheckpointHook:
+    """Writes an Orbax checkpoint, then acknowledges the groups it holds."""
+
+    every: int
+    manager: ocp.CheckpointManager
+
+    def __call__(self, loop: TrainerLoop, final: bool) -> None:
+        start = time.monotonic()
+        meta = {"version": loop.version, "trained_group_ids": sorted(loop.trained_ids)}
+        state = {
+            "params": loop.state.params,
+            "opt_state": loop.state.opt_state,
+            "step": loop.state.step,
+        }
+        self.manager.save(
+            loop.step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=final,
+        )
+        self.manager.wait_until_finished()
+        if loop.unacked:
+            loop.client.xack(loop.keys.groups, loop.keys.CG_TRAINER, *loop.unacked)
+        loop.log.info(
+            "checkpoint_written",
+            step=loop.step,
+            acked=len(loop.unacked),
+            write_s=round(time.monotonic() - start, 4),
+        )
+        loop.unacked.clear()

@@ -1,0 +1,71 @@
+"""Helpers that start real worker processes through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+from rq import Worker
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.toml"
+
+
+def spawn_worker(
+    name: str,
+    redis_url: str,
+    ns: str,
+    run_dir: Path,
+    *sets: str,
+    burst: bool = False,
+    index: int = 0,
+    log_path: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """`streamrl worker NAME` as a subprocess, logging to `log_path` (or run_dir/NAME.log)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl_workers.cli",
+        "worker",
+        name,
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run_dir),
+        "--index",
+        str(index),
+        "--set",
+        f"run.name={ns}",
+    ]
+    for s in sets:
+        cmd += ["--set", s]
+    if burst:
+        cmd.append("--burst")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    with open(log_path or run_dir / f"{name}-{index}.log", "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def wait_for_rq_worker(client: redis.Redis, queue: str, n: int = 1, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = [w for w in Worker.all(connection=client) if queue in w.queue_names()]
+        if len(workers) >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no rq worker on {queue} after {timeout_s}s")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> int:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -1,0 +1,79 @@
+"""The local sandbox backend with real child processes."""
+
+import os
+import sys
+import time
+
+from streamrl.tools.registry import CALCULATOR, run_call
+from streamrl.tools.sandbox import SubprocessSandbox
+
+PY = sys.executable
+
+
+def test_runs_and_captures() -> None:
+    r = SubprocessSandbox().exec(
+        [PY, "-c", "import sys; print(sys.stdin.read()[::-1])"], b"abc", 5.0, 1024
+    )
+    assert r.exit_code == 0 and r.stdout == b"cba\n" and not r.timed_out
+
+
+def test_infinite_loop_is_killed_at_the_limit() -> None:
+    start = time.monotonic()
+    r = SubprocessSandbox().exec([PY, "-c", "while True: pass"], b"", 0.5, 1024)
+    assert r.timed_out and r.exit_code is not None and r.exit_code < 0
+    assert time.monotonic() - start < 3
+
+
+def test_flood_is_capped_and_stopped() -> None:
+    r = SubprocessSandbox().exec([PY, "-c", "while True: print('x' * 1000)"], b"", 10.0, 5000)
+    assert r.truncated and len(r.stdout) == 5000 and r.duration_s < 5
+
+
+def test_children_are_killed_with_the_group() -> None:
+    # The child forks a grandchild that sleeps and then writes its pid; it must die too.
+    code = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    r = SubprocessSandbox().exec([PY, "-c", code], b"", 0.5, 1024)
+    assert r.timed_out
+    leader = int(r.stdout.split()[0])
+    assert live_in_group(leader) == []
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """Pids of processes in a process group that are not zombies (PID 1 here may be slow to
+    reap what it inherits, and a zombie holds no resources)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(d))
+    return pids
+
+
+def test_calculator_tool() -> None:
+    sb = SubprocessSandbox()
+    ok = run_call(sb, "calculator", '{"expression": "37+58"}', 5.0, 1024)
+    assert ok.ok and ok.output == "95"
+    bad = run_call(sb, "calculator", '{"expression": "__import__(\\"os\\")"}', 5.0, 1024)
+    assert not bad.ok and "unsupported syntax" in bad.error
+    nojson = run_call(sb, "calculator", '{"expression": ', 5.0, 1024)
+    assert not nojson.ok and nojson.error.startswith("arguments are not valid JSON")
+    wrong = run_call(sb, "calculator", '{"expr": "1"}', 5.0, 1024)
+    assert wrong.error == "missing required argument `expression`"
+    typed = run_call(sb, "calculator", '{"expression": 5}', 5.0, 1024)
+    assert typed.error == "argument `expression` must be of type string"
+    unknown = run_call(sb, "shell", "{}", 5.0, 1024)
+    assert unknown.error.startswith("unknown tool `shell`")
+    assert CALCULATOR.schema()["function"]["name"] == "calculator"

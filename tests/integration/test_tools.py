@@ -1,0 +1,98 @@
+"""Tool calls through real rq worker processes and a real Redis."""
+
+import asyncio
+import signal
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+import structlog
+
+from streamrl.config import ToolsConfig
+from streamrl.names import Keys
+from streamrl.tools.client import ToolClient
+from streamrl.wire import ToolResult
+from tests.helpers import spawn_worker, stop, wait_for_rq_worker
+
+T = TypeVar("T")
+FAST = ToolsConfig(time_limit_s=0.5, result_margin_s=0.5, retries=1)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def _calls(
+    url: str, keys: Keys, cfg: ToolsConfig, calls: list[tuple[str, str]]
+) -> list[ToolResult]:
+    aclient = aioredis.Redis.from_url(url)
+    client = ToolClient(redis.Redis.from_url(url), aclient, keys, cfg, structlog.get_logger())
+    try:
+        return list(
+            await asyncio.gather(
+                *(
+                    client.call(name, args, f"c{i}-{time.monotonic_ns()}")
+                    for i, (name, args) in enumerate(calls)
+                )
+            )
+        )
+    finally:
+        await aclient.aclose()
+
+
+def test_calls_and_bad_arguments(
+    redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    w = spawn_worker("tools", redis_url, keys.ns, tmp_path)
+    try:
+        wait_for_rq_worker(rclient, keys.tool_queue)
+        good, bad, unknown = run(
+            _calls(
+                redis_url,
+                keys,
+                ToolsConfig(),
+                [
+                    ("calculator", '{"expression": "37+58"}'),
+                    ("calculator", '{"expression": '),
+                    ("nope", "{}"),
+                ],
+            )
+        )
+        assert good.ok and good.output == "95"
+        assert not bad.ok and bad.error.startswith("arguments are not valid JSON")
+        assert not unknown.ok and "unknown tool" in unknown.error
+        # The worker survived the bad input and keeps serving.
+        [again] = run(
+            _calls(redis_url, keys, ToolsConfig(), [("calculator", '{"expression": "6*7"}')])
+        )
+        assert again.output == "42"
+        assert w.poll() is None
+        stats = rclient.hgetall(keys.stats)
+        assert stats[b"tool_calls"] == b"4" and stats[b"tool_errors"] == b"2"
+    finally:
+        assert stop(w) == 0
+
+
+def test_killed_tool_worker_fails_fast_then_recovers(
+    redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    w = spawn_worker("tools", redis_url, keys.ns, tmp_path)
+    wait_for_rq_worker(rclient, keys.tool_queue)
+    w.send_signal(signal.SIGKILL)
+    w.wait()
+    start = time.monotonic()
+    [lost] = run(_calls(redis_url, keys, FAST, [("calculator", '{"expression": "1+1"}')]))
+    elapsed = time.monotonic() - start
+    assert not lost.ok and "no tool worker answered" in lost.error
+    # (time_limit 0.5 + margin 0.5) x 2 attempts: the agent hears within seconds, not minutes
+    assert elapsed < 5
+    w2 = spawn_worker("tools", redis_url, keys.ns, tmp_path, index=1)
+    try:
+        wait_for_rq_worker(rclient, keys.tool_queue, n=1)
+        [ok] = run(_calls(redis_url, keys, FAST, [("calculator", '{"expression": "2+2"}')]))
+        assert ok.ok and ok.output == "4"
+    finally:
+        stop(w2)

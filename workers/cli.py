@@ -1,0 +1,73 @@
+"""`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker.
+
+Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from streamrl.config import ConfigError, load_config
+from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="TOML run config (see configs/)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config field (repeatable)",
+    )
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>)")
+    p.add_argument("--steps", type=int, default=0, help="stop after N trainer steps")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start Redis and every worker; stop after --steps")
+    _common(up)
+    w = sub.add_parser("worker", help="run one worker process (the form compose uses)")
+    w.add_argument("name", choices=WORKER_NAMES)
+    _common(w)
+    w.add_argument("--index", type=int, default=0, help="replica index of this worker")
+    w.add_argument("--burst", action="store_true", help="exit once the input is drained")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides=args.set)
+    except ConfigError as err:
+        print(f"streamrl: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
+    if args.command == "up":
+        from streamrl.launcher import Launcher
+
+        return Launcher(cfg, args.config, args.set, run_dir, args.steps).run()
+    try:
+        ctx = make_context(
+            args.name, args.index, cfg, run_dir, max_steps=args.steps, burst=args.burst
+        )
+    except NoRedisError as err:
+        print(f"streamrl: {err}", file=sys.stderr)
+        return 2
+    stop_on_signals(ctx.stop, ctx.log)
+    module = importlib.import_module(f"streamrl_workers.{args.name}")
+    try:
+        code: int = module.run(ctx)
+    except Exception:
+        ctx.log.exception("worker_failed")
+        raise
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

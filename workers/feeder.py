@@ -1,0 +1,12 @@
+"""Feeder worker: streams the task's prompts into `tasks`, one group id per prompt."""
+
+from __future__ import annotations
+
+from streamrl.feeder import Feeder
+from streamrl.runtime import WorkerContext
+
+
+def run(ctx: WorkerContext) -> int:
+    feeder = Feeder(ctx.client(), ctx.keys, ctx.cfg, ctx.log)
+    feeder.run(ctx.stop)
+    return 0
