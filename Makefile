@@ -14,7 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The demo's run directory is scratch: each `make demo` starts it afresh.
 demo: $(VENV)/.installed
+	rm -rf $(RUN_DIR)
 	$(VENV)/bin/streamrl up --config $(CONFIG) --steps $(STEPS) --run-dir $(RUN_DIR)
 
 lint: $(VENV)/.installed

@@ -69,3 +69,20 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """Pids of processes in a process group that are not zombies (PID 1 here may be slow to
+    reap what it inherits, and a zombie holds no resources)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(d))
+    return pids

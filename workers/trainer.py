@@ -16,7 +16,7 @@ def run(ctx: WorkerContext) -> int:
     cfg = ctx.cfg
     tok = CharTokenizer()
     if cfg.model.init == "warmstart":
-        params = warmstart_params(cfg, ctx.log)
+        params = warmstart_params(cfg, ctx.log.info)
     else:
         params = init_params(cfg.model, tok.vocab_size, cfg.run.seed)
     optimizer = make_optimizer(cfg.trainer)

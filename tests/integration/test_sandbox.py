@@ -1,11 +1,11 @@
 """The local sandbox backend with real child processes."""
 
-import os
 import sys
 import time
 
 from streamrl.tools.registry import CALCULATOR, run_call
 from streamrl.tools.sandbox import SubprocessSandbox
+from tests.helpers import live_in_group
 
 PY = sys.executable
 
@@ -43,23 +43,6 @@ def test_children_are_killed_with_the_group() -> None:
     assert r.timed_out
     leader = int(r.stdout.split()[0])
     assert live_in_group(leader) == []
-
-
-def live_in_group(pgid: int) -> list[int]:
-    """Pids of processes in a process group that are not zombies (PID 1 here may be slow to
-    reap what it inherits, and a zombie holds no resources)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(d))
-    return pids
 
 
 def test_calculator_tool() -> None:

@@ -72,28 +72,32 @@ class ModelServer:
                 batch = await self._gather()
                 if not batch:
                     continue
-                params, version = self._params, self.version
-                start = time.monotonic()
-                try:
-                    results = await loop.run_in_executor(
-                        self._executor,
-                        self.generator.generate,
-                        params,
-                        [p.request for p in batch],
-                    )
-                except Exception as err:  # a failed device call fails its episodes only
-                    self.log.exception("model_batch_failed", batch=len(batch))
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(err)
-                    continue
-                self.busy_s += time.monotonic() - start
-                self.batches += 1
-                for p, r in zip(batch, results, strict=True):
-                    if not p.future.done():  # its episode may have been cancelled
-                        p.future.set_result((r, version))
+                await self._run_batch(loop, batch)
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
+        params, version = self._params, self.version
+        start = time.monotonic()
+        try:
+            results = await loop.run_in_executor(
+                self._executor, self.generator.generate, params, [p.request for p in batch]
+            )
+        except Exception as err:  # fails the episodes that caused it, never the server
+            if len(batch) == 1:
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(err)
+                return
+            # One bad request must not fail its batch-mates: run each alone to find it.
+            self.log.exception("model_batch_failed", batch=len(batch))
+            for p in batch:
+                await self._run_batch(loop, [p])
+            return
+        self.busy_s += time.monotonic() - start
+        self.batches += 1
+        for p, r in zip(batch, results, strict=True):
+            if not p.future.done():  # its episode may have been cancelled
+                p.future.set_result((r, version))
 
     async def _gather(self) -> list[_Pending]:
         first = await self._queue.get()

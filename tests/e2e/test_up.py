@@ -1,0 +1,162 @@
+"""`streamrl up` as a subprocess: the whole pipeline on real Redis, real processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from streamrl.names import Keys
+from tests.helpers import REPO, TINY, live_in_group
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One warm-start cache for the session: the warm start runs once, later runs reuse it."""
+    return str(tmp_path_factory.mktemp("warmstart"))
+
+
+def up(
+    run_dir: Path, steps: int, *sets: str, env: dict[str, str] | None = None, timeout_s: float = 600
+) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl_workers.cli",
+        "up",
+        "--config",
+        str(TINY),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def summary_of(run_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return data
+
+
+def assert_nothing_left(summary: dict[str, Any]) -> None:
+    pids = list(summary["worker_pids"].values())
+    assert len(set(pids)) == len(pids) == 6  # tools x2, grouper, trainer, rollout, feeder
+    for pid in pids:
+        assert live_in_group(pid) == [], f"processes left in the group of {pid}"
+
+
+def test_up_runs_the_pipeline(tmp_path: Path, warm_cache: str) -> None:
+    """The default job, with weights synced every step at max_concurrency 32."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        3,
+        f'model.warmstart_cache="{warm_cache}"',
+        "rollout.max_concurrency=32",
+        "trainer.publish_every=1",
+    )
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 3
+    assert s["policy_version"] == 3
+    assert s["max_trajectory_policy_version"] >= 1  # rollout served a published version
+    assert s["tool_calls"] > 0
+    assert s["dead_letters"] == 0
+    assert s["groups"] >= 12 and s["trajectories"] >= 48
+    assert s["mean_reward_first"] is not None and 0 <= s["mean_reward_last"] <= 1
+    assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
+    assert_nothing_left(s)
+    # One JSON log per worker, every line an event.
+    for name in s["worker_pids"]:
+        lines = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        assert events and all(e["worker"] == name.split("-")[0] for e in events)
+    # The embedded Redis is gone and it never wrote its password into a log.
+    password = next(
+        line.split()[1]
+        for line in (run_dir / "redis" / "redis.conf").read_text().splitlines()
+        if line.startswith("requirepass")
+    )
+    for log in (run_dir / "logs").iterdir():
+        assert password not in log.read_text()
+    assert "step 3/3" in out or "trainer finished 3 steps" in out
+
+
+def test_bad_input_and_ctrl_c(
+    tmp_path: Path, warm_cache: str, redis_url: str, rclient: redis.Redis, keys: Keys
+) -> None:
+    """External Redis (REDIS_URL); malformed entries go to the dead letters and every worker
+    keeps running; Ctrl-C stops the run with exit 0 and nothing left behind."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        1000,
+        f'model.warmstart_cache="{warm_cache}"',
+        f"run.name={keys.ns}",
+        env={"REDIS_URL": redis_url},
+    )
+    deadline = time.monotonic() + 400
+    while int(rclient.hget(keys.stats, "trainer_steps") or 0) < 1:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    rclient.xadd(keys.tasks, {"v": "1", "kind": "task", "data": b"\xc1 not msgpack"})
+    rclient.xadd(keys.trajectories, {"v": "9", "kind": "trajectory", "data": b""})
+    start_steps = int(rclient.hget(keys.stats, "trainer_steps") or 0)
+    while int(rclient.hget(keys.stats, "trainer_steps") or 0) < start_steps + 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["exit_reason"] == "stopped by SIGINT"
+    assert s["dead_letters"] == 2
+    assert s["trainer_steps"] >= start_steps + 2  # training went on after the bad input
+    assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
+    assert_nothing_left(s)
+
+
+def test_unknown_config_key_fails_fast(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY.read_text().replace("[trainer]", "[trainer]\nlerning_rate = 1.0"))
+    start = time.monotonic()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamrl_workers.cli",
+            "up",
+            "--config",
+            str(bad),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "unknown key `trainer.lerning_rate`" in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing started
+    assert time.monotonic() - start < 10

@@ -1,0 +1,76 @@
+"""The layering rules of DESIGN.md, checked on the real import graph."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "transformers", "torch")
+
+LIGHT_MODULES = [
+    "streamrl.config",
+    "streamrl.wire",
+    "streamrl.names",
+    "streamrl.transport",
+    "streamrl.grouper",
+    "streamrl.feeder",
+    "streamrl.tools.client",
+    "streamrl.tools.jobs",
+    "streamrl_workers.cli",
+    "streamrl_workers.grouper",
+    "streamrl_workers.tools",
+    "streamrl_workers.feeder",
+]
+
+
+def _imported(modules: list[str]) -> set[str]:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+    return set(out.split())
+
+
+def test_light_workers_import_no_model_stack() -> None:
+    loaded = _imported(LIGHT_MODULES)
+    heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
+    assert heavy == []
+
+
+def test_rl_math_imports_no_redis() -> None:
+    loaded = _imported(["streamrl.rl.advantages", "streamrl.rl.losses"])
+    assert not any(m.split(".")[0] in ("redis", "rq") for m in loaded)
+
+
+def _imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_packages_never_import_workers() -> None:
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "packages").rglob("*.py")
+        if any(n.startswith("streamrl_workers") for n in _imports_of(p))
+    ]
+    assert offenders == []
+
+
+def test_trainer_and_rollout_meet_only_through_streams() -> None:
+    pkg = REPO / "packages" / "streamrl"
+    for side, other in (("trainer", "streamrl.rollout"), ("rollout", "streamrl.trainer")):
+        for p in (pkg / side).rglob("*.py"):
+            assert not any(n.startswith(other) for n in _imports_of(p)), p
+    for p in (pkg / "tools").rglob("*.py"):  # the sandbox side never sees the policy
+        assert not any(n.startswith("streamrl.model") for n in _imports_of(p)), p
