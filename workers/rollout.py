@@ -19,6 +19,8 @@ from streamrl.tokenizer import CharTokenizer
 from streamrl.tools.client import ToolClient
 from streamrl.wire import Weights
 
+MIN_BATCH = 8
+
 
 async def _main(ctx: WorkerContext) -> None:
     cfg, r = ctx.cfg, ctx.cfg.rollout
@@ -33,6 +35,8 @@ async def _main(ctx: WorkerContext) -> None:
         tok.pad_id,
         r.max_turn_tokens,
         SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        # Fewer batch buckets, fewer compiles (~2.5 s each on a CPU); small batches pad up.
+        min_batch=min(MIN_BATCH, r.max_batch_size),
     )
     server = ModelServer(generator, template, -1, r.max_batch_size, r.batch_wait_ms, ctx.log)
     aclient = aioredis.Redis.from_url(ctx.redis_url)

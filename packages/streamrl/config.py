@@ -117,10 +117,10 @@ class ModelConfig(_Section):
         ),
     )
     warmstart_steps: int = Field(
-        300, ge=1, le=1_000_000, description="Supervised steps of the warm start."
+        1500, ge=1, le=1_000_000, description="Supervised steps of the warm start."
     )
-    warmstart_batch: int = Field(32, ge=1, le=4096, description="Sequences per warm-start step.")
-    warmstart_lr: float = Field(3e-3, gt=0, le=1.0, description="Warm-start learning rate.")
+    warmstart_batch: int = Field(8, ge=1, le=4096, description="Sequences per warm-start step.")
+    warmstart_lr: float = Field(2e-3, gt=0, le=1.0, description="Warm-start learning rate.")
     warmstart_error_rate: float = Field(
         0.3,
         ge=0,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import selectors
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -37,19 +37,36 @@ class Sandbox(Protocol):
     ) -> ExecResult: ...
 
 
-def _limits(time_limit_s: float, memory_bytes: int) -> None:  # runs in the child
-    cpu = int(time_limit_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+class SandboxUnavailableError(RuntimeError):
+    pass
 
 
 class SubprocessSandbox:
-    """Runs each call as a child process group with rlimits, a deadline and an output cap."""
+    """Runs each call as a child process group with rlimits, a deadline and an output cap.
+
+    Limits are set by util-linux `prlimit` exec'ing the command, not by a Python
+    `preexec_fn`: that would run Python between fork and exec, which is unsafe in a
+    multithreaded process.
+    """
 
     def __init__(self, memory_bytes: int = 512 * 2**20) -> None:
         self.memory_bytes = memory_bytes
+        prlimit = shutil.which("prlimit")
+        if prlimit is None:
+            raise SandboxUnavailableError("the subprocess sandbox needs `prlimit` (util-linux)")
+        self.prlimit = prlimit
+
+    def _limited(self, argv: list[str], time_limit_s: float) -> list[str]:
+        cpu = int(time_limit_s) + 1
+        return [
+            self.prlimit,
+            f"--cpu={cpu}",
+            f"--as={self.memory_bytes}",
+            f"--fsize={1 << 20}",
+            "--core=0",
+            "--",
+            *argv,
+        ]
 
     def exec(
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
@@ -57,16 +74,13 @@ class SubprocessSandbox:
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="streamrl-tool-") as cwd:
             proc = subprocess.Popen(
-                argv,
+                self._limited(argv, time_limit_s),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 start_new_session=True,
-                # Only setrlimit runs between fork and exec; tool workers run calls on one
-                # thread, which is what makes preexec_fn safe here.
-                preexec_fn=lambda: _limits(time_limit_s, self.memory_bytes),  # noqa: PLW1509
             )
             out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
         return ExecResult(
