@@ -1,0 +1,123 @@
+import asyncio
+import random
+
+from streamrl.chat import ChatFormat, ToolCall, ToolCallError, Transcript, parse_turn
+from streamrl.config import TaskConfig
+from streamrl.rollout.env import ArithmeticEnv
+from streamrl.tasks import arithmetic
+from streamrl.tokenizer import CharTokenizer
+from streamrl.wire import ToolResult
+
+TOK = CharTokenizer()
+
+
+def test_tokenizer_round_trip_and_specials() -> None:
+    text = '<|user|>Compute 3+4<|end|><tool_call>{"a": 1}</tool_call>\n<answer>7</answer>'
+    ids = TOK.encode(text)
+    assert TOK.decode(ids) == text
+    # specials are one id each: "<tool_call>" is not eleven characters
+    assert ids.count(TOK.token_id("<tool_call>")) == 1
+    assert len(TOK.encode("<tool_call>")) == 1
+    assert TOK.encode("<b>") == [TOK.token_id("<"), *TOK.encode("b>")]
+    assert TOK.decode(TOK.encode("é")) == "<unk>"
+    assert TOK.vocab_size == 128
+
+
+def test_parse_turn() -> None:
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    t = parse_turn(call)
+    assert t.calls == [ToolCall("calculator", '{"expression": "1+2"}')] and t.answer is None
+    assert parse_turn("<answer> 42 </answer>").answer == "42"
+    [bad] = parse_turn('<tool_call>{"name": "calculator", "arguments": </tool_call>').calls
+    assert isinstance(bad, ToolCallError) and bad.message.startswith("tool call is not valid JSON")
+    [unterminated] = parse_turn('<tool_call>{"name"').calls
+    assert unterminated == ToolCallError("unterminated <tool_call> block")
+    [noname] = parse_turn('<tool_call>{"arguments": {}}</tool_call>').calls
+    assert noname == ToolCallError("tool call has no string `name`")
+    # arguments as a JSON string pass through raw; the tool worker validates them
+    [raw] = parse_turn('<tool_call>{"name": "c", "arguments": "{oops"}</tool_call>').calls
+    assert raw == ToolCall("c", "{oops")
+
+
+def test_incremental_transcript_matches_whole_render() -> None:
+    chat = ChatFormat(TOK)
+    tr = Transcript()
+    tr.add_template(chat.prompt("Compute 1+2 with the calculator."))
+    turn1 = chat.assistant_turn(arithmetic.calculator_call("1+2"))
+    tr.add_sampled(turn1, [-0.5] * len(turn1), version=3)
+    tr.add_template(chat.tool_results(["3"]))
+    turn2 = chat.assistant_turn("<answer>3</answer>")
+    tr.add_sampled(turn2, [-0.1] * len(turn2), version=4)
+    whole = (
+        "<|user|>Compute 1+2 with the calculator.<|end|><|assistant|>"
+        + arithmetic.calculator_call("1+2")
+        + "<|end|><|tool|>3<|end|><|assistant|><answer>3</answer><|end|>"
+    )
+    assert tr.tokens == TOK.encode(whole)
+    # the loss mask covers exactly the two assistant turns (their closing <|end|> included)
+    masked = "".join(TOK.decode([t]) for t, m in zip(tr.tokens, tr.mask, strict=True) if m)
+    assert masked == arithmetic.calculator_call("1+2") + "<|end|><answer>3</answer><|end|>"
+    assert tr.versions == [3, 4]
+
+
+class StubTools:
+    """Pure-logic stand-in for the tool client (the real one is tested with rq workers)."""
+
+    def __init__(self, output: str = "3") -> None:
+        self.output = output
+        self.calls: list[tuple[str, str]] = []
+
+    async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+        self.calls.append((name, arguments))
+        if arguments.startswith("{oops"):
+            return ToolResult(
+                call_id=call_id,
+                ok=False,
+                output="",
+                error="arguments are not valid JSON: Expecting value at char 1",
+            )
+        return ToolResult(call_id=call_id, ok=True, output=self.output)
+
+
+def _play(task_answer_from_tool: str, answer: str) -> float:
+    task = arithmetic.make_task(TaskConfig(), 0, 5, 4)
+    env = ArithmeticEnv(task=task, tools=StubTools(task_answer_from_tool))
+    call = asyncio.run(env.step(parse_turn(arithmetic.calculator_call("x")), "c"))
+    assert call.observations == [task_answer_from_tool] and not call.done
+    final = asyncio.run(env.step(parse_turn(f"<answer>{answer}</answer>"), "c"))
+    assert final.done
+    return final.reward
+
+
+def test_arithmetic_env_rewards_copying_the_tool_result() -> None:
+    right = arithmetic.make_task(TaskConfig(), 0, 5, 4).answer
+    assert _play(right, right) == 1.0  # called the calculator and copied its result
+    assert _play(right, right + "0") == 0.0  # wrong answer
+    assert _play("-1", right) == 0.0  # right answer the calculator never gave
+    assert arithmetic.reward(None, ["1"], "1") == 0.0  # no answer at all
+
+
+def test_bad_tool_calls_reach_the_agent_as_tool_errors() -> None:
+    task = arithmetic.make_task(TaskConfig(), 0, 1, 4)
+    tools = StubTools()
+    env = ArithmeticEnv(task=task, tools=tools)
+    turn = parse_turn(
+        '<tool_call>{"name": "calculator", "arguments": </tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": "{oops"}</tool_call>'
+    )
+    step = asyncio.run(env.step(turn, "c"))
+    assert step.observations[0].startswith("error: tool call is not valid JSON")
+    assert step.observations[1] == "error: arguments are not valid JSON: Expecting value at char 1"
+    assert tools.calls == [("calculator", "{oops")]  # the unparseable block never left
+
+
+def test_tasks_are_deterministic_and_demonstrations_vary() -> None:
+    cfg = TaskConfig()
+    a, b = arithmetic.make_task(cfg, 0, 7, 4), arithmetic.make_task(cfg, 0, 7, 4)
+    assert a == b and a.group_id == "g000000007"
+    expr, value = arithmetic.expression(cfg, 0, 7)
+    assert str(value) == a.answer and expr in a.prompt
+    rng = random.Random(0)
+    demos = [arithmetic.demonstration(a, rng, 0.5) for _ in range(50)]
+    answers = {d.turns[1] for d in demos}
+    assert f"<answer>{a.answer}</answer>" in answers and len(answers) > 1
