@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import redis
 from rq import Worker
+
+from streamrl.launcher import worker_command
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.toml"
@@ -26,23 +27,7 @@ def spawn_worker(
     log_path: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """`streamrl worker NAME` as a subprocess, logging to `log_path` (or run_dir/NAME.log)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl_workers.cli",
-        "worker",
-        name,
-        "--config",
-        str(TINY),
-        "--run-dir",
-        str(run_dir),
-        "--index",
-        str(index),
-        "--set",
-        f"run.name={ns}",
-    ]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = worker_command(name, index, TINY, run_dir, [f"run.name={ns}", *sets])
     if burst:
         cmd.append("--burst")
     run_dir.mkdir(parents=True, exist_ok=True)

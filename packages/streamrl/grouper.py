@@ -21,7 +21,7 @@ from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.rl.advantages import ADVANTAGES
 from streamrl.transport import Delivery, RedisStreamConsumer
-from streamrl.wire import SCHEMA_VERSION, Group, Trajectory, decode_body, encode_body
+from streamrl.wire import SCHEMA_VERSION, Group, Trajectory, WireError, decode_body, encode_body
 
 # KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash
 # ARGV: group id, member index, payload, group size, entry id, consumer group, max version
@@ -138,6 +138,17 @@ class Grouper:
         self._emit = client.register_script(_EMIT)
         self._drop = client.register_script(_DROP)
 
+    def _assembly_keys(self, group_id: str) -> list[str]:
+        """KEYS of the add-member and drop scripts."""
+        k = self.keys
+        return [
+            k.group_members(group_id),
+            k.groups_emitted,
+            k.groups_dropped,
+            k.trajectories,
+            k.stats,
+        ]
+
     def trainer_version(self) -> int:
         raw = self.client.get(self.keys.policy_version)
         return int(raw) if raw is not None else 0
@@ -153,13 +164,7 @@ class Grouper:
                 f"trainer version {trainer_version}",
             )
         res: list[Any] = self._add(
-            keys=[
-                k.group_members(t.group_id),
-                k.groups_emitted,
-                k.groups_dropped,
-                k.trajectories,
-                k.stats,
-            ],
+            keys=self._assembly_keys(t.group_id),
             args=[
                 t.group_id,
                 t.member,
@@ -175,7 +180,10 @@ class Grouper:
             return Outcome("duplicate", t.group_id)
         if state in ("partial", "dropped"):
             return Outcome("partial" if state == "partial" else "closed", t.group_id)
-        members = [decode_body(b, Trajectory) for b in res[2]]
+        try:
+            members = [decode_body(b, Trajectory) for b in res[2]]
+        except WireError as err:  # only a foreign writer could have put this there
+            return self._drop_group(d, f"a stored member cannot be decoded: {err}")
         group = build_group(members, self.cfg.grouper.advantage_epsilon)
         if group is None:
             return self._drop_group(d, "every member of the group ended with status error")
@@ -205,13 +213,7 @@ class Grouper:
         t = d.msg
         k = self.keys
         self._drop(
-            keys=[
-                k.group_members(t.group_id),
-                k.groups_emitted,
-                k.groups_dropped,
-                k.trajectories,
-                k.stats,
-            ],
+            keys=self._assembly_keys(t.group_id),
             args=[t.group_id, d.entry_id, k.CG_GROUPER],
         )
         self.log.warning(

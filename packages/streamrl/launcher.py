@@ -163,21 +163,7 @@ class Launcher:
             self.procs.append(self._spawn(name, index, env))
 
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
-        cmd = [
-            sys.executable,
-            "-m",
-            "streamrl_workers.cli",
-            "worker",
-            name,
-            "--config",
-            self.config_path,
-            "--run-dir",
-            str(self.run_dir),
-            "--index",
-            str(index),
-        ]
-        for item in self.overrides:
-            cmd += ["--set", item]
+        cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
         if name == "trainer" and self.steps:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
@@ -294,6 +280,28 @@ class Launcher:
         path.write_text(json.dumps(summary, indent=2) + "\n")
         shown = {k: summary[k] for k in SUMMARY_SHOWN}
         print(f"\n{reason}; summary in {path}\n{json.dumps(shown)}", file=self.out, flush=True)
+
+
+def worker_command(
+    name: str, index: int, config: str | Path, run_dir: str | Path, overrides: list[str]
+) -> list[str]:
+    """argv of `streamrl worker NAME` run with this interpreter."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl_workers.cli",
+        "worker",
+        name,
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--index",
+        str(index),
+    ]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:

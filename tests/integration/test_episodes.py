@@ -12,7 +12,7 @@ from streamrl.model.decoder import init_params
 from streamrl.model.generate import Generator, GenRequest, GenResult, SamplingParams
 from streamrl.rollout.env import StepResult
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.server import ModelServer
+from streamrl.rollout.server import ModelServer, ModelServerError
 from streamrl.tokenizer import CharTokenizer
 from streamrl.wire import Task, Trajectory
 
@@ -137,3 +137,35 @@ def test_trajectory_layout() -> None:
     assert tokens[: t.prompt_len].tolist() == prompt
     assert mask[: t.prompt_len].sum() == 0  # template is never trained on
     assert (lps[mask == 0] == 0).all() and (lps[mask == 1] < 0).all()
+
+
+def test_broken_model_stops_the_server() -> None:
+    """When every call fails, the server gives up (and with it the worker) instead of
+    failing episodes for ever."""
+    log = structlog.get_logger()
+    gen = PoisonGenerator(
+        CFG.model,
+        TOK.vocab_size,
+        [1],
+        TOK.pad_id,
+        16,
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=0),
+    )
+    server = ModelServer(
+        gen, init_params(CFG.model, TOK.vocab_size, 0), 0, 4, 1.0, log, max_consecutive_failures=3
+    )
+    poisoned = TOK.encode(POISON)
+
+    async def go() -> BaseException | None:
+        serving = asyncio.create_task(server.serve())
+        calls = [asyncio.create_task(server.generate(GenRequest(poisoned, 4, i))) for i in range(3)]
+        await asyncio.gather(*calls, return_exceptions=True)
+        try:
+            await asyncio.wait_for(serving, 10)
+        except ModelServerError as err:
+            return err
+        return None
+
+    err = asyncio.run(go())
+    assert isinstance(err, ModelServerError)
+    assert str(err) == "3 model calls failed in a row; last: RuntimeError: device call failed"

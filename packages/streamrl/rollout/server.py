@@ -25,8 +25,17 @@ class _Pending:
     future: asyncio.Future[tuple[GenResult, int]]
 
 
+class ModelServerError(RuntimeError):
+    """The model fails every call: the worker stops rather than fail every episode."""
+
+
 class ModelServer:
-    """Batches model calls from many episodes into device calls on one thread."""
+    """Batches model calls from many episodes into device calls on one thread.
+
+    A failing device call fails only the episodes whose requests caused it (the batch is
+    retried one request at a time). After `max_consecutive_failures` failed calls in a row
+    the model itself is broken, and `serve()` raises ModelServerError.
+    """
 
     def __init__(
         self,
@@ -36,6 +45,7 @@ class ModelServer:
         max_batch_size: int,
         batch_wait_ms: float,
         log: structlog.stdlib.BoundLogger,
+        max_consecutive_failures: int = 16,
     ) -> None:
         self.generator = generator
         self._params = params
@@ -47,6 +57,8 @@ class ModelServer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.batches = 0
         self.busy_s = 0.0
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
 
     def set_weights(self, params: Any, version: int) -> None:
         """Swap the params; batches already running finish on the old version."""
@@ -87,6 +99,12 @@ class ModelServer:
             if len(batch) == 1:
                 if not batch[0].future.done():
                     batch[0].future.set_exception(err)
+                self.consecutive_failures += 1
+                if self.consecutive_failures >= self.max_consecutive_failures:
+                    raise ModelServerError(
+                        f"{self.consecutive_failures} model calls failed in a row; last: "
+                        f"{type(err).__name__}: {err}"
+                    ) from err
                 return
             # One bad request must not fail its batch-mates: run each alone to find it.
             self.log.exception("model_batch_failed", batch=len(batch))
@@ -95,6 +113,7 @@ class ModelServer:
             return
         self.busy_s += time.monotonic() - start
         self.batches += 1
+        self.consecutive_failures = 0
         for p, r in zip(batch, results, strict=True):
             if not p.future.done():  # its episode may have been cancelled
                 p.future.set_result((r, version))
