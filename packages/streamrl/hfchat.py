@@ -1,0 +1,352 @@
+r"""Token-in, token-out chat for Hugging Face tokenizers and their chat templates.
+
+An episode is kept as token ids and extended turn by turn; sampled text is never rendered
+and re-tokenized, so the tokens trained on are exactly the tokens sampled. Only the parts
+the policy did not write (the prompt, tool results, the next generation prompt) come from
+the template, as the token ids of the text the template adds.
+
+The turn boundary: a sampled assistant turn ends with its stop token (`<|im_end|>` for
+ChatML), and that is where our tokens end. The template usually writes more after the
+turn's end marker (ChatML: a newline). That text belongs to the *next* piece: a
+continuation is the rendered text after the end of the last turn-end marker, so it starts
+with the template's "\n" and runs to the next generation prompt:
+
+    prompt        <|im_start|>user\nCompute 2+3 ...<|im_end|>\n<|im_start|>assistant\n
+    sampled       <tool_call>{...}</tool_call><|im_end|>
+    continuation  \n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n
+                  <|im_start|>assistant\n
+    sampled       <answer>5</answer><|im_end|>
+
+A finished episode ends at its last stop token; the template's trailing "\n" is not in it.
+Each boundary sits after a special token (never merged with its neighbours) or after the
+generation prompt's final newline (where Qwen/GPT-style pre-tokenizers split), so the
+pieces concatenated equal the whole transcript rendered and tokenized at once, as long as
+the policy sampled the tokenizer's own ids for its text and did not open its turn with
+whitespace. When it did, the pieces still hold exactly what it sampled.
+
+Rendering goes to text, encoded with `add_special_tokens=False`: the same as
+`apply_chat_template(tokenize=True)` does; the template writes any BOS itself. Tool calls
+are Hermes style, parsed by `streamrl.chat.parse_turn`. Imports transformers (only the
+rollout and trainer load this module), never JAX or torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from streamrl.chat import ChatFormat, ParsedTurn, parse_turn
+
+Message = dict[str, Any]
+Tools = list[dict[str, Any]]
+
+# Files of which at least one marks a directory as holding a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CHATML_START = "<|im_start|>"
+CHATML_END = "<|im_end|>"
+# A conversation rendered once at load time to find the text that ends an assistant turn.
+_PROBE_REPLY = "Hello there"
+_PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_REPLY})
+
+
+class ChatError(ValueError):
+    """A tokenizer directory or chat template that token-in, token-out chat cannot use."""
+
+
+class Dialogue(Protocol):
+    """One episode's chat as token ids: what the episode loop needs from a chat layout.
+
+    `prompt` opens the episode (ids ending with the generation prompt); `assistant` records
+    a sampled turn (its ids, ending with the stop token when it stopped) and returns its text
+    for parsing; `tool_results` returns the ids that follow that turn up to the next
+    generation prompt. None of the returned ids are trained on.
+    """
+
+    def prompt(self, user_text: str) -> list[int]: ...
+
+    def assistant(self, ids: list[int]) -> str: ...
+
+    def tool_results(self, results: list[str]) -> list[int]: ...
+
+
+class HFChat:
+    """A Hugging Face tokenizer with its chat template, as token-in, token-out chat.
+
+    Satisfies `streamrl.tokenizer.Tokenizer` as well (`vocab_size`, `pad_id`, `encode`,
+    `decode`, `token_id`), so the generator and the episode loop can take it in place of
+    the character tokenizer.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_ids: Sequence[int],
+        chat_template: str | None = None,
+    ) -> None:
+        """`chat_template` overrides the tokenizer's own; `stop_ids` end a sampled turn."""
+        if not stop_ids:
+            raise ChatError("no stop token: the tokenizer has no eos and none was given")
+        self.tok = tokenizer
+        self.template = chat_template
+        self._stop_ids = tuple(dict.fromkeys(stop_ids))  # ordered, without repeats
+        for i in self._stop_ids:
+            text = self.decode([i])
+            if self.encode(text) != [i]:
+                raise ChatError(f"stop token {i} ({text!r}) does not encode back to one id")
+        self.turn_end_id, self.turn_end = self._find_turn_end()
+
+    @classmethod
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> HFChat:
+        """Load the tokenizer in `path` (local files only); stop ids from it and the template.
+
+        Stop ids: the tokenizer's eos, then `generation_config.json`'s `eos_token_id` (an int
+        or a list), then `<|im_end|>` when the template is ChatML.
+        """
+        path = Path(path)
+        tok = _load_tokenizer(path)
+        template = chat_template if chat_template is not None else tok.chat_template
+        if not template:
+            raise ChatError(
+                f"the tokenizer in {path} has no chat template (no `chat_template` in "
+                "tokenizer_config.json and no chat_template.jinja)"
+            )
+        stops = [tok.eos_token_id] if isinstance(tok.eos_token_id, int) else []
+        stops += _generation_eos_ids(path)
+        if CHATML_START in str(template):  # a str, or a dict of named templates
+            stops.append(_single_token_id(tok, CHATML_END, path))
+        return cls(tok, stops, chat_template)
+
+    # The Tokenizer protocol.
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids in use, added tokens included (HF's `vocab_size` leaves those out)."""
+        return len(self.tok)
+
+    @property
+    def pad_id(self) -> int:
+        """The tokenizer's pad id; without one, the first stop id (pad positions are masked)."""
+        pad = self.tok.pad_token_id
+        return pad if isinstance(pad, int) else self._stop_ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; special-token text becomes its one id, and no BOS/EOS is added."""
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens kept (so `<tool_call>` blocks still parse)."""
+        text = self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
+
+    def token_id(self, token: str) -> int:
+        return _single_token_id(self.tok, token, "the tokenizer")
+
+    # Chat.
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end a model turn."""
+        return self._stop_ids
+
+    def render(
+        self, messages: list[Message], tools: Tools | None = None, generation_prompt: bool = False
+    ) -> str:
+        """The template's text of `messages` (and `tools`, listed as the template does)."""
+        # transformers also takes callables as tools; ours are JSON schemas.
+        schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None
+        if tools is not None:
+            schemas = [*tools]
+        try:
+            text = self.tok.apply_chat_template(
+                messages,
+                tools=schemas,
+                chat_template=self.template,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError) as err:
+            raise ChatError(f"the chat template rejected the conversation: {err}") from err
+        assert isinstance(text, str)  # tokenize=False on one conversation gives its text
+        return text
+
+    def prompt_ids(self, messages: list[Message], tools: Tools | None = None) -> list[int]:
+        """Ids of `messages` followed by the generation prompt: where sampling starts."""
+        return self.encode(self.render(messages, tools, generation_prompt=True))
+
+    def continuation_ids(
+        self,
+        messages_so_far: list[Message],
+        new_messages: list[Message],
+        tools: Tools | None = None,
+    ) -> list[int]:
+        """Ids that follow a sampled assistant turn: `new_messages`, then the generation prompt.
+
+        `messages_so_far` ends with that assistant turn, whose ids (ending with its stop
+        token) the caller already holds. The result is the text the template renders after
+        that turn's end marker (see the module docstring), so it starts with whatever the
+        template writes between turns. The new rendering must start with the old one up to
+        that marker, the part held as ids, or `ChatError`; what the old one wrote after the
+        marker was never added, so it may change.
+        """
+        if not messages_so_far or messages_so_far[-1].get("role") != "assistant":
+            raise ChatError("a continuation follows a sampled assistant turn, the last message")
+        if not new_messages:
+            raise ChatError("a continuation needs at least one new message")
+        cut = self._turn_end_in(self.render(messages_so_far, tools), messages_so_far[-1])
+        full = self.render([*messages_so_far, *new_messages], tools, generation_prompt=True)
+        if not full.startswith(cut):
+            differ = (i for i, (a, b) in enumerate(zip(cut, full, strict=False)) if a != b)
+            at = next(differ, min(len(cut), len(full)))
+            raise ChatError(
+                "template is not prefix-stable: adding "
+                f"{[m.get('role') for m in new_messages]} messages changes the text before "
+                f"them at char {at} ({cut[at : at + 40]!r} became {full[at : at + 40]!r}), so "
+                "the ids already sampled would not match the rendered conversation"
+            )
+        return self.encode(full[len(cut) :])
+
+    def assistant_text(self, ids: list[int]) -> str:
+        """Text of a sampled turn, without its stop token (the template writes its own)."""
+        if ids and ids[-1] in self._stop_ids:
+            ids = ids[:-1]
+        return self.decode(ids)
+
+    def assistant_message(self, ids: list[int]) -> Message:
+        """A sampled turn as a message, its text verbatim (tool calls included), for `render`."""
+        return {"role": "assistant", "content": self.assistant_text(ids)}
+
+    def parse(self, ids: list[int]) -> ParsedTurn:
+        """Hermes `<tool_call>` calls and the `<answer>` of a sampled turn."""
+        return parse_turn(self.assistant_text(ids))
+
+    def assistant_turn(self, text: str) -> list[int]:
+        """Ids of a whole assistant turn as the policy would sample it (demonstrations)."""
+        return [*self.encode(text), self.turn_end_id]
+
+    def dialogue(self, tools: Tools | None = None, system: str | None = None) -> HFDialogue:
+        """A fresh episode's conversation, with `tools` listed by the template."""
+        return HFDialogue(self, tools, system)
+
+    def _find_turn_end(self) -> tuple[int, str]:
+        # The stop token the template writes after an assistant's text; demonstrations end
+        # with it, and continuations are cut after it.
+        text = self.render(list(_PROBE))
+        after = text[text.rfind(_PROBE_REPLY) + len(_PROBE_REPLY) :].lstrip()
+        for i in self._stop_ids:
+            if after.startswith(stop := self.decode([i])):
+                return i, stop
+        raise ChatError(
+            f"the chat template ends an assistant turn with {after[:20]!r}, which starts with "
+            f"none of the stop tokens {[self.decode([i]) for i in self._stop_ids]}"
+        )
+
+    def _turn_end_in(self, text: str, last: Message) -> str:
+        """`text` up to and including the end marker of its last (assistant) turn."""
+        end = text.rfind(self.turn_end)
+        # The turn is the text since the previous end marker; its content must be there,
+        # or the template left the last turn open and `end` belongs to an earlier one.
+        start = max(text.rfind(self.turn_end, 0, max(end, 0)), 0)
+        content = str(last.get("content") or "").strip()
+        if end < 0 or content not in text[start:end]:
+            raise ChatError(
+                f"the chat template does not close the last assistant turn with {self.turn_end!r}"
+            )
+        return text[: end + len(self.turn_end)]
+
+
+class HFDialogue:
+    """One episode's conversation: the messages so far, so each continuation can be rendered.
+
+    Satisfies `Dialogue`. Tool results go back as `tool` messages, which Hermes/Qwen
+    templates place in a user turn as `<tool_response>` blocks.
+    """
+
+    def __init__(self, chat: HFChat, tools: Tools | None, system: str | None) -> None:
+        self.chat = chat
+        self.tools = tools
+        self.messages: list[Message] = []
+        if system is not None:
+            self.messages.append({"role": "system", "content": system})
+
+    def prompt(self, user_text: str) -> list[int]:
+        self.messages.append({"role": "user", "content": user_text})
+        return self.chat.prompt_ids(self.messages, self.tools)
+
+    def assistant(self, ids: list[int]) -> str:
+        message = self.chat.assistant_message(ids)
+        self.messages.append(message)
+        return str(message["content"])
+
+    def tool_results(self, results: list[str]) -> list[int]:
+        return self._extend([{"role": "tool", "content": r} for r in results])
+
+    def user(self, text: str) -> list[int]:
+        """Ids of a user message after a sampled turn (an environment's reply)."""
+        return self._extend([{"role": "user", "content": text}])
+
+    def _extend(self, new: list[Message]) -> list[int]:
+        ids = self.chat.continuation_ids(self.messages, new, self.tools)
+        self.messages.extend(new)
+        return ids
+
+
+class CharDialogue:
+    """`Dialogue` over the character `ChatFormat`, which has no template state to keep."""
+
+    def __init__(self, fmt: ChatFormat) -> None:
+        self.fmt = fmt
+
+    def prompt(self, user_text: str) -> list[int]:
+        return self.fmt.prompt(user_text)
+
+    def assistant(self, ids: list[int]) -> str:
+        if ids and ids[-1] in self.fmt.stop_ids:
+            ids = ids[:-1]
+        return self.fmt.tok.decode(ids)
+
+    def tool_results(self, results: list[str]) -> list[int]:
+        return self.fmt.tool_results(results)
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    if not path.is_dir():
+        raise ChatError(f"tokenizer directory {path} does not exist")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ChatError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ChatError(f"cannot load the tokenizer in {path}: {err}") from err
+    if not isinstance(tok, PreTrainedTokenizerBase):
+        raise ChatError(f"{path} holds a {type(tok).__name__}, not a text tokenizer")
+    return tok
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """`eos_token_id` of `generation_config.json` (int, list or absent) as a list."""
+    f = path / "generation_config.json"
+    if not f.is_file():
+        return []
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ChatError(f"{f} is not a JSON object: {err}") from err
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ChatError(f"{f}: eos_token_id must be an int or a list of ints, not {eos!r}")
+    return ids
+
+
+def _single_token_id(tok: PreTrainedTokenizerBase, token: str, where: object) -> int:
+    ids = tok.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ChatError(f"{token!r} is not one token in {where} (it encodes to {ids})")
+    return int(ids[0])
