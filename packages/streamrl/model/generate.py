@@ -27,7 +27,7 @@ from streamrl.model.decoder import (
     round_length,
 )
 
-__all__ = ["GenRequest", "GenResult", "Generator", "SamplingParams"]
+__all__ = ["GenRequest", "GenResult", "Generator", "SamplingParams", "sample_tokens"]
 
 _SEED_LIMIT = 2**32  # seeds travel to the device as uint32
 
@@ -160,12 +160,7 @@ class Generator:
         return [out.result(i) for i in range(len(requests))]
 
     def _sample(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Tokens [B] int32 and their untruncated log-probs [B] from logits [B, V]."""
-        scaled = logits / self.sampling.temperature
-        logp = jax.nn.log_softmax(scaled, axis=-1)
-        allowed = _truncate(scaled.at[:, self.pad_id].set(-jnp.inf), self.sampling)
-        tokens = jax.vmap(jax.random.categorical)(keys, allowed).astype(jnp.int32)
-        return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        return sample_tokens(logits, keys, self.sampling, self.pad_id)
 
     def _decode(
         self,
@@ -227,6 +222,18 @@ class Generator:
         )
         out = jax.lax.while_loop(cond, body, init)
         return out[4], out[5], out[6], out[7]
+
+
+def sample_tokens(
+    logits: jax.Array, keys: jax.Array, sampling: SamplingParams, pad_id: int
+) -> tuple[jax.Array, jax.Array]:
+    """Tokens [B] int32 and their untruncated log-probs [B] from logits [B, V], one RNG key
+    per row. The pad id is never sampled."""
+    scaled = logits / sampling.temperature
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    allowed = _truncate(scaled.at[:, pad_id].set(-jnp.inf), sampling)
+    tokens = jax.vmap(jax.random.categorical)(keys, allowed).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def _check_sampling(s: SamplingParams) -> None:

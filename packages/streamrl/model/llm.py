@@ -1,0 +1,464 @@
+"""Flax Linen decoder of the Qwen2/Qwen2.5, Qwen3 and Llama 3 families, exact to transformers.
+
+One module tree serves all three families; a `ModelSpec` switches the differences (q/k/v
+biases for Qwen2, per-head q/k RMSNorm for Qwen3, the RoPE scaling of Llama 3.1 or YaRN,
+a tied or separate output head). Parameters mirror the Hugging Face names, so a checkpoint
+tensor maps to one leaf by a rule (`checkpoint.hf_name`):
+
+    model.layers.3.self_attn.q_proj.weight [out, in]
+        <-> params["model"]["layers_3"]["self_attn"]["q_proj"]["kernel"] [in, out]
+
+Dense layers are `Linear` modules holding `kernel` [in, out] (and `bias`): a LoRA adapter
+can later add its own leaves beside `kernel` in the same scope without renaming anything.
+
+Computation runs in the parameters' dtype (float32 by default; bfloat16 for a bf16
+checkpoint), as transformers does, with RMSNorm statistics, RoPE angles and the attention
+softmax in float32; logits come back as float32.
+
+Decoding uses a `KVCache` of S slots per row. Each call writes its T new keys and values at
+per-row slots `write_pos[b, t]` and then attends over all S slots under the caller's mask,
+so every row of a batch (a continuous-batching pool of sequences) can sit at its own length
+while all shapes stay static under jit.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, cast
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from streamrl.model.spec import ModelSpec, RopeScaling
+
+__all__ = [
+    "CausalLM",
+    "KVCache",
+    "Params",
+    "causal_logits",
+    "causal_mask",
+    "forward",
+    "init_cache",
+    "init_params",
+    "param_shapes",
+    "rope_frequencies",
+]
+
+Params = Any  # nested dict of jax arrays, {"model": {...}, "lm_head": {...}} (see module doc)
+DType = Any
+
+# Finite, so that a fully masked query row (a padding slot) gives a uniform softmax over
+# garbage instead of NaN; such rows are never read.
+_MASKED = float(np.finfo(np.float32).min)
+
+
+class KVCache(flax.struct.PyTreeNode):
+    """Keys and values of every layer: k[i], v[i] are [B, S, num_kv_heads, head_dim].
+
+    Keys are stored after RoPE (and Qwen3's k_norm), so a slot never needs re-rotating.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def init_cache(spec: ModelSpec, batch: int, length: int, dtype: DType = jnp.float32) -> KVCache:
+    """An all-zero cache of `length` slots for each of `batch` rows."""
+    zeros = jnp.zeros((batch, length, spec.num_key_value_heads, spec.head_dim), dtype)
+    layers = spec.num_hidden_layers
+    return KVCache(k=(zeros,) * layers, v=(zeros,) * layers)
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE. Frequencies are computed once per spec in NumPy float32 with the same operations,
+# in the same order, as transformers' torch float32 code (`_compute_*_parameters`), so the
+# angles agree to the last bit or two.
+
+
+def rope_frequencies(spec: ModelSpec) -> tuple[np.ndarray, float]:
+    """(inv_freq [head_dim / 2] float32, attention scaling applied to cos and sin)."""
+    dim = spec.head_dim
+    pos_freqs = spec.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32), 1.0
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    return _yarn_inv_freq(spec, pos_freqs, scaling)
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth band between."""
+    assert s.low_freq_factor is not None and s.high_freq_factor is not None
+    assert s.original_max_position_embeddings is not None
+    old_len = float(s.original_max_position_embeddings)
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    spec: ModelSpec, pos_freqs: np.ndarray, s: RopeScaling
+) -> tuple[np.ndarray, float]:
+    """YaRN: interpolate low frequencies, keep high ones, a linear ramp between."""
+    assert s.original_max_position_embeddings is not None
+    dim, base, factor = spec.head_dim, spec.rope_theta, s.factor
+    attention = s.attention_factor
+    if attention is None:
+        if s.mscale and s.mscale_all_dim:
+            attention = _yarn_mscale(factor, s.mscale) / _yarn_mscale(factor, s.mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast = s.beta_fast or 32
+    beta_slow = s.beta_slow or 1
+
+    def correction_dim(rotations: float) -> float:
+        ratio = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return (dim * math.log(ratio)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.truncate is None or s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp.astype(np.float32)
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (factor * pos_freqs)
+    inv_freq = inv_inter * (1 - extrapolation) + inv_extra * extrapolation
+    return inv_freq.astype(np.float32), float(attention)
+
+
+def rope_cos_sin(
+    spec: ModelSpec, positions: jax.Array, dtype: DType
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, head_dim] for positions [B, T] (rotate-half layout), in `dtype`."""
+    inv_freq, scaling = rope_frequencies(spec)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return (jnp.cos(emb) * scaling).astype(dtype), (jnp.sin(emb) * scaling).astype(dtype)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, D] rotated: x * cos + rotate_half(x) * sin (cos, sin [B, T, D])."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ---------------------------------------------------------------------------------------
+# Modules. Initialisers here only fix shapes (`param_shapes` runs `init` abstractly);
+# values come from `init_params` or a checkpoint.
+
+
+class Linear(nn.Module):
+    """y [..., features] = x [..., in] @ kernel [in, features] (+ bias [features])."""
+
+    features: int
+    use_bias: bool
+    dtype: DType
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = (x.shape[-1], self.features)
+        kernel = self.param("kernel", nn.initializers.zeros_init(), shape, self.dtype)
+        y = x @ kernel
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x) over the last axis; statistics in float32, as transformers does."""
+
+    eps: float
+    dtype: DType
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.initializers.ones_init(), (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        return weight * (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+
+
+class Embed(nn.Module):
+    """Token embedding [V, H]; `attend` is the tied output projection."""
+
+    num_embeddings: int
+    features: int
+    dtype: DType
+
+    def setup(self) -> None:
+        shape = (self.num_embeddings, self.features)
+        self.embedding = self.param("embedding", nn.initializers.zeros_init(), shape, self.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return x @ self.embedding.T
+
+
+LayerKV = tuple[jax.Array, jax.Array]
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention: q [B, T, Hq, D], k/v [B, S, Hkv, D], mask [B, T, S] -> [B, T, Hq*D].
+
+    Query head h reads key/value head h // (Hq / Hkv), transformers' `repeat_kv` order.
+    """
+    b, t, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(b, t, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * dim**-0.5, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, heads * dim)
+
+
+class Attention(nn.Module):
+    """Self-attention; with a cache, new keys/values are scattered in before attending."""
+
+    spec: ModelSpec
+    dtype: DType
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: LayerKV | None,
+        write_pos: jax.Array | None,
+    ) -> tuple[jax.Array, LayerKV | None]:
+        s, dt = self.spec, self.dtype
+        b, t, _ = x.shape
+        q_heads, kv_heads, dim = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        q = Linear(q_heads * dim, s.attention_bias, dt, name="q_proj")(x)
+        k = Linear(kv_heads * dim, s.attention_bias, dt, name="k_proj")(x)
+        v = Linear(kv_heads * dim, s.attention_bias, dt, name="v_proj")(x)
+        q = q.reshape(b, t, q_heads, dim)
+        k = k.reshape(b, t, kv_heads, dim)
+        v = v.reshape(b, t, kv_heads, dim)
+        if s.qk_norm:
+            q = RMSNorm(s.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(s.rms_norm_eps, dt, name="k_norm")(k)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
+        new_kv = None
+        if kv is not None:
+            assert write_pos is not None
+            rows = jnp.arange(b)[:, None]
+            # mode="drop": a write at slot >= S is discarded, a cheap way to park padding.
+            k_all = kv[0].at[rows, write_pos].set(k.astype(kv[0].dtype), mode="drop")
+            v_all = kv[1].at[rows, write_pos].set(v.astype(kv[1].dtype), mode="drop")
+            new_kv = (k_all, v_all)
+            k, v = k_all.astype(dt), v_all.astype(dt)
+        out = _attend(q, k, v, mask)
+        return Linear(s.hidden_size, s.o_proj_bias, dt, name="o_proj")(out), new_kv
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    spec: ModelSpec
+    dtype: DType
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        size, dt = self.spec.intermediate_size, self.dtype
+        gate = Linear(size, False, dt, name="gate_proj")(x)
+        up = Linear(size, False, dt, name="up_proj")(x)
+        return Linear(self.spec.hidden_size, False, dt, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    spec: ModelSpec
+    dtype: DType
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: LayerKV | None,
+        write_pos: jax.Array | None,
+    ) -> tuple[jax.Array, LayerKV | None]:
+        eps, dt = self.spec.rms_norm_eps, self.dtype
+        h = RMSNorm(eps, dt, name="input_layernorm")(x)
+        a, new_kv = Attention(self.spec, dt, name="self_attn")(h, cos, sin, mask, kv, write_pos)
+        x = x + a
+        h = RMSNorm(eps, dt, name="post_attention_layernorm")(x)
+        return x + MLP(self.spec, dt, name="mlp")(h), new_kv
+
+
+class DecoderStack(nn.Module):
+    """HF's `model`: embed_tokens, layers_{i}, norm. Returns final hidden states [B, T, H]."""
+
+    spec: ModelSpec
+    dtype: DType
+
+    def setup(self) -> None:
+        s, dt = self.spec, self.dtype
+        self.embed_tokens = Embed(s.vocab_size, s.hidden_size, dt)
+        # A list attribute names its members layers_0, layers_1, ...
+        self.layers = [DecoderLayer(s, dt) for _ in range(s.num_hidden_layers)]
+        self.norm = RMSNorm(s.rms_norm_eps, dt)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: tuple[LayerKV, ...] | None,
+        write_pos: jax.Array | None,
+    ) -> tuple[jax.Array, tuple[LayerKV, ...] | None]:
+        x = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.spec, positions, self.dtype)
+        new_kv: list[LayerKV] = []
+        for i, layer in enumerate(self.layers):
+            x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], write_pos)
+            if layer_kv is not None:
+                new_kv.append(layer_kv)
+        return self.norm(x), (tuple(new_kv) if kv is not None else None)
+
+
+class CausalLM(nn.Module):
+    """tokens [B, T] -> logits [B, T, V] in `dtype`, plus the updated per-layer keys/values."""
+
+    spec: ModelSpec
+    dtype: DType
+
+    def setup(self) -> None:
+        self.model = DecoderStack(self.spec, self.dtype)
+        if not self.spec.tie_word_embeddings:
+            self.lm_head = Linear(self.spec.vocab_size, False, self.dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: tuple[LayerKV, ...] | None = None,
+        write_pos: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[LayerKV, ...] | None]:
+        h, new_kv = self.model(tokens, positions, mask, kv, write_pos)
+        if self.spec.tie_word_embeddings:
+            return self.model.embed_tokens.attend(h), new_kv
+        return self.lm_head(h), new_kv
+
+
+# ---------------------------------------------------------------------------------------
+# Functional API.
+
+
+def param_shapes(spec: ModelSpec, dtype: DType = jnp.float32) -> Params:
+    """The parameter pytree with jax.ShapeDtypeStruct leaves (traced abstractly; nothing runs)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    mask = jax.ShapeDtypeStruct((1, 1, 1), jnp.bool_)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    variables = jax.eval_shape(CausalLM(spec, dtype).init, key, tokens, tokens, mask)
+    return variables["params"]
+
+
+def init_params(
+    spec: ModelSpec, seed: int, dtype: DType = jnp.float32, *, std: float = 0.02
+) -> Params:
+    """Random parameters; the same (spec, seed) gives the same values in any process.
+
+    Norm weights are 1, biases 0, every matrix N(0, std^2). Values are drawn with NumPy, one
+    generator per parameter seeded by (seed, crc32 of its path): Flax's own `init` would
+    compile one XLA random kernel per parameter, seconds on a CPU at every start.
+    """
+
+    def draw(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        name = "/".join(str(getattr(p, "key", p)) for p in path)
+        kind = name.rsplit("/", 1)[-1]
+        if kind == "weight":
+            return jnp.ones(leaf.shape, dtype)
+        if kind == "bias":
+            return jnp.zeros(leaf.shape, dtype)
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        value = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(std)
+        return jnp.asarray(value, dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(spec, dtype))
+
+
+def causal_mask(length: int) -> jax.Array:
+    """[1, L, L] bool: query t sees keys 0..t."""
+    return jnp.tril(jnp.ones((length, length), jnp.bool_))[None]
+
+
+def forward(
+    params: Params,
+    spec: ModelSpec,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    cache: KVCache | None = None,
+    write_pos: jax.Array | None = None,
+    attn_mask: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Logits [B, T, V] float32 of tokens [B, T] int32 at RoPE positions [B, T] int32.
+
+    Without a cache the T tokens attend among themselves under attn_mask [B, T, T] bool
+    (default: causal). With a cache (S slots per row), each token's key and value are
+    first written at slot write_pos[b, t] of row b ([B, T] int32; a slot >= S drops the
+    write), then every query attends over the S slots under attn_mask [B, T, S] bool, which
+    is then required and must admit the slots just written. Returns the updated cache, or
+    None. Under jit pass `spec` as a static argument; the cache keeps its own dtype.
+    """
+    b, t = tokens.shape
+    kv: tuple[LayerKV, ...] | None = None
+    if cache is None:
+        if attn_mask is None:
+            attn_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    else:
+        if write_pos is None or attn_mask is None:
+            raise ValueError("forward with a cache needs write_pos [B, T] and attn_mask [B, T, S]")
+        kv = tuple(zip(cache.k, cache.v, strict=True))
+    dtype = params["model"]["embed_tokens"]["embedding"].dtype
+    out = CausalLM(spec, dtype).apply(
+        {"params": params}, tokens, positions, attn_mask, kv, write_pos
+    )
+    logits, new_kv = cast(tuple[jax.Array, tuple[LayerKV, ...] | None], out)
+    new_cache = None
+    if new_kv is not None:
+        new_cache = KVCache(k=tuple(k for k, _ in new_kv), v=tuple(v for _, v in new_kv))
+    return logits.astype(jnp.float32), new_cache
+
+
+def causal_logits(params: Params, spec: ModelSpec, tokens: jax.Array) -> jax.Array:
+    """Logits [B, L, V] float32 of tokens [B, L] (positions 0..L-1, causal, no cache).
+
+    Right padding never changes the logits of earlier positions, so no padding mask is needed.
+    """
+    b, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    logits, _ = forward(params, spec, tokens, positions)
+    return logits

@@ -1,0 +1,183 @@
+"""The continuous-batching engine with a real (tiny, random) model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from streamrl.model.engine import Engine, EngineConfig
+from streamrl.model.generate import GenRequest, SamplingParams
+from streamrl.model.llm import causal_logits, init_params
+from streamrl.model.spec import ModelSpec
+
+SPEC = ModelSpec.from_config(
+    {
+        "model_type": "qwen2",
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    }
+)
+PARAMS = init_params(SPEC, 0, std=0.3)  # a peaked random model: varied but not uniform
+SAMPLING = SamplingParams(temperature=0.8, top_p=1.0, top_k=0)
+STOP = 5
+
+
+ENGINES: dict[SamplingParams, Engine] = {}
+
+
+def engine(sampling: SamplingParams = SAMPLING) -> Engine:
+    """One engine per sampling setting for the module: each compiles its own programs
+    (seconds on a CPU), and an idle engine is as good as new."""
+    if sampling not in ENGINES:
+        cfg = EngineConfig(
+            num_slots=8,
+            kv_cache_size=160,
+            max_prompt_length=96,
+            max_new_tokens=24,
+            sampling=sampling,
+            stop_ids=(STOP,),
+            pad_id=0,
+            decode_chunk=4,
+        )
+        ENGINES[sampling] = Engine(SPEC, PARAMS, cfg)
+    assert not ENGINES[sampling].has_work()
+    return ENGINES[sampling]
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(6, 97, n).tolist()
+
+
+_causal = jax.jit(causal_logits, static_argnums=1)
+
+
+def plain_logits(tokens: list[int]) -> jax.Array:
+    """Logits [len, V] of a plain causal forward (right-padded to 160: one compile)."""
+    padded = jnp.zeros((1, 160), jnp.int32).at[0, : len(tokens)].set(jnp.asarray(tokens))
+    return _causal(PARAMS, SPEC, padded)[0, : len(tokens)]
+
+
+def reference_logprobs(tokens: list[int], temperature: float) -> np.ndarray:
+    """log softmax(logits/T) of each token given the ones before it, by a plain forward."""
+    logits = plain_logits(tokens) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return np.asarray(logp[jnp.arange(len(tokens) - 1), jnp.asarray(tokens[1:])])
+
+
+def test_logprobs_match_a_plain_forward() -> None:
+    reqs = [GenRequest(prompt(i, 10 + 7 * i), 24, seed=i) for i in range(5)]
+    for req, res in zip(reqs, engine().generate(reqs), strict=True):
+        full = req.prompt + res.tokens
+        ref = reference_logprobs(full, SAMPLING.temperature)[len(req.prompt) - 1 :]
+        np.testing.assert_allclose(res.logprobs, ref, atol=1e-4)
+
+
+def test_same_sample_alone_batched_or_joining_late() -> None:
+    reqs = [GenRequest(prompt(i, 5 + 13 * i), 24, seed=100 + i) for i in range(6)]
+    alone = [engine().generate([r])[0] for r in reqs]
+    batched = engine().generate(reqs)
+    # Continuous: half start, a few steps run, then the rest join mid-flight.
+    e = engine()
+    handles = [e.submit(r) for r in reqs[:3]]
+    done = dict(e.step())
+    done.update(e.step())
+    handles += [e.submit(r) for r in reqs[3:]]
+    while len(done) < len(reqs):
+        done.update(e.step())
+    late = [done[h] for h in handles]
+    for a, b, c in zip(alone, batched, late, strict=True):
+        assert a.tokens == b.tokens == c.tokens
+        # float32 sums in other batch shapes: equal to rounding
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+        np.testing.assert_allclose(a.logprobs, c.logprobs, atol=1e-4)
+
+
+def test_group_members_share_a_prefill() -> None:
+    p = prompt(7, 40)
+    group = [GenRequest(p, 24, seed=s) for s in range(4)]
+    e = engine()
+    prefills, copies = e.prefills, e.slot_copies
+    shared = e.generate(group)
+    assert (e.prefills - prefills, e.slot_copies - copies) == (1, 3)  # prefilled once
+    alone = [engine().generate([r])[0] for r in group]
+    assert [r.tokens for r in shared] == [r.tokens for r in alone]
+    assert len({tuple(r.tokens) for r in shared}) > 1  # members sample independently
+
+
+def test_stop_tokens_and_budget() -> None:
+    e = engine()
+    res = e.generate([GenRequest(prompt(i, 12), 24, seed=i) for i in range(16)])
+    for r in res:
+        assert len(r.tokens) <= 24
+        if r.stopped:
+            assert r.tokens[-1] == STOP and STOP not in r.tokens[:-1]
+        else:
+            assert len(r.tokens) == 24 and STOP not in r.tokens
+
+
+def test_greedy_is_argmax() -> None:
+    greedy = SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
+    req = GenRequest(prompt(3, 20), 8, seed=0)
+    [r] = engine(sampling=greedy).generate([req])
+    seq = list(req.prompt)
+    for tok in r.tokens:
+        logits = plain_logits(seq)[-1]
+        logits = logits.at[0].set(-jnp.inf)  # the pad id is never sampled
+        assert tok == int(jnp.argmax(logits))
+        seq.append(tok)
+
+
+def test_steady_state_compiles_nothing() -> None:
+    e = engine()
+    reqs = [GenRequest(prompt(i, 30), 24, seed=i) for i in range(8)]
+    e.generate(reqs)
+    before = dict(e.compile_counts)
+    e.generate([GenRequest(prompt(50 + i, 30), 24, seed=i) for i in range(8)])
+    assert e.compile_counts == before
+
+
+def test_stop_strings_cut_the_sample() -> None:
+    detok = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    e = Engine(
+        SPEC,
+        PARAMS,
+        EngineConfig(
+            num_slots=4,
+            kv_cache_size=160,
+            max_prompt_length=96,
+            max_new_tokens=24,
+            sampling=SAMPLING,
+            stop_ids=(),
+            pad_id=0,
+            decode_chunk=8,
+            stop_strings=("x",),
+        ),
+        detokenize=lambda ids: detok(ids) + ("x" if len(ids) >= 3 else ""),
+    )
+    [r] = e.generate([GenRequest(prompt(1, 10), 24, seed=1)])
+    assert r.stopped and len(r.tokens) == 3 and len(r.logprobs) == 3
+
+
+def test_sizes_are_validated_together() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"max_prompt_length \(100\) \+ max_response_length "
+        r"\(64\) = 164 exceeds kv_cache_size \(160\)",
+    ):
+        EngineConfig(
+            num_slots=1,
+            kv_cache_size=160,
+            max_prompt_length=100,
+            max_new_tokens=64,
+            sampling=SAMPLING,
+            stop_ids=(),
+            pad_id=0,
+        )
+    with pytest.raises(ValueError, match=r"prompt of 97 tokens exceeds max_prompt_length \(96\)"):
+        engine().submit(GenRequest(prompt(0, 97), 4, seed=0))
