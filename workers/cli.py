@@ -12,6 +12,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
+from streamrl_workers import generate
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -37,11 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(w)
     w.add_argument("--index", type=int, default=0, help="replica index of this worker")
     w.add_argument("--burst", action="store_true", help="exit once the input is drained")
+    generate.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return generate.main(args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:

@@ -4,41 +4,52 @@ from __future__ import annotations
 
 import asyncio
 
+import jax.numpy as jnp
 import redis.asyncio as aioredis
 
-from streamrl.chat import ChatFormat
-from streamrl.model.decoder import init_params
-from streamrl.model.generate import Generator, SamplingParams
+from streamrl.hfchat import HFChat
+from streamrl.model.checkpoint import load_checkpoint
+from streamrl.model.engine import Engine, EngineConfig
+from streamrl.model.sampling import SamplingParams
+from streamrl.model.sharding import make_mesh
+from streamrl.model.tiny import ensure_checkpoint
 from streamrl.model.weights import read_weights
+from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.server import ModelServer
 from streamrl.rollout.weights import WeightFollower
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.runtime import WorkerContext
-from streamrl.tokenizer import CharTokenizer
 from streamrl.tools.client import ToolClient
 from streamrl.wire import Weights
 
-MIN_BATCH = 8
+
+def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
+    cfg, r = ctx.cfg, ctx.cfg.rollout
+    ckpt = ensure_checkpoint(cfg)
+    chat = HFChat.from_dir(ckpt)
+    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    # The checkpoint gives the structure published weights decode into; the values the
+    # engine serves come from the trainer (version 0 onwards).
+    spec, params = load_checkpoint(ckpt, dtype)
+    engine_cfg = EngineConfig(
+        num_slots=r.max_batch_size,
+        kv_cache_size=r.kv_cache_size,
+        max_prompt_length=r.kv_cache_size - 1,  # later turns: the whole conversation so far
+        max_new_tokens=r.max_turn_tokens,
+        sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        stop_ids=tuple(chat.stop_ids),
+        pad_id=chat.pad_id,
+        decode_chunk=r.decode_chunk,
+    )
+    mesh = make_mesh(r.mesh_data, r.mesh_tensor) if r.mesh_data * r.mesh_tensor > 1 else None
+    return chat, Engine(spec, params, engine_cfg, dtype=dtype, mesh=mesh)
 
 
 async def _main(ctx: WorkerContext) -> None:
-    cfg, r = ctx.cfg, ctx.cfg.rollout
-    tok = CharTokenizer()
-    chat = ChatFormat(tok)
-    # The structure published weights are decoded into; the values come from the trainer.
-    template = init_params(cfg.model, tok.vocab_size, cfg.run.seed)
-    generator = Generator(
-        cfg.model,
-        tok.vocab_size,
-        chat.stop_ids,
-        tok.pad_id,
-        r.max_turn_tokens,
-        SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
-        # Fewer batch buckets, fewer compiles (~2.5 s each on a CPU); small batches pad up.
-        min_batch=min(MIN_BATCH, r.max_batch_size),
-    )
-    server = ModelServer(generator, template, -1, r.max_batch_size, r.batch_wait_ms, ctx.log)
+    cfg = ctx.cfg
+    chat, engine = build_engine(ctx)
+    template = engine.params
+    server = EngineServer(engine, -1, ctx.log)
     aclient = aioredis.Redis.from_url(ctx.redis_url)
 
     def load(msg: Weights) -> object:
@@ -52,7 +63,9 @@ async def _main(ctx: WorkerContext) -> None:
         cfg=cfg,
         consumer=ctx.consumer,
         server=server,
-        runner=EpisodeRunner(server, tok, r, cfg.run.seed, ctx.worker_id, ctx.log),
+        runner=EpisodeRunner(
+            server, chat.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log
+        ),
         tools=ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log),
         follower=follower,
         log=ctx.log,
@@ -64,7 +77,8 @@ async def _main(ctx: WorkerContext) -> None:
         ctx.log.info(
             "rollout_stop",
             episodes=worker.started,
-            batches=server.batches,
+            engine_steps=server.steps,
+            tokens=engine.tokens_generated,
             weight_syncs=follower.syncs,
             weights_refused=follower.refused,
         )

@@ -1,13 +1,10 @@
-"""Chat layout in token ids, and parsing of the policy's turns.
+"""An episode's transcript in token ids, and parsing of the policy's turns.
 
 Episodes are token-in, token-out: a conversation is kept as token ids and extended turn by
-turn, never re-rendered from text, so the tokens trained on are exactly the tokens sampled.
-Tool calls use the Hermes/Qwen form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-the final answer is `<answer>...</answer>`.
-
-Layout of an episode:
-    <|user|> prompt <|end|> <|assistant|>  sampled... <|end|>
-    <|tool|> result <|end|> <|assistant|>  sampled... <|end|>
+turn, never re-rendered from text, so the tokens trained on are exactly the tokens sampled
+(the chat template's pieces come from `streamrl.hfchat`). Tool calls use the Hermes/Qwen
+form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the final answer is
+`<answer>...</answer>`.
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-
-from streamrl.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -96,29 +91,3 @@ class Transcript:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-
-class ChatFormat:
-    """Builds the template pieces of an episode as token ids."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
-        self.user = tokenizer.token_id("<|user|>")
-        self.assistant = tokenizer.token_id("<|assistant|>")
-        self.tool = tokenizer.token_id("<|tool|>")
-        self.end = tokenizer.token_id("<|end|>")
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """Tokens that end a model turn."""
-        return (self.end,)
-
-    def prompt(self, user_text: str) -> list[int]:
-        return [self.user, *self.tok.encode(user_text), self.end, self.assistant]
-
-    def tool_results(self, results: list[str]) -> list[int]:
-        return [self.tool, *self.tok.encode("\n".join(results)), self.end, self.assistant]
-
-    def assistant_turn(self, text: str) -> list[int]:
-        """Ids of a whole assistant turn as the policy would sample it (demonstrations)."""
-        return [*self.tok.encode(text), self.end]

@@ -100,26 +100,45 @@ class TaskConfig(_Section):
 
 
 class ModelConfig(_Section):
-    d_model: int = Field(64, ge=8, le=8192, description="Hidden size.")
-    num_layers: int = Field(2, ge=1, le=128, description="Decoder blocks.")
-    num_heads: int = Field(4, ge=1, le=128, description="Query heads.")
-    num_kv_heads: int = Field(2, ge=1, le=128, description="Key/value heads (grouped-query).")
-    d_ff: int = Field(192, ge=8, le=65536, description="SwiGLU hidden size.")
-    max_seq_len: int = Field(
-        256, ge=16, le=131072, description="Longest sequence (prompt plus all turns), tokens."
-    )
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    init: Literal["random", "warmstart"] = Field(
-        "warmstart",
+    checkpoint: str = Field(
+        "",
         description=(
-            "Initial policy: random weights, or a short supervised warm start on the task's "
-            "demonstrations (the stand-in for an instruct checkpoint)."
+            "Hugging Face checkpoint directory (config.json, safetensors, tokenizer, chat "
+            "template) of a Qwen2/Qwen2.5, Qwen3 or Llama 3 model; empty: the built-in tiny "
+            "model, built locally from the fields below."
+        ),
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter and compute dtype of the policy."
+    )
+    family: Literal["qwen2", "qwen3", "llama"] = Field(
+        "qwen2", description="Built-in tiny model only: architecture family."
+    )
+    d_model: int = Field(64, ge=8, le=8192, description="Built-in tiny model only: hidden size.")
+    num_layers: int = Field(2, ge=1, le=128, description="Built-in tiny model only: blocks.")
+    num_heads: int = Field(4, ge=1, le=128, description="Built-in tiny model only: query heads.")
+    num_kv_heads: int = Field(
+        2, ge=1, le=128, description="Built-in tiny model only: key/value heads."
+    )
+    d_ff: int = Field(192, ge=8, le=65536, description="Built-in tiny model only: MLP size.")
+    max_seq_len: int = Field(
+        512, ge=16, le=131072, description="Built-in tiny model only: longest sequence."
+    )
+    rope_theta: float = Field(
+        10000.0, gt=0, description="Built-in tiny model only: RoPE base frequency."
+    )
+    init: Literal["checkpoint", "warmstart"] = Field(
+        "checkpoint",
+        description=(
+            "Initial policy: the checkpoint's weights as they are, or those plus a short "
+            "supervised warm start on the task's demonstrations (what the random built-in "
+            "tiny model needs before RL can start)."
         ),
     )
     warmstart_steps: int = Field(
-        1500, ge=1, le=1_000_000, description="Supervised steps of the warm start."
+        2000, ge=1, le=1_000_000, description="Supervised steps of the warm start."
     )
-    warmstart_batch: int = Field(8, ge=1, le=4096, description="Sequences per warm-start step.")
+    warmstart_batch: int = Field(4, ge=1, le=4096, description="Sequences per warm-start step.")
     warmstart_lr: float = Field(2e-3, gt=0, le=1.0, description="Warm-start learning rate.")
     warmstart_error_rate: float = Field(
         0.3,
@@ -127,9 +146,12 @@ class ModelConfig(_Section):
         le=1,
         description="Fraction of warm-start demonstrations that answer wrongly (room for RL).",
     )
-    warmstart_cache: str = Field(
+    cache_dir: str = Field(
         "",
-        description="Directory caching warm starts by config hash (empty: ~/.cache/streamrl).",
+        description=(
+            "Where the built-in checkpoint and warm starts are cached by content hash "
+            "(empty: ~/.cache/streamrl)."
+        ),
     )
 
     @model_validator(mode="after")
@@ -157,16 +179,34 @@ class RolloutConfig(_Section):
     max_concurrency: int = Field(16, ge=1, le=4096, description="Episodes running at once.")
     max_steps: int = Field(3, ge=1, le=1000, description="Model turns per episode at most.")
     max_prompt_length: int = Field(
-        64, ge=1, le=131072, description="Longest task prompt in tokens (longer: episode error)."
+        128,
+        ge=1,
+        le=131072,
+        description="Longest first prompt (system, tools, task) in tokens; longer: episode error.",
+    )
+    max_response_length: int = Field(
+        128,
+        ge=1,
+        le=131072,
+        description="Tokens an episode may add after its prompt: all turns and tool results.",
     )
     max_turn_tokens: int = Field(
         48, ge=1, le=131072, description="New tokens one model turn may sample."
     )
-    max_episode_tokens: int = Field(
-        192,
-        ge=1,
+    kv_cache_size: int = Field(
+        256,
+        ge=2,
         le=131072,
-        description="Token limit of an episode: prompt, sampled and tool tokens together.",
+        description="Positions of one KV-cache slot: at least prompt plus response length.",
+    )
+    decode_chunk: int = Field(
+        8, ge=1, le=1024, description="Decode steps per device call of the engine."
+    )
+    mesh_data: int = Field(
+        1, ge=1, le=4096, description="Devices along the mesh's data axis (KV slots split)."
+    )
+    mesh_tensor: int = Field(
+        1, ge=1, le=4096, description="Devices along the mesh's tensor axis (heads split)."
     )
     episode_timeout_s: float = Field(
         60.0, gt=0, le=86400, description="Wall-clock limit of one episode."
@@ -181,10 +221,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
     top_k: int = Field(0, ge=0, le=1_000_000, description="Top-k sampling (0: off).")
     max_batch_size: int = Field(
-        32, ge=1, le=4096, description="Model calls batched into one device call at most."
-    )
-    batch_wait_ms: float = Field(
-        5.0, ge=0, le=10_000, description="How long a model call waits for others to batch with."
+        32, ge=1, le=4096, description="KV-cache slots: sequences the engine decodes together."
     )
     max_ready_groups: int = Field(
         64,
@@ -201,10 +238,17 @@ class RolloutConfig(_Section):
                 f"rollout.num_generations ({self.num_generations}): a task's episodes start "
                 "together"
             )
-        if self.max_prompt_length >= self.max_episode_tokens:
+        total = self.max_prompt_length + self.max_response_length
+        if total > self.kv_cache_size:
             raise ValueError(
-                f"rollout.max_prompt_length ({self.max_prompt_length}) must be below "
-                f"rollout.max_episode_tokens ({self.max_episode_tokens})"
+                f"rollout.max_prompt_length ({self.max_prompt_length}) + "
+                f"rollout.max_response_length ({self.max_response_length}) = {total} exceeds "
+                f"rollout.kv_cache_size ({self.kv_cache_size})"
+            )
+        if self.max_turn_tokens >= self.kv_cache_size:
+            raise ValueError(
+                f"rollout.max_turn_tokens ({self.max_turn_tokens}) must be below "
+                f"rollout.kv_cache_size ({self.kv_cache_size})"
             )
         return self
 
@@ -266,6 +310,15 @@ class TrainerConfig(_Section):
         5, ge=1, le=1_000_000, description="Write an Orbax checkpoint every N steps."
     )
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Checkpoints kept on disk.")
+    export_every: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Export the policy as a Hugging Face checkpoint to RUN_DIR/export every N steps "
+            "(0: at the end of the run only)."
+        ),
+    )
     max_steps: int = Field(
         0, ge=0, le=100_000_000, description="Stop after this many steps (0: run until stopped)."
     )
@@ -296,10 +349,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _lengths(self) -> Config:
-        if self.rollout.max_episode_tokens > self.model.max_seq_len:
+        if not self.model.checkpoint and self.rollout.kv_cache_size > self.model.max_seq_len:
             raise ValueError(
-                f"rollout.max_episode_tokens ({self.rollout.max_episode_tokens}) exceeds "
-                f"model.max_seq_len ({self.model.max_seq_len})"
+                f"rollout.kv_cache_size ({self.rollout.kv_cache_size}) exceeds "
+                f"model.max_seq_len ({self.model.max_seq_len}) of the built-in model"
             )
         return self
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from streamrl.chat import ChatFormat, ParsedTurn, parse_turn
+from streamrl.chat import ParsedTurn, parse_turn
 
 Message = dict[str, Any]
 Tools = list[dict[str, Any]]
@@ -77,7 +77,7 @@ class Dialogue(Protocol):
 class HFChat:
     """A Hugging Face tokenizer with its chat template, as token-in, token-out chat.
 
-    Satisfies `streamrl.tokenizer.Tokenizer` as well (`vocab_size`, `pad_id`, `encode`,
+    Also a tokenizer (`vocab_size`, `pad_id`, `encode`,
     `decode`, `token_id`), so the generator and the episode loop can take it in place of
     the character tokenizer.
     """
@@ -294,24 +294,6 @@ class HFDialogue:
         ids = self.chat.continuation_ids(self.messages, new, self.tools)
         self.messages.extend(new)
         return ids
-
-
-class CharDialogue:
-    """`Dialogue` over the character `ChatFormat`, which has no template state to keep."""
-
-    def __init__(self, fmt: ChatFormat) -> None:
-        self.fmt = fmt
-
-    def prompt(self, user_text: str) -> list[int]:
-        return self.fmt.prompt(user_text)
-
-    def assistant(self, ids: list[int]) -> str:
-        if ids and ids[-1] in self.fmt.stop_ids:
-            ids = ids[:-1]
-        return self.fmt.tok.decode(ids)
-
-    def tool_results(self, results: list[str]) -> list[int]:
-        return self.fmt.tool_results(results)
 
 
 def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

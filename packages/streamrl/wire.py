@@ -10,7 +10,7 @@ a list of Python ints is several times larger and slower to encode for long epis
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypedDict, TypeVar
 
 import msgspec
 import numpy as np
@@ -86,7 +86,15 @@ class Trajectory(Message, frozen=True, kw_only=True):
         return max(self.versions) if self.versions else -1
 
 
-def pack_arrays(tokens: Any, loss_mask: Any, logprobs: Any) -> dict[str, bytes]:
+class ArrayFields(TypedDict):
+    """The array fields of a Trajectory, as raw little-endian bytes."""
+
+    tokens: bytes
+    loss_mask: bytes
+    logprobs: bytes
+
+
+def pack_arrays(tokens: Any, loss_mask: Any, logprobs: Any) -> ArrayFields:
     """Array fields of a Trajectory from anything numpy can read."""
     t = np.asarray(tokens, dtype="<i4")
     m = np.asarray(loss_mask, dtype=np.uint8)
@@ -95,7 +103,7 @@ def pack_arrays(tokens: Any, loss_mask: Any, logprobs: Any) -> dict[str, bytes]:
         raise ValueError(
             f"trajectory arrays must be 1-D and aligned: {t.shape} {m.shape} {lp.shape}"
         )
-    return {"tokens": t.tobytes(), "loss_mask": m.tobytes(), "logprobs": lp.tobytes()}
+    return ArrayFields(tokens=t.tobytes(), loss_mask=m.tobytes(), logprobs=lp.tobytes())
 
 
 class Group(Message, frozen=True, kw_only=True):

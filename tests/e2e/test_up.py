@@ -69,7 +69,7 @@ def test_up_runs_the_pipeline(tmp_path: Path, warm_cache: str) -> None:
     proc = up(
         run_dir,
         3,
-        f'model.warmstart_cache="{warm_cache}"',
+        f'model.cache_dir="{warm_cache}"',
         "rollout.max_concurrency=32",
         "trainer.publish_every=1",
     )
@@ -110,7 +110,7 @@ def test_bad_input_and_ctrl_c(
     proc = up(
         run_dir,
         1000,
-        f'model.warmstart_cache="{warm_cache}"',
+        f'model.cache_dir="{warm_cache}"',
         f"run.name={keys.ns}",
         env={"REDIS_URL": redis_url},
     )

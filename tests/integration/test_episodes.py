@@ -1,44 +1,83 @@
-"""Episode isolation with the real model and batched model server (no Redis needed)."""
+"""Episode isolation with the real model, engine and chat template (no Redis needed)."""
 
 import asyncio
+import contextlib
+import functools
+import re
 import threading
 from typing import Any
 
+import pytest
 import structlog
 
-from streamrl.chat import ChatFormat, ParsedTurn
-from streamrl.config import parse_config
-from streamrl.model.decoder import init_params
-from streamrl.model.generate import Generator, GenRequest, GenResult, SamplingParams
+from streamrl.chat import ParsedTurn
+from streamrl.config import Config, parse_config
+from streamrl.hfchat import HFChat
+from streamrl.model.checkpoint import load_checkpoint
+from streamrl.model.engine import Engine, EngineConfig
+from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
+from streamrl.model.tiny import ensure_checkpoint
+from streamrl.rollout.engine_server import EngineServer, EngineServerError
 from streamrl.rollout.env import StepResult
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.server import ModelServer, ModelServerError
-from streamrl.tokenizer import CharTokenizer
 from streamrl.wire import Task, Trajectory
 
-CFG = parse_config(
-    {
-        "model": {"d_model": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "d_ff": 64},
-        "rollout": {
-            "max_turn_tokens": 16,
-            "max_steps": 2,
-            "env_step_timeout_s": 9.0,
-            "episode_timeout_s": 30.0,
-        },
-        "tools": {"time_limit_s": 1.0, "result_margin_s": 1.0},
-    }
-)
-TOK = CharTokenizer()
 POISON = "POISON"
+GREEDY = SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
 
 
-class PoisonGenerator(Generator):
-    """A generator whose device call fails whenever a poisoned prompt is in the batch."""
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, HFChat, Any, Any]:
+    cfg = parse_config(
+        {
+            "model": {
+                "cache_dir": str(tmp_path_factory.mktemp("cache")),
+                "d_model": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "num_kv_heads": 1,
+                "d_ff": 64,
+            },
+            "rollout": {"max_turn_tokens": 16, "max_steps": 2},
+        }
+    )
+    ckpt = ensure_checkpoint(cfg)
+    spec, params = load_checkpoint(ckpt)
+    return cfg, HFChat.from_dir(ckpt), spec, _always_eos(params)
 
-    def generate(self, params: Any, requests: list[GenRequest]) -> list[GenResult]:
-        if any(POISON in TOK.decode(r.prompt) for r in requests):
-            raise RuntimeError("device call failed")
-        return super().generate(params, requests)
+
+def _always_eos(params: Any) -> Any:
+    """A degenerate but real model whose greedy choice is always id 1 (<|endoftext|>, a
+    stop id), so each turn is one real stop token and every episode reaches its
+    environment steps: every token embeds to u (id 1 to 2u), attention and MLP outputs are
+    zeroed, so the final hidden state is u/rms(u) and, with tied embeddings, id 1 scores
+    twice what every other id does."""
+    import jax.numpy as jnp
+
+    emb = params["model"]["embed_tokens"]["embedding"]
+    u = jnp.linspace(0.5, 1.5, emb.shape[1], dtype=emb.dtype)
+    params["model"]["embed_tokens"]["embedding"] = jnp.tile(u, (emb.shape[0], 1)).at[1].set(2 * u)
+    for name, layer in params["model"].items():
+        if name.startswith("layers_"):
+            layer["self_attn"]["o_proj"]["kernel"] *= 0
+            layer["mlp"]["down_proj"]["kernel"] *= 0
+    return params
+
+
+class PoisonEngine(Engine):
+    """Fails its device step whenever a poisoned prompt is in flight."""
+
+    poison: tuple[int, ...] = ()
+
+    def step(self) -> list[tuple[int, GenResult]]:
+        live = [s for s in [*self._slots, *self._waiting] if s is not None]
+        if any(self.poison and _contains(s.request.prompt, self.poison) for s in live):
+            raise RuntimeError("device step failed")
+        return super().step()
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i : i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
 
 
 class ScriptedEnv:
@@ -50,6 +89,9 @@ class ScriptedEnv:
     def prompt(self) -> str:
         return self._prompt
 
+    def tools(self) -> list[dict[str, Any]]:
+        return []
+
     async def step(self, turn: ParsedTurn, call_prefix: str) -> StepResult:
         self.turns += 1
         if self.mode == "raise":
@@ -60,6 +102,10 @@ class ScriptedEnv:
 
     async def close(self) -> None:
         return None
+
+
+def _same(env: ScriptedEnv) -> ScriptedEnv:
+    return env
 
 
 def _task(i: int) -> Task:
@@ -74,98 +120,129 @@ def _task(i: int) -> Task:
     )
 
 
-async def _run_all(envs: list[ScriptedEnv], env_step_timeout_s: float = 9.0) -> list[Trajectory]:
+async def _run_all(
+    setup: tuple[Config, HFChat, Any, Any],
+    envs: list[ScriptedEnv],
+    env_step_timeout_s: float = 9.0,
+    kv: int = 256,
+    poison: str = "",
+) -> list[Trajectory]:
+    cfg, chat, spec, params = setup
     log = structlog.get_logger()
-    # Every token stops a turn, so each turn is one sampled token and every episode reaches
-    # its environment steps whatever the random weights sample.
-    stop_ids = [t for t in range(TOK.vocab_size) if t != TOK.pad_id]
-    gen = PoisonGenerator(
-        CFG.model,
-        TOK.vocab_size,
-        stop_ids,
-        TOK.pad_id,
-        16,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=0),
+    engine = PoisonEngine(
+        spec,
+        params,
+        EngineConfig(
+            num_slots=8,
+            kv_cache_size=kv,
+            max_prompt_length=kv - 1,
+            max_new_tokens=16,
+            sampling=GREEDY,
+            stop_ids=tuple(chat.stop_ids),
+            pad_id=chat.pad_id,
+            decode_chunk=4,
+        ),
     )
-    server = ModelServer(gen, init_params(CFG.model, TOK.vocab_size, 0), 7, 8, 20.0, log)
-    rollout = CFG.rollout.model_copy(update={"env_step_timeout_s": env_step_timeout_s})
-    runner = EpisodeRunner(server, TOK, rollout, 0, "test", log)
+    engine.poison = tuple(chat.encode(poison)) if poison else ()
+    server = EngineServer(engine, 7, log)
+    rollout = cfg.rollout.model_copy(update={"env_step_timeout_s": env_step_timeout_s})
+    runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
     serving = asyncio.create_task(server.serve())
     try:
         return list(
             await asyncio.gather(
-                *(runner.run(_task(i), 0, lambda e=e: e) for i, e in enumerate(envs))
+                *(runner.run(_task(i), 0, functools.partial(_same, e)) for i, e in enumerate(envs))
             )
         )
     finally:
         serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
 
 
-def test_failures_stay_inside_their_episode() -> None:
+def test_failures_stay_inside_their_episode(setup: Any) -> None:
     threads_before = threading.active_count()
     envs = [ScriptedEnv() for _ in range(5)]
-    envs += [
-        ScriptedEnv(mode="raise"),
-        ScriptedEnv(mode="hang"),
-        ScriptedEnv(prompt=f"{POISON} 1+1"),
-    ]
-    trajs = asyncio.run(_run_all(envs, env_step_timeout_s=0.5))
-    healthy, raised, hung, poisoned = trajs[:5], trajs[5], trajs[6], trajs[7]
-    # Healthy episodes were batched with the failing ones and still completed.
+    envs += [ScriptedEnv(mode="raise"), ScriptedEnv(mode="hang")]
+    trajs = asyncio.run(_run_all(setup, envs, env_step_timeout_s=0.5))
+    healthy, raised, hung = trajs[:5], trajs[5], trajs[6]
     assert all(t.status == "ok" and t.reward == 1.0 for t in healthy)
-    assert all(t.versions == [7] * len(t.versions) and t.versions for t in healthy)
+    assert all(t.versions == [7, 7] for t in healthy)
     assert raised.status == "error" and raised.error == "ValueError: environment exploded"
     assert hung.status == "error"
     assert hung.error == "EpisodeError: environment step exceeded env_step_timeout_s (0.5s)"
-    assert poisoned.status == "error" and poisoned.error == "RuntimeError: device call failed"
-    # The hung step was cancelled, not left on a thread; the model thread is gone too.
+    # The hung step was cancelled, not left on a thread; the engine thread is gone too.
     assert threading.active_count() <= threads_before + 1
 
 
-def test_prompt_too_long_is_an_episode_error() -> None:
-    [t] = asyncio.run(_run_all([ScriptedEnv(prompt="x" * 100)]))
+def test_request_the_engine_refuses_is_an_episode_error(setup: Any) -> None:
+    """A model-side rejection (prompt plus turn do not fit the KV slot) ends that episode
+    only, with the sizes named."""
+    long = "Compute 1+1 with the calculator. " * 6
+    trajs = asyncio.run(_run_all(setup, [ScriptedEnv(), ScriptedEnv(prompt=long)], kv=64))
+    assert trajs[0].status == "ok"
+    assert trajs[1].status == "error"
+    assert re.fullmatch(
+        r"ValueError: prompt of \d+ tokens exceeds max_prompt_length \(63\)", trajs[1].error
+    )
+
+
+def test_engine_failure_fails_its_episodes_and_serving_goes_on(setup: Any) -> None:
+    trajs = asyncio.run(_run_all(setup, [ScriptedEnv(prompt=f"{POISON} 1+1")], poison=POISON))
+    assert trajs[0].status == "error" and trajs[0].error == "RuntimeError: device step failed"
+    after = asyncio.run(_run_all(setup, [ScriptedEnv()], poison=POISON))
+    assert after[0].status == "ok"
+
+
+def test_prompt_too_long_is_an_episode_error(setup: Any) -> None:
+    [t] = asyncio.run(_run_all(setup, [ScriptedEnv(prompt="x " * 200)]))
     assert t.status == "error"
-    assert "exceeds rollout.max_prompt_length (64)" in t.error
+    assert "exceeds rollout.max_prompt_length (128)" in t.error
 
 
-def test_trajectory_layout() -> None:
-    [t] = asyncio.run(_run_all([ScriptedEnv()]))
+def test_trajectory_layout(setup: Any) -> None:
+    _, chat, _, _ = setup
+    [t] = asyncio.run(_run_all(setup, [ScriptedEnv()]))
     tokens, mask, lps = t.token_array(), t.mask_array(), t.logprob_array()
     assert len(tokens) == len(mask) == len(lps)
-    chat = ChatFormat(TOK)
-    prompt = chat.prompt("Compute 1+1 with the calculator.")
+    prompt = chat.dialogue([]).prompt("Compute 1+1 with the calculator.")
     assert tokens[: t.prompt_len].tolist() == prompt
     assert mask[: t.prompt_len].sum() == 0  # template is never trained on
-    assert (lps[mask == 0] == 0).all() and (lps[mask == 1] < 0).all()
+    assert mask.sum() == 2  # two one-token turns, each its stop token
+    # the degenerate model is certain of its token: log-prob 0 up to rounding
+    assert (lps[mask == 0] == 0).all() and (lps[mask == 1] <= 0).all()
 
 
-def test_broken_model_stops_the_server() -> None:
-    """When every call fails, the server gives up (and with it the worker) instead of
+def test_broken_engine_stops_the_server(setup: Any) -> None:
+    """When every step fails, the server gives up (and with it the worker) instead of
     failing episodes for ever."""
-    log = structlog.get_logger()
-    gen = PoisonGenerator(
-        CFG.model,
-        TOK.vocab_size,
-        [1],
-        TOK.pad_id,
-        16,
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=0),
+    _, chat, spec, params = setup
+    engine = PoisonEngine(
+        spec,
+        params,
+        EngineConfig(
+            num_slots=4,
+            kv_cache_size=128,
+            max_prompt_length=127,
+            max_new_tokens=4,
+            sampling=GREEDY,
+            stop_ids=tuple(chat.stop_ids),
+            pad_id=chat.pad_id,
+        ),
     )
-    server = ModelServer(
-        gen, init_params(CFG.model, TOK.vocab_size, 0), 0, 4, 1.0, log, max_consecutive_failures=3
-    )
-    poisoned = TOK.encode(POISON)
+    engine.poison = tuple(chat.encode(POISON))
+    server = EngineServer(engine, 0, structlog.get_logger(), max_consecutive_failures=3)
 
     async def go() -> BaseException | None:
         serving = asyncio.create_task(server.serve())
-        calls = [asyncio.create_task(server.generate(GenRequest(poisoned, 4, i))) for i in range(3)]
-        await asyncio.gather(*calls, return_exceptions=True)
+        for i in range(3):
+            with contextlib.suppress(RuntimeError):
+                await server.generate(GenRequest(chat.encode(POISON), 4, i))
         try:
             await asyncio.wait_for(serving, 10)
-        except ModelServerError as err:
+        except EngineServerError as err:
             return err
         return None
 
     err = asyncio.run(go())
-    assert isinstance(err, ModelServerError)
-    assert str(err) == "3 model calls failed in a row; last: RuntimeError: device call failed"
+    assert isinstance(err, EngineServerError)
+    assert str(err) == "3 engine steps failed in a row; last: RuntimeError: device step failed"

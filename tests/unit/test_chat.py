@@ -1,26 +1,11 @@
 import asyncio
 import random
 
-from streamrl.chat import ChatFormat, ToolCall, ToolCallError, Transcript, parse_turn
+from streamrl.chat import ToolCall, ToolCallError, parse_turn
 from streamrl.config import TaskConfig
 from streamrl.rollout.env import ArithmeticEnv
 from streamrl.tasks import arithmetic
-from streamrl.tokenizer import CharTokenizer
 from streamrl.wire import ToolResult
-
-TOK = CharTokenizer()
-
-
-def test_tokenizer_round_trip_and_specials() -> None:
-    text = '<|user|>Compute 3+4<|end|><tool_call>{"a": 1}</tool_call>\n<answer>7</answer>'
-    ids = TOK.encode(text)
-    assert TOK.decode(ids) == text
-    # specials are one id each: "<tool_call>" is not eleven characters
-    assert ids.count(TOK.token_id("<tool_call>")) == 1
-    assert len(TOK.encode("<tool_call>")) == 1
-    assert TOK.encode("<b>") == [TOK.token_id("<"), *TOK.encode("b>")]
-    assert TOK.decode(TOK.encode("é")) == "<unk>"
-    assert TOK.vocab_size == 128
 
 
 def test_parse_turn() -> None:
@@ -37,27 +22,6 @@ def test_parse_turn() -> None:
     # arguments as a JSON string pass through raw; the tool worker validates them
     [raw] = parse_turn('<tool_call>{"name": "c", "arguments": "{oops"}</tool_call>').calls
     assert raw == ToolCall("c", "{oops")
-
-
-def test_incremental_transcript_matches_whole_render() -> None:
-    chat = ChatFormat(TOK)
-    tr = Transcript()
-    tr.add_template(chat.prompt("Compute 1+2 with the calculator."))
-    turn1 = chat.assistant_turn(arithmetic.calculator_call("1+2"))
-    tr.add_sampled(turn1, [-0.5] * len(turn1), version=3)
-    tr.add_template(chat.tool_results(["3"]))
-    turn2 = chat.assistant_turn("<answer>3</answer>")
-    tr.add_sampled(turn2, [-0.1] * len(turn2), version=4)
-    whole = (
-        "<|user|>Compute 1+2 with the calculator.<|end|><|assistant|>"
-        + arithmetic.calculator_call("1+2")
-        + "<|end|><|tool|>3<|end|><|assistant|><answer>3</answer><|end|>"
-    )
-    assert tr.tokens == TOK.encode(whole)
-    # the loss mask covers exactly the two assistant turns (their closing <|end|> included)
-    masked = "".join(TOK.decode([t]) for t, m in zip(tr.tokens, tr.mask, strict=True) if m)
-    assert masked == arithmetic.calculator_call("1+2") + "<|end|><answer>3</answer><|end|>"
-    assert tr.versions == [3, 4]
 
 
 class StubTools:
@@ -81,7 +45,7 @@ class StubTools:
 
 def _play(task_answer_from_tool: str, answer: str) -> float:
     task = arithmetic.make_task(TaskConfig(), 0, 5, 4)
-    env = ArithmeticEnv(task=task, tools=StubTools(task_answer_from_tool))
+    env = ArithmeticEnv(task=task, tool_client=StubTools(task_answer_from_tool))
     call = asyncio.run(env.step(parse_turn(arithmetic.calculator_call("x")), "c"))
     assert call.observations == [task_answer_from_tool] and not call.done
     final = asyncio.run(env.step(parse_turn(f"<answer>{answer}</answer>"), "c"))
@@ -100,7 +64,7 @@ def test_arithmetic_env_rewards_copying_the_tool_result() -> None:
 def test_bad_tool_calls_reach_the_agent_as_tool_errors() -> None:
     task = arithmetic.make_task(TaskConfig(), 0, 1, 4)
     tools = StubTools()
-    env = ArithmeticEnv(task=task, tools=tools)
+    env = ArithmeticEnv(task=task, tool_client=tools)
     turn = parse_turn(
         '<tool_call>{"name": "calculator", "arguments": </tool_call>'
         '<tool_call>{"name": "calculator", "arguments": "{oops"}</tool_call>'

@@ -35,8 +35,14 @@ def test_bounds_name_the_field() -> None:
 def test_cross_field_check() -> None:
     with pytest.raises(ConfigError, match=r"max_concurrency \(2\).*num_generations \(4\)"):
         parse_config({"rollout": {"max_concurrency": 2, "num_generations": 4}})
-    with pytest.raises(ConfigError, match=r"max_episode_tokens \(512\) exceeds model.max_seq_len"):
-        parse_config({"rollout": {"max_episode_tokens": 512}, "model": {"max_seq_len": 256}})
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.max_prompt_length \(128\) \+ rollout.max_response_length \(200\) = 328 "
+        r"exceeds rollout.kv_cache_size \(256\)",
+    ):
+        parse_config({"rollout": {"max_response_length": 200, "kv_cache_size": 256}})
+    with pytest.raises(ConfigError, match=r"kv_cache_size \(512\) exceeds model.max_seq_len"):
+        parse_config({"rollout": {"kv_cache_size": 512}, "model": {"max_seq_len": 256}})
 
 
 def test_overrides() -> None:

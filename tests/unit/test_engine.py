@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from streamrl.model.engine import Engine, EngineConfig
-from streamrl.model.generate import GenRequest, SamplingParams
 from streamrl.model.llm import causal_logits, init_params
+from streamrl.model.sampling import GenRequest, SamplingParams
 from streamrl.model.spec import ModelSpec
 
 SPEC = ModelSpec.from_config(
@@ -164,20 +164,27 @@ def test_stop_strings_cut_the_sample() -> None:
     assert r.stopped and len(r.tokens) == 3 and len(r.logprobs) == 3
 
 
-def test_sizes_are_validated_together() -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"max_prompt_length \(100\) \+ max_response_length "
-        r"\(64\) = 164 exceeds kv_cache_size \(160\)",
-    ):
+def test_sizes_are_validated() -> None:
+    with pytest.raises(ValueError, match=r"max_new_tokens \(160\) must be in \[1, kv_cache_size"):
         EngineConfig(
             num_slots=1,
             kv_cache_size=160,
             max_prompt_length=100,
-            max_new_tokens=64,
+            max_new_tokens=160,
             sampling=SAMPLING,
             stop_ids=(),
             pad_id=0,
         )
     with pytest.raises(ValueError, match=r"prompt of 97 tokens exceeds max_prompt_length \(96\)"):
         engine().submit(GenRequest(prompt(0, 97), 4, seed=0))
+    with pytest.raises(ValueError, match=r"prompt of 90 tokens \+ max_new_tokens 24 = 114"):
+        small = EngineConfig(
+            num_slots=1,
+            kv_cache_size=100,
+            max_prompt_length=96,
+            max_new_tokens=24,
+            sampling=SAMPLING,
+            stop_ids=(),
+            pad_id=0,
+        )
+        Engine(SPEC, PARAMS, small).submit(GenRequest(prompt(0, 90), 24, seed=0))

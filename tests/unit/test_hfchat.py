@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.chat import ChatFormat, ToolCall, ToolCallError, Transcript
-from streamrl.hfchat import CharDialogue, ChatError, Dialogue, HFChat
+from streamrl.chat import ToolCall, ToolCallError, Transcript
+from streamrl.hfchat import ChatError, Dialogue, HFChat
 from streamrl.tasks import arithmetic
 from streamrl.tiny_tokenizer import build_tiny_tokenizer
-from streamrl.tokenizer import CharTokenizer, Tokenizer
 from streamrl.tools.registry import CALCULATOR
 
 TOOLS = [CALCULATOR.schema()]
@@ -269,19 +268,12 @@ def test_building_twice_gives_identical_files(tiny_dir: Path, tmp_path: Path) ->
         assert (tmp_path / name).read_bytes() == (tiny_dir / name).read_bytes(), name
 
 
-def test_both_layouts_fill_the_protocols(chat: HFChat) -> None:
-    tok: Tokenizer = chat  # HFChat stands in for the character tokenizer
-    assert tok.decode(tok.encode("<answer>1</answer>")) == "<answer>1</answer>"
-    fmt = ChatFormat(CharTokenizer())
-    dialogues: list[Dialogue] = [chat.dialogue(TOOLS), CharDialogue(fmt)]
-    for d, stop in zip(dialogues, [chat.turn_end_id, fmt.end], strict=True):
-        prompt = d.prompt(PROMPT)
-        assert prompt and d.assistant([stop]) == ""
-        assert d.tool_results(["95"])
-    char = CharDialogue(fmt)
-    char.prompt(PROMPT)
-    assert char.assistant(fmt.assistant_turn("<answer>95</answer>")) == "<answer>95</answer>"
-    assert char.tool_results(["95"]) == fmt.tool_results(["95"])
+def test_hfchat_fills_the_dialogue_protocol(chat: HFChat) -> None:
+    assert chat.decode(chat.encode("<answer>1</answer>")) == "<answer>1</answer>"
+    d: Dialogue = chat.dialogue(TOOLS)
+    assert d.prompt(PROMPT)
+    assert d.assistant([chat.turn_end_id]) == ""
+    assert d.tool_results(["95"])
 
 
 def _copy(src: Path, tmp_path: Path) -> Path:

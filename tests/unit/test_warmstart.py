@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
-from streamrl.chat import ChatFormat
 from streamrl.config import Config, parse_config
+from streamrl.hfchat import HFChat
+from streamrl.model.checkpoint import load_checkpoint
+from streamrl.model.tiny import ensure_checkpoint
 from streamrl.tasks.arithmetic import demonstration, make_task
-from streamrl.tokenizer import CharTokenizer
+from streamrl.tools.registry import CALCULATOR
 from streamrl.trainer.warmstart import (
+    cache_key,
     cache_path,
     demonstration_batch,
     demonstration_loss,
@@ -21,73 +27,107 @@ from streamrl.trainer.warmstart import (
     warmstart_params,
 )
 
-TOK = CharTokenizer()
-CHAT = ChatFormat(TOK)
+TINY = {"d_model": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "d_ff": 64}
 
 
-def _cfg(tmp_path: Path, **model: object) -> Config:
-    tiny = {"d_model": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "d_ff": 64}
-    return parse_config(
-        {"model": {**tiny, "warmstart_cache": str(tmp_path), **model}, "run": {"seed": 5}}
-    )
+def _cfg(cache: Path, **model: object) -> Config:
+    return parse_config({"model": {**TINY, "cache_dir": str(cache), **model}, "run": {"seed": 5}})
 
 
-def test_demonstration_mask_covers_exactly_the_assistant_tokens(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
-    t = demonstration_transcript(cfg, CHAT, cursor=7, rng=random.Random(0))
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache directory for the module, so the built-in checkpoint is built once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def chat(cache: Path) -> HFChat:
+    return HFChat.from_dir(ensure_checkpoint(_cfg(cache)))
+
+
+def test_demonstration_is_laid_out_as_a_rollout_episode(cache: Path, chat: HFChat) -> None:
+    cfg = _cfg(cache)
+    t = demonstration_transcript(cfg, chat, cursor=7, rng=random.Random(0))
     task = make_task(cfg.task, cfg.run.seed, 7, cfg.rollout.num_generations)
     demo = demonstration(task, random.Random(0), cfg.model.warmstart_error_rate)
+    # The rollout episode's incremental layout: prompt, sampled turn, tool results, sampled.
+    dialogue = chat.dialogue([CALCULATOR.schema()])
+    prompt = dialogue.prompt(task.prompt)
+    call = chat.assistant_turn(demo.turns[0])
+    assert dialogue.assistant(call) == demo.turns[0]
+    result = dialogue.tool_results(demo.tool_results)
+    answer = chat.assistant_turn(demo.turns[1])
+    assert t.tokens == prompt + call + result + answer
+    assert t.mask == [0] * len(prompt) + [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert t.prompt_len == len(prompt)
+    # The same ids as the whole conversation rendered at once (less the template's final
+    # newline after the last turn end).
+    final = {"role": "assistant", "content": demo.turns[1]}
+    whole = chat.render([*dialogue.messages, final], [CALCULATOR.schema()])
+    assert chat.decode(t.tokens) == whole.removesuffix("\n")
+    assert chat.encode(whole.removesuffix("\n")) == t.tokens
+    # Trained tokens: exactly the two assistant turns, each with its turn-end token.
     tokens, mask = np.array(t.tokens), np.array(t.mask)
-    end = "<|end|>"
-    assert TOK.decode(tokens[mask == 1].tolist()) == demo.turns[0] + end + demo.turns[1] + end
-    expected = (
-        CHAT.prompt(task.prompt)
-        + CHAT.assistant_turn(demo.turns[0])
-        + CHAT.tool_results(demo.tool_results)
-        + CHAT.assistant_turn(demo.turns[1])
-    )
-    assert t.tokens == expected
-    assert t.prompt_len == len(CHAT.prompt(task.prompt))
-    # Template runs: prompt, then the tool result (after the first assistant turn).
-    assert mask[: t.prompt_len].sum() == 0 and mask[t.prompt_len] == 1
-    assert TOK.decode(tokens[mask == 0][t.prompt_len :].tolist()) == (
-        f"<|tool|>{demo.tool_results[0]}<|end|><|assistant|>"
-    )
+    end = chat.turn_end
+    assert chat.decode(tokens[mask == 1].tolist()) == demo.turns[0] + end + demo.turns[1] + end
+    assert "<tool_response>" in chat.decode(result) and "assistant" in chat.decode(result)
 
 
-def test_demonstration_batch_is_right_padded(tmp_path: Path) -> None:
-    tokens, mask = demonstration_batch(_cfg(tmp_path), CHAT, random.Random(1), batch=3)
+def test_demonstration_batch_is_right_padded(cache: Path, chat: HFChat) -> None:
+    tokens, mask = demonstration_batch(_cfg(cache), chat, random.Random(1), batch=3)
     assert tokens.shape == mask.shape and tokens.shape[0] == 3 and tokens.shape[1] % 32 == 0
     assert tokens.dtype == np.int32 and mask.dtype == np.float32
     for row, m in zip(tokens, mask, strict=True):
-        n = int(np.flatnonzero(row != TOK.pad_id).max()) + 1
-        assert m[n:].sum() == 0 and (row[n:] == TOK.pad_id).all()
+        n = int(np.flatnonzero(row != chat.pad_id).max()) + 1
+        assert m[n:].sum() == 0 and (row[n:] == chat.pad_id).all()
+        assert m[:n].sum() > 0
 
 
-def test_short_warmstart_lowers_loss_and_is_cached(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, warmstart_steps=40, warmstart_batch=4, warmstart_lr=3e-3)
-    from streamrl.model.decoder import init_params
-
+def test_short_warmstart_lowers_loss_and_is_cached(cache: Path, chat: HFChat) -> None:
+    cfg = _cfg(cache, warmstart_steps=40, warmstart_batch=4, warmstart_lr=3e-3)
+    ckpt = ensure_checkpoint(cfg)
+    spec, start = load_checkpoint(ckpt)
     loss = jax.jit(demonstration_loss, static_argnums=1)
-    tokens, mask = demonstration_batch(cfg, CHAT, random.Random(123), batch=8)
-    before = float(loss(init_params(cfg.model, TOK.vocab_size, cfg.run.seed), cfg, tokens, mask))
+    tokens, mask = demonstration_batch(cfg, chat, random.Random(123), batch=8)
+    before = float(loss(start, spec, tokens, mask))
     events: list[str] = []
     params = warmstart_params(cfg, log=lambda event, **_: events.append(event))
-    after = float(loss(params, cfg, tokens, mask))
-    assert after < before - 1.0, (before, after)  # ~4.8 nats (uniform over 128) at init
+    after = float(loss(params, spec, tokens, mask))
+    assert after < before - 1.0, (before, after)  # ~6.2 nats (uniform over 512) at init
     assert events[-1] == "warmstart.trained"
     path = cache_path(cfg)
-    assert path.parent == tmp_path and path.exists()
+    assert path.parent == cache and (path / "model.safetensors").exists()
+    assert str(jax.tree.structure(params)) == str(jax.tree.structure(start))
 
-    start = time.perf_counter()
+    begin = time.perf_counter()
     cached = warmstart_params(cfg, log=lambda event, **_: events.append(event))
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - begin < 1.0
     assert events[-1] == "warmstart.cache_hit"
     same = zip(jax.tree.leaves(params), jax.tree.leaves(cached), strict=True)
     assert all(np.array_equal(a, b) for a, b in same)
-    # Anything that changes the result changes the cache file; the cache location does not.
-    assert (
-        cache_path(cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 6})})) != path
-    )
-    moved = cfg.model.model_copy(update={"warmstart_cache": str(tmp_path / "elsewhere")})
-    assert cache_path(cfg.model_copy(update={"model": moved})).name == path.name
+
+    # Anything that changes the result changes the key; the cache location does not.
+    def key(**model: object) -> str:
+        return cache_key(cfg.model_copy(update={"model": cfg.model.model_copy(update=model)}), ckpt)
+
+    assert key() == cache_key(cfg)
+    assert key(cache_dir=str(cache / "elsewhere")) == key()
+    for change in ({"warmstart_lr": 1e-3}, {"warmstart_error_rate": 0.1}, {"dtype": "bfloat16"}):
+        assert key(**change) != key(), change
+    reseeded = cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 6})})
+    assert cache_key(reseeded, ckpt) != key()
+    harder = cfg.model_copy(update={"task": cfg.task.model_copy(update={"max_operand": 9})})
+    assert cache_key(harder, ckpt) != key()
+
+
+def test_user_checkpoint_key_follows_its_files(cache: Path, tmp_path: Path) -> None:
+    user = tmp_path / "user"
+    shutil.copytree(ensure_checkpoint(_cfg(cache)), user)
+    cfg = _cfg(cache, checkpoint=str(user))
+    first = cache_key(cfg)
+    assert cache_key(cfg) == first
+    os.utime(user / "model.safetensors", ns=(0, 0))  # new weights, same name and size
+    assert cache_key(cfg) != first
+    second = cache_key(cfg)
+    (user / "chat_template.jinja").write_text("{{ messages }}")  # a new file changes it too
+    assert cache_key(cfg) != second

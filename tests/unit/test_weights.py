@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from streamrl.config import ModelConfig
-from streamrl.model.decoder import Params, init_params
+from streamrl.model.llm import Params, init_params
+from streamrl.model.spec import ModelSpec
 from streamrl.model.weights import (
     WeightsError,
     params_from_bytes,
@@ -19,12 +20,23 @@ from streamrl.model.weights import (
     write_weights,
 )
 
-CFG = ModelConfig(d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=32, max_seq_len=32)
+SPEC = ModelSpec.from_config(
+    {
+        "model_type": "qwen2",
+        "vocab_size": 20,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32,
+    }
+)
 
 
 @pytest.fixture(scope="module")
 def params() -> Params:
-    return init_params(CFG, 20, seed=1)
+    return init_params(SPEC, seed=1)
 
 
 def _equal(a: Params, b: Params) -> bool:
@@ -69,9 +81,9 @@ def test_flipped_byte(params: Params, tmp_path: Path) -> None:
 def test_missing_file_and_wrong_shapes(params: Params, tmp_path: Path) -> None:
     with pytest.raises(WeightsError, match="is missing"):
         read_weights(tmp_path / "nope", params, "0" * 64, 1)
-    other = init_params(CFG.model_copy(update={"d_ff": 64}), 20, seed=1)
+    other = init_params(dataclasses.replace(SPEC, intermediate_size=64), seed=1)
     with pytest.raises(
         WeightsError,
-        match=r"\['down'\]\['kernel'\] are float32\[64, 16\], expected float32\[32, 16\]",
+        match=r"\['down_proj'\]\['kernel'\] are float32\[64, 16\], expected float32\[32, 16\]",
     ):
         params_from_bytes(params, params_to_bytes(other))

@@ -7,6 +7,7 @@ from streamrl.wire import (
     Control,
     DeadLetter,
     Group,
+    Message,
     Task,
     TrainMetrics,
     Trajectory,
@@ -35,7 +36,7 @@ def _traj(member: int = 0) -> Trajectory:
     )
 
 
-MESSAGES = [
+MESSAGES: list[Message] = [
     Task(
         task_id="t1",
         group_id="g1",
@@ -74,7 +75,7 @@ MESSAGES = [
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
-def test_round_trip(msg: msgspec.Struct) -> None:
+def test_round_trip(msg: Message) -> None:
     fields = encode(msg)
     assert fields["v"] == str(SCHEMA_VERSION).encode()
     # Redis hands back bytes keys; decoding accepts those.

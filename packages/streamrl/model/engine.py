@@ -19,7 +19,7 @@ nothing new; `compile_counts` says how many traces each program took.
 Sampling: temperature, top-p, top-k; token i of a request draws from
 `fold_in(PRNGKey(seed), i)`, so a request samples the same whatever its batch-mates or
 chunking. `logprobs[i]` is the log-probability under the temperature-scaled distribution
-over the whole vocabulary, before top-k/top-p (see `streamrl.model.generate`).
+over the whole vocabulary, before top-k/top-p (see `streamrl.model.sampling`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from streamrl.model.generate import GenRequest, GenResult, SamplingParams, sample_tokens
 from streamrl.model.llm import KVCache, forward, init_cache
+from streamrl.model.sampling import (
+    GenRequest,
+    GenResult,
+    SamplingParams,
+    check_sampling,
+    sample_tokens,
+)
+from streamrl.model.sharding import (
+    DATA,
+    MeshError,
+    cache_sharding,
+    check_spec,
+    shard_cache,
+    shard_params,
+)
 from streamrl.model.spec import ModelSpec
 
 PROMPT_BUCKET = 64
@@ -53,8 +68,8 @@ def round_up(n: int, multiple: int) -> int:
 class EngineConfig:
     """Sizes of the pool and the decode loop.
 
-    `kv_cache_size` must hold the longest prompt plus the longest response:
-    `max_prompt_length + max_new_tokens <= kv_cache_size`.
+    A request fits when its prompt is at most `max_prompt_length` tokens and prompt plus
+    its `max_new_tokens` (at most the engine's) fit in one slot of `kv_cache_size`.
     """
 
     num_slots: int
@@ -69,12 +84,13 @@ class EngineConfig:
     stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_prompt_length + self.max_new_tokens > self.kv_cache_size:
-            raise ValueError(
-                f"max_prompt_length ({self.max_prompt_length}) + max_response_length "
-                f"({self.max_new_tokens}) = {self.max_prompt_length + self.max_new_tokens} "
-                f"exceeds kv_cache_size ({self.kv_cache_size})"
-            )
+        check_sampling(self.sampling)
+        for name in ("max_prompt_length", "max_new_tokens"):
+            if not 1 <= getattr(self, name) < self.kv_cache_size:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be in [1, kv_cache_size "
+                    f"({self.kv_cache_size}))"
+                )
         if self.num_slots < 1 or self.decode_chunk < 1 or self.max_prefill < 1:
             raise ValueError("num_slots, decode_chunk and max_prefill must be at least 1")
 
@@ -102,14 +118,27 @@ class Engine:
         cfg: EngineConfig,
         detokenize: Callable[[list[int]], str] | None = None,
         dtype: Any = jnp.float32,
+        mesh: Mesh | None = None,
     ) -> None:
         if cfg.stop_strings and detokenize is None:
             raise ValueError("stop strings need a detokenize function")
         self.spec = spec
-        self.params = params
         self.cfg = cfg
         self.detokenize = detokenize
+        self.mesh = mesh
+        self._row_multiple = 1
+        if mesh is not None:
+            check_spec(spec, mesh)
+            self._row_multiple = mesh.shape[DATA]
+            if cfg.num_slots % self._row_multiple:
+                raise MeshError(
+                    f"num_slots ({cfg.num_slots}) is not divisible by data={self._row_multiple}"
+                )
+        self.params = params
+        self.set_params(params)
         self.pool: KVCache = init_cache(spec, cfg.num_slots, cfg.kv_cache_size, dtype)
+        if mesh is not None:
+            self.pool = shard_cache(self.pool, mesh)
         self._waiting: deque[_Seq] = deque()
         self._slots: list[_Seq | None] = [None] * cfg.num_slots
         self._ids = itertools.count()
@@ -126,6 +155,10 @@ class Engine:
 
     # -- public ----------------------------------------------------------------------------
 
+    def set_params(self, params: Any) -> None:
+        """Serve these params from the next step on (placed on the mesh, if any)."""
+        self.params = shard_params(params, self.mesh) if self.mesh is not None else params
+
     def check(self, request: GenRequest) -> None:
         """Raise ValueError naming the sizes for a request this engine cannot serve."""
         n, m = len(request.prompt), request.max_new_tokens
@@ -136,9 +169,11 @@ class Engine:
                 f"prompt of {n} tokens exceeds max_prompt_length ({self.cfg.max_prompt_length})"
             )
         if not 1 <= m <= self.cfg.max_new_tokens:
+            raise ValueError(f"max_new_tokens {m} must be in [1, {self.cfg.max_new_tokens}]")
+        if n + m > self.cfg.kv_cache_size:
             raise ValueError(
-                f"max_new_tokens {m} must be in [1, {self.cfg.max_new_tokens}] "
-                "(max_response_length)"
+                f"prompt of {n} tokens + max_new_tokens {m} = {n + m} exceeds kv_cache_size "
+                f"({self.cfg.kv_cache_size})"
             )
         if not 0 <= request.seed < 2**32:
             raise ValueError(f"seed {request.seed} outside [0, 2^32)")
@@ -218,7 +253,7 @@ class Engine:
             self.slot_copies += len(copies)
 
     def _prefill_batch(self, seqs: list[_Seq]) -> None:
-        b = pow2(len(seqs))
+        b = round_up(pow2(len(seqs)), self._row_multiple)
         p = min(round_up(max(s.length for s in seqs), PROMPT_BUCKET), self.cfg.kv_cache_size)
         tokens = np.full((b, p), self.cfg.pad_id, np.int32)
         lengths = np.zeros((b,), np.int32)
@@ -241,7 +276,7 @@ class Engine:
 
     def _decode_chunk(self) -> list[tuple[int, GenResult]]:
         top = max(i for i, s in enumerate(self._slots) if s is not None)
-        n = min(pow2(top + 1), self.cfg.num_slots)
+        n = min(round_up(pow2(top + 1), self._row_multiple), self.cfg.num_slots)
         last = np.zeros((n,), np.int32)
         lengths = np.zeros((n,), np.int32)
         budget = np.zeros((n,), np.int32)  # 0: an empty slot, done before it starts
@@ -295,6 +330,13 @@ class Engine:
 
     # -- device programs -------------------------------------------------------------------
 
+    def _constrain(self, pool: KVCache) -> KVCache:
+        """Keep the pool's layout on the mesh across programs (no resharding between calls)."""
+        if self.mesh is None:
+            return pool
+        sharding = cache_sharding(self.mesh)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), pool)
+
     def _prefill_fn(
         self, params: Any, pool: KVCache, tokens: jax.Array, lengths: jax.Array, slots: jax.Array
     ) -> KVCache:
@@ -312,11 +354,13 @@ class Engine:
             params, self.spec, tokens, positions, cache=cache, write_pos=positions, attn_mask=mask
         )
         assert cache is not None
-        return jax.tree.map(lambda full, part: full.at[slots].set(part, mode="drop"), pool, cache)
+        return self._constrain(
+            jax.tree.map(lambda full, part: full.at[slots].set(part, mode="drop"), pool, cache)
+        )
 
     def _copy_fn(self, pool: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         self.compile_counts["copy"] += 1
-        return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), pool)
+        return self._constrain(jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), pool))
 
     def _decode_fn(
         self,
@@ -360,6 +404,6 @@ class Engine:
         (view, _, _, _, counts), (toks, lps, actives, hits) = jax.lax.scan(
             body, init, jnp.arange(chunk, dtype=jnp.int32)
         )
-        pool = jax.tree.map(lambda full, part: full.at[:n].set(part), pool, view)
+        pool = self._constrain(jax.tree.map(lambda full, part: full.at[:n].set(part), pool, view))
         stopped = (hits & actives).any(axis=0)
         return pool, toks.T, lps.T, counts, stopped

@@ -128,8 +128,10 @@ def _yarn_inv_freq(
     beta_fast = s.beta_fast or 32
     beta_slow = s.beta_slow or 1
 
+    original = s.original_max_position_embeddings
+
     def correction_dim(rotations: float) -> float:
-        ratio = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        ratio = original / (rotations * 2 * math.pi)
         return (dim * math.log(ratio)) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
@@ -453,12 +455,12 @@ def forward(
     return logits.astype(jnp.float32), new_cache
 
 
-def causal_logits(params: Params, spec: ModelSpec, tokens: jax.Array) -> jax.Array:
+def causal_logits(params: Params, spec: ModelSpec, tokens: jax.Array | np.ndarray) -> jax.Array:
     """Logits [B, L, V] float32 of tokens [B, L] (positions 0..L-1, causal, no cache).
 
     Right padding never changes the logits of earlier positions, so no padding mask is needed.
     """
     b, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    logits, _ = forward(params, spec, tokens, positions)
+    logits, _ = forward(params, spec, jnp.asarray(tokens, jnp.int32), positions)
     return logits

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from streamrl.model.engine import Engine
-from streamrl.model.generate import GenRequest, GenResult
+from streamrl.model.sampling import GenRequest, GenResult
 
 
 class EngineServerError(RuntimeError):
@@ -109,7 +109,7 @@ class EngineServer:
             if self._weights is not None:
                 params, self.version = self._weights
                 self._weights = None
-                self.engine.params = params
+                self.engine.set_params(params)
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()

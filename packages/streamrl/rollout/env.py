@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from streamrl.chat import ParsedTurn, ToolCall, ToolCallError
 from streamrl.tasks import arithmetic
+from streamrl.tools.registry import CALCULATOR
 from streamrl.wire import Task, ToolResult
 
 
@@ -35,6 +36,10 @@ class Environment(Protocol):
         """The user message that opens the episode."""
         ...
 
+    def tools(self) -> list[dict[str, Any]]:
+        """JSON schemas of the tools the agent may call (rendered by the chat template)."""
+        ...
+
     async def step(self, turn: ParsedTurn, call_prefix: str) -> StepResult: ...
 
     async def close(self) -> None: ...
@@ -50,12 +55,15 @@ class ArithmeticEnv:
     """The built-in tool task: call the calculator, then answer with its result."""
 
     task: Task
-    tools: ToolCaller
+    tool_client: ToolCaller
     tool_outputs: list[str] = field(default_factory=list)
     num_tool_calls: int = 0
 
     def prompt(self) -> str:
         return self.task.prompt
+
+    def tools(self) -> list[dict[str, Any]]:
+        return [CALCULATOR.schema()]
 
     async def step(self, turn: ParsedTurn, call_prefix: str) -> StepResult:
         if not turn.calls:
@@ -70,7 +78,7 @@ class ArithmeticEnv:
         if isinstance(call, ToolCallError):
             return f"error: {call.message}"
         self.num_tool_calls += 1
-        result = await self.tools.call(call.name, call.arguments, call_id)
+        result = await self.tool_client.call(call.name, call.arguments, call_id)
         if result.ok and call.name == "calculator":
             self.tool_outputs.append(result.output)
         return render_result(result)
@@ -82,4 +90,4 @@ class ArithmeticEnv:
 def make_env(task: Task, tools: ToolCaller) -> ArithmeticEnv:
     if task.kind != arithmetic.KIND:
         raise ValueError(f"no environment for task kind {task.kind!r}")
-    return ArithmeticEnv(task=task, tools=tools)
+    return ArithmeticEnv(task=task, tool_client=tools)

@@ -13,16 +13,25 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import structlog
 
-from streamrl.chat import ChatFormat, ParsedTurn, Transcript, parse_turn
+from streamrl.chat import ParsedTurn, Transcript, parse_turn
 from streamrl.config import RolloutConfig
-from streamrl.model.generate import GenRequest
+from streamrl.hfchat import Dialogue
+from streamrl.model.sampling import GenRequest, GenResult
 from streamrl.rollout.env import Environment, StepResult
-from streamrl.rollout.server import ModelServer
-from streamrl.tokenizer import Tokenizer
 from streamrl.wire import Status, Task, Trajectory, pack_arrays
+
+
+class ModelService(Protocol):
+    """Where model turns come from: the engine server (or anything that samples)."""
+
+    async def generate(self, request: GenRequest) -> tuple[GenResult, int]: ...
+
+
+NewDialogue = Callable[[list[dict[str, Any]]], Dialogue]
 
 
 class EpisodeError(RuntimeError):
@@ -54,16 +63,15 @@ class EpisodeRunner:
 
     def __init__(
         self,
-        server: ModelServer,
-        tokenizer: Tokenizer,
+        server: ModelService,
+        new_dialogue: NewDialogue,
         cfg: RolloutConfig,
         run_seed: int,
         worker: str,
         log: structlog.stdlib.BoundLogger,
     ) -> None:
         self.server = server
-        self.tok = tokenizer
-        self.chat = ChatFormat(tokenizer)
+        self.new_dialogue = new_dialogue
         self.cfg = cfg
         self.run_seed = run_seed
         self.worker = worker
@@ -114,7 +122,8 @@ class EpisodeRunner:
     async def _play(self, tid: str, env: Environment, st: _State) -> None:
         cfg = self.cfg
         tr = st.transcript
-        prompt = self.chat.prompt(env.prompt())
+        dialogue = self.new_dialogue(env.tools())
+        prompt = dialogue.prompt(env.prompt())
         if len(prompt) > cfg.max_prompt_length:
             raise EpisodeError(
                 f"prompt of {len(prompt)} tokens exceeds rollout.max_prompt_length "
@@ -122,8 +131,9 @@ class EpisodeRunner:
             )
         tr.add_template(prompt)
         tr.prompt_len = len(prompt)
+        limit = cfg.max_prompt_length + cfg.max_response_length
         for turn in range(cfg.max_steps):
-            budget = cfg.max_episode_tokens - len(tr)
+            budget = limit - len(tr)
             if budget <= 0:
                 st.status = "truncated"
                 return
@@ -139,15 +149,15 @@ class EpisodeRunner:
             if not result.stopped:
                 st.status = "truncated"
                 return
-            parsed = parse_turn(self.tok.decode(result.tokens[:-1]))
+            parsed = parse_turn(dialogue.assistant(result.tokens))
             t0 = time.monotonic()
             step = await self._env_step(env, parsed, f"{tid}-{turn}")
             st.env_s += time.monotonic() - t0
             if step.done:
                 st.reward = step.reward
                 return
-            observation = self.chat.tool_results(step.observations)
-            if len(tr) + len(observation) >= cfg.max_episode_tokens:
+            observation = dialogue.tool_results(step.observations)
+            if len(tr) + len(observation) >= limit:
                 st.status = "truncated"
                 return
             tr.add_template(observation)

@@ -19,7 +19,7 @@ import structlog
 
 from streamrl.model.weights import WeightsError
 from streamrl.names import Keys
-from streamrl.rollout.server import ModelServer
+from streamrl.rollout.engine_server import EngineServer
 from streamrl.wire import Weights, WireError, decode
 
 
@@ -28,7 +28,7 @@ class WeightFollower:
         self,
         aclient: aioredis.Redis,
         keys: Keys,
-        server: ModelServer,
+        server: EngineServer,
         load: Callable[[Weights], Any],
         gate: asyncio.Event,
         log: structlog.stdlib.BoundLogger,

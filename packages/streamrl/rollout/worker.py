@@ -19,9 +19,9 @@ import structlog
 
 from streamrl.config import Config
 from streamrl.names import Keys
+from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.env import ToolCaller, make_env
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.server import ModelServer
 from streamrl.rollout.weights import WeightFollower
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import Task, Trajectory
@@ -36,7 +36,7 @@ class RolloutWorker:
         keys: Keys,
         cfg: Config,
         consumer: str,
-        server: ModelServer,
+        server: EngineServer,
         runner: EpisodeRunner,
         tools: ToolCaller,
         follower: WeightFollower,

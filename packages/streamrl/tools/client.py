@@ -62,8 +62,9 @@ class ToolClient:
             await asyncio.to_thread(self._enqueue, name, arguments, call_id, attempt, wait_s)
             got = await self.aclient.blpop([self.keys.tool_result(call_id)], timeout=wait_s)
             if got is not None:
+                data = got[1] if isinstance(got[1], bytes) else str(got[1]).encode()
                 try:
-                    return decode_body(got[1], ToolResult)
+                    return decode_body(data, ToolResult)
                 except WireError as err:
                     return ToolResult(call_id=call_id, ok=False, output="", error=str(err))
             self.log.warning("tool_call_lost", call_id=call_id, attempt=attempt, wait_s=wait_s)

@@ -1,15 +1,19 @@
 """The trainer's loop: groups in, `train_step(state, batch) -> (state, metrics)`, hooks out.
 
-Publishing weights and writing checkpoints hang off the loop as hooks that run every N
-steps. Groups are acknowledged only by the checkpoint hook, once the checkpoint that holds
-the update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending
-on the trainer's fixed consumer name, and the ids already trained are skipped if delivered
+Publishing weights, writing checkpoints and exporting the policy as a Hugging Face
+checkpoint hang off the loop as hooks that run every N steps (and once more at the end).
+Groups are acknowledged only by the checkpoint hook, once the checkpoint that holds the
+update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending on
+the trainer's fixed consumer name, and the ids already trained are skipped if delivered
 again.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +26,8 @@ import redis
 import structlog
 
 from streamrl.config import Config
+from streamrl.model.checkpoint import export_checkpoint
+from streamrl.model.spec import ModelSpec
 from streamrl.model.weights import write_weights
 from streamrl.names import Keys
 from streamrl.trainer.step import TrainState, build_batch
@@ -36,6 +42,9 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class Hook(Protocol):
+    """Runs after every `every`-th step, and at the end of the run unless the last step
+    was such a step (`final=True`); `every` 0: at the end only."""
+
     every: int
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None: ...
@@ -148,10 +157,10 @@ class TrainerLoop:
                 break  # stopped while waiting
             self.record(self.train_once(groups))
             for hook in self.hooks:
-                if self.step % hook.every == 0:
+                if hook.every and self.step % hook.every == 0:
                     hook(self, final=False)
         for hook in self.hooks:
-            if self.step % hook.every != 0:
+            if not hook.every or self.step % hook.every != 0:
                 hook(self, final=True)
         self.log.info("trainer_done", step=self.step, version=self.version)
 
@@ -228,3 +237,63 @@ class CheckpointHook:
             write_s=round(time.monotonic() - start, 4),
         )
         loop.unacked.clear()
+
+
+# Files of a checkpoint directory that are not weights: the tokenizer (fast or slow), its
+# chat template and the generation defaults. Copied as they are into an export.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class ExportHook:
+    """Writes the policy as a Hugging Face checkpoint directory at `export_dir`.
+
+    The trained weights and their config.json (`export_checkpoint`), plus the tokenizer,
+    chat template and generation config copied from `source_dir`, the checkpoint the run
+    started from: `AutoModelForCausalLM.from_pretrained(export_dir)` and
+    `AutoTokenizer.from_pretrained(export_dir)` load the trained policy. `every` 0: only at
+    the end of the run. Each export replaces the last as a whole (written beside it, then
+    renamed into place), so a reader never finds a half-written one.
+    """
+
+    every: int
+    export_dir: Path
+    spec: ModelSpec
+    source_dir: Path
+    max_shard_bytes: int | None = None
+
+    def __call__(self, loop: TrainerLoop, final: bool) -> None:
+        start = time.monotonic()
+        parent = self.export_dir.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{self.export_dir.name}-", dir=parent))
+        old = parent / f"{tmp.name}-old"
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
+        try:
+            export_checkpoint(tmp, self.spec, loop.state.params, self.max_shard_bytes)
+            for name in TOKENIZER_FILES:
+                if (self.source_dir / name).is_file():
+                    shutil.copyfile(self.source_dir / name, tmp / name)
+            if self.export_dir.exists():
+                os.rename(self.export_dir, old)
+            os.rename(tmp, self.export_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+        loop.log.info(
+            "export_written",
+            step=loop.step,
+            path=str(self.export_dir),
+            write_s=round(time.monotonic() - start, 4),
+        )

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from streamrl.config import ModelConfig, TrainerConfig
-from streamrl.model.decoder import Params, causal_logits, round_batch, round_length
+from streamrl.config import TrainerConfig
+from streamrl.model.llm import Params, causal_logits
+from streamrl.model.spec import ModelSpec
 from streamrl.rl.losses import LOSSES
 
 __all__ = [
@@ -27,9 +28,23 @@ __all__ = [
     "init_state",
     "make_optimizer",
     "make_train_step",
+    "round_batch",
+    "round_length",
     "standard_promotion",
     "token_logprobs",
 ]
+
+LENGTH_BUCKET = 32  # sequence lengths round up to a multiple of this, so shapes repeat
+
+
+def round_batch(n: int) -> int:
+    """Batch bucket: n rounded up to a power of two (at least 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def round_length(n: int) -> int:
+    """Length bucket: n rounded up to a multiple of LENGTH_BUCKET (at least one bucket)."""
+    return max(1, -(-n // LENGTH_BUCKET)) * LENGTH_BUCKET
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -129,18 +144,15 @@ def build_batch(
 
 
 def token_logprobs(
-    params: Params,
-    cfg: ModelConfig,
-    vocab_size: int,
-    tokens: jax.Array,
-    temperature: float,
+    params: Params, spec: ModelSpec, tokens: jax.Array | np.ndarray, temperature: float
 ) -> jax.Array:
     """[B, L] float32: out[:, t] = log softmax(logits[:, t-1] / temperature)[tokens[:, t]].
 
-    out[:, 0] = 0 (the first token has no prediction). Over the full vocabulary, exactly
-    the log-prob the Generator reports for a sampled token.
+    out[:, 0] = 0 (the first token has no prediction). Over the full vocabulary (every
+    embedding row, padding rows included), exactly the log-prob the engine reports for a
+    sampled token. Under jit pass `spec` and `temperature` as static arguments.
     """
-    logits = causal_logits(params, cfg, vocab_size, tokens)[:, :-1]
+    logits = causal_logits(params, spec, tokens)[:, :-1]
     logp = jax.nn.log_softmax(logits / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     return jnp.pad(picked, ((0, 0), (1, 0)))
@@ -155,14 +167,12 @@ class TrainStep:
 
     def __init__(
         self,
-        model_cfg: ModelConfig,
-        vocab_size: int,
+        spec: ModelSpec,
         trainer_cfg: TrainerConfig,
         temperature: float,
         optimizer: optax.GradientTransformation,
     ) -> None:
-        self.model_cfg = model_cfg
-        self.vocab_size = vocab_size
+        self.spec = spec
         self.loss_fn = LOSSES[trainer_cfg.loss]
         self.clip_epsilon = trainer_cfg.clip_epsilon
         self.temperature = temperature
@@ -177,9 +187,7 @@ class TrainStep:
         return self._step(state, batch)
 
     def _loss(self, params: Params, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logp = token_logprobs(
-            params, self.model_cfg, self.vocab_size, jnp.asarray(batch.tokens), self.temperature
-        )
+        logp = token_logprobs(params, self.spec, jnp.asarray(batch.tokens), self.temperature)
         return self.loss_fn(
             logp,
             jnp.asarray(batch.old_logp),
@@ -207,11 +215,10 @@ class TrainStep:
 
 
 def make_train_step(
-    model_cfg: ModelConfig,
-    vocab_size: int,
+    spec: ModelSpec,
     trainer_cfg: TrainerConfig,
     temperature: float,
     optimizer: optax.GradientTransformation,
 ) -> TrainStep:
     """The compiled train step for this model, loss (`trainer_cfg.loss`) and temperature."""
-    return TrainStep(model_cfg, vocab_size, trainer_cfg, temperature, optimizer)
+    return TrainStep(spec, trainer_cfg, temperature, optimizer)

@@ -1,14 +1,16 @@
 """Warm start: supervised next-token training on scripted demonstrations of the task.
 
-A randomly initialised policy never samples a well-formed tool call, so GRPO would see only
-zero rewards. This stands in for starting from an instruct checkpoint: the tiny model first
-learns the episode format from demonstrations laid out exactly as a rollout episode is
-(prompt template, the assistant's calculator call, the tool result, the assistant's answer),
-with the loss on the assistant's tokens only. A fraction of demonstrations answer wrongly,
+A random checkpoint (the built-in tiny model) never samples a well-formed tool call, so
+GRPO would see only zero rewards. The warm start teaches the episode format from
+demonstrations laid out exactly as a rollout episode is, through the checkpoint's own chat
+template (`HFDialogue`): prompt with the tool listed (template), the assistant's
+calculator call (trained), the tool result (template), the assistant's answer (trained).
+The loss is on the assistant's tokens only. A fraction of demonstrations answer wrongly,
 so the warm policy leaves room for RL to improve.
 
-Results are cached on disk by a hash of everything that affects them, so every worker of a
-run (and every later run with the same settings) trains it once.
+Results are cached on disk as a Hugging Face checkpoint directory, keyed by a hash of
+everything that affects them, so every worker of a run (and every later run with the same
+settings) trains it once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,18 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from streamrl.chat import ChatFormat, Transcript
+from streamrl.chat import Transcript
 from streamrl.config import Config
-from streamrl.model.decoder import Params, causal_logits, init_params, param_shapes, round_length
-from streamrl.model.weights import (
-    WeightsError,
-    params_from_bytes,
-    params_to_bytes,
-    write_bytes_atomic,
-)
+from streamrl.hfchat import HFChat
+from streamrl.model.checkpoint import CheckpointError, export_checkpoint, load_checkpoint
+from streamrl.model.llm import Params, causal_logits
+from streamrl.model.spec import ModelSpec
+from streamrl.model.tiny import builtin_key, cache_root, ensure_checkpoint
 from streamrl.tasks.arithmetic import demonstration, make_task
-from streamrl.tokenizer import CharTokenizer
-from streamrl.trainer.step import standard_promotion
+from streamrl.tools.registry import CALCULATOR
+from streamrl.trainer.step import round_length, standard_promotion
 
 __all__ = [
     "WARMSTART_VERSION",
@@ -52,40 +55,42 @@ __all__ = [
 ]
 
 # Bump whenever a code change alters what a warm start produces: it is part of the cache key.
-WARMSTART_VERSION = 1
-VOCAB_SIZE = CharTokenizer.VOCAB_SIZE
-_LOG_EVERY = 50  # steps between progress events
+WARMSTART_VERSION = 2
+_LOG_EVERY = 100  # steps between progress events
 _WARMUP_FRACTION = 0.05
 _FINAL_LR_FRACTION = 0.1
 _MAX_GRAD_NORM = 1.0
-_DEFAULT_CACHE = Path.home() / ".cache" / "streamrl" / "warmstart"
+_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 Log = Callable[..., Any]  # e.g. a structlog logger's `info`: log(event, **fields)
 
 
 def demonstration_transcript(
-    cfg: Config, chat: ChatFormat, cursor: int, rng: random.Random
+    cfg: Config, chat: HFChat, cursor: int, rng: random.Random
 ) -> Transcript:
     """The scripted episode of the task at `cursor`, laid out as a rollout episode.
 
-    prompt template (mask 0), calculator call turn (mask 1), tool result template (mask 0),
-    answer turn (mask 1). `rng` decides whether this demonstration answers wrongly.
+    prompt with the calculator listed (mask 0), call turn (mask 1), tool result up to the
+    next generation prompt (mask 0), answer turn (mask 1); each sampled turn ends with the
+    template's turn-end token. `rng` decides whether this demonstration answers wrongly.
     """
     task = make_task(cfg.task, cfg.run.seed, cursor, cfg.rollout.num_generations)
     demo = demonstration(task, rng, cfg.model.warmstart_error_rate)
+    dialogue = chat.dialogue([CALCULATOR.schema()])
     t = Transcript()
-    t.add_template(chat.prompt(task.prompt))
+    t.add_template(dialogue.prompt(task.prompt))
     t.prompt_len = len(t)
     call = chat.assistant_turn(demo.turns[0])
     t.add_sampled(call, [0.0] * len(call), version=0)
-    t.add_template(chat.tool_results([demo.tool_results[0]]))
+    dialogue.assistant(call)
+    t.add_template(dialogue.tool_results([demo.tool_results[0]]))
     answer = chat.assistant_turn(demo.turns[1])
     t.add_sampled(answer, [0.0] * len(answer), version=0)
     return t
 
 
 def demonstration_batch(
-    cfg: Config, chat: ChatFormat, rng: random.Random, batch: int
+    cfg: Config, chat: HFChat, rng: random.Random, batch: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """tokens [B, L] int32 and mask [B, L] float32 of `batch` demonstrations of random tasks.
 
@@ -96,7 +101,7 @@ def demonstration_batch(
         for _ in range(batch)
     ]
     length = round_length(max(len(e) for e in episodes))
-    tokens = np.full((batch, length), chat.tok.pad_id, np.int32)
+    tokens = np.full((batch, length), chat.pad_id, np.int32)
     mask = np.zeros((batch, length), np.float32)
     for i, e in enumerate(episodes):
         tokens[i, : len(e)] = e.tokens
@@ -105,10 +110,13 @@ def demonstration_batch(
 
 
 def demonstration_loss(
-    params: Params, cfg: Config, tokens: jax.Array, mask: jax.Array
+    params: Params, spec: ModelSpec, tokens: jax.Array, mask: jax.Array
 ) -> jax.Array:
-    """Mean cross-entropy (nats per token) of the mask-1 tokens [B, L] given their prefix."""
-    logits = causal_logits(params, cfg.model, VOCAB_SIZE, tokens)[:, :-1]
+    """Mean cross-entropy (nats per token) of the mask-1 tokens [B, L] given their prefix.
+
+    Under jit pass `spec` as a static argument.
+    """
+    logits = causal_logits(params, spec, tokens)[:, :-1]
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     weights = mask[:, 1:]
@@ -130,26 +138,29 @@ def _optimizer(cfg: Config) -> optax.GradientTransformation:
     )
 
 
-def train_demonstrations(cfg: Config, log: Log | None = None) -> Params:
-    """Run the warm start itself (no cache): `warmstart_steps` AdamW steps from init."""
-    params = init_params(cfg.model, VOCAB_SIZE, cfg.run.seed)
+def train_demonstrations(
+    cfg: Config, spec: ModelSpec, params: Params, chat: HFChat, log: Log | None = None
+) -> Params:
+    """Run the warm start itself (no cache): `warmstart_steps` AdamW steps from `params`,
+    in their dtype."""
     optimizer = _optimizer(cfg)
     opt_state = optimizer.init(params)
 
     @jax.jit
     def step(params: Params, opt_state: Any, tokens: jax.Array, mask: jax.Array) -> Any:
-        loss, grads = jax.value_and_grad(demonstration_loss)(params, cfg, tokens, mask)
+        loss, grads = jax.value_and_grad(demonstration_loss)(params, spec, tokens, mask)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    chat = ChatFormat(CharTokenizer())
     rng = random.Random(cfg.run.seed)
     start = time.perf_counter()
-    for i in range(cfg.model.warmstart_steps):
+    steps = cfg.model.warmstart_steps
+    for i in range(steps):
+        # Dispatch is asynchronous: the next batch is assembled (template rendering, about
+        # a millisecond per demonstration) while the device runs this step.
         tokens, mask = demonstration_batch(cfg, chat, rng, cfg.model.warmstart_batch)
         params, opt_state, loss = step(params, opt_state, tokens, mask)
-        last = i + 1 == cfg.model.warmstart_steps
-        if log is not None and (i % _LOG_EVERY == 0 or last):
+        if log is not None and (i % _LOG_EVERY == 0 or i + 1 == steps):
             elapsed = time.perf_counter() - start
             log("warmstart.step", step=i, loss=float(loss), elapsed_s=round(elapsed, 2))
     loss_value = float(loss)
@@ -158,56 +169,94 @@ def train_demonstrations(cfg: Config, log: Log | None = None) -> Params:
     return params
 
 
-def cache_key(cfg: Config) -> str:
+def _checkpoint_identity(cfg: Config, ckpt: Path) -> dict[str, Any]:
+    """What names the starting checkpoint: the built-in model's key, or for a user
+    checkpoint its config.json and the name, size and mtime of every file (weights,
+    tokenizer and chat template: all change the demonstrations or the result)."""
+    if not cfg.model.checkpoint:
+        return {"builtin": builtin_key(cfg)}
+    files = sorted(p for p in ckpt.iterdir() if p.is_file())
+    return {
+        "config": hashlib.sha256((ckpt / "config.json").read_bytes()).hexdigest(),
+        "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
+
+
+def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
     """sha256 hex of every input of the warm start's result.
 
-    The model and task sections (without `model.init`, `model.warmstart_cache` and
-    `task.max_backlog`, which do not change the result), the run seed, the vocabulary and
-    WARMSTART_VERSION.
+    The starting checkpoint (`_checkpoint_identity`), the task section (without
+    `task.max_backlog`), the run seed, the dtype and warm-start fields of `model`, and
+    WARMSTART_VERSION. Not the cache location, nor `model.init`.
     """
+    ckpt = ensure_checkpoint(cfg) if ckpt is None else ckpt
     inputs = {
         "version": WARMSTART_VERSION,
-        "vocab": VOCAB_SIZE,
+        "checkpoint": _checkpoint_identity(cfg, ckpt),
         "seed": cfg.run.seed,
-        "model": cfg.model.model_dump(exclude={"init", "warmstart_cache"}),
+        "model": cfg.model.model_dump(
+            include={
+                "dtype",
+                "warmstart_steps",
+                "warmstart_batch",
+                "warmstart_lr",
+                "warmstart_error_rate",
+            }
+        ),
         "task": cfg.task.model_dump(exclude={"max_backlog"}),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def cache_path(cfg: Config) -> Path:
-    """Where the warm start of this config is cached."""
-    root = Path(cfg.model.warmstart_cache).expanduser() if cfg.model.warmstart_cache else None
-    return (root or _DEFAULT_CACHE) / f"warmstart-{cache_key(cfg)[:32]}.msgpack"
+def cache_path(cfg: Config, ckpt: Path | None = None) -> Path:
+    """The checkpoint directory caching the warm start of this config."""
+    return cache_root(cfg.model) / f"warmstart-{cache_key(cfg, ckpt)[:32]}"
 
 
 def warmstart_params(cfg: Config, log: Log | None = None) -> Params:
-    """The warm-started policy of this config: from the cache, else trained and cached.
+    """The warm-started policy of this config, in `model.dtype`: from the cache, else
+    trained from the checkpoint's weights and cached.
 
     Processes starting together (trainer and rollout workers) take a file lock, so one
     trains while the others wait and then read its result.
     """
-    path = cache_path(cfg)
+    ckpt = ensure_checkpoint(cfg)
+    dtype = _DTYPES[cfg.model.dtype]
+    path = cache_path(cfg, ckpt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        params = _read_cache(cfg, path, log)
+        params = _read_cache(path, dtype, log)
         if params is not None:
             return params
         start = time.perf_counter()
-        params = train_demonstrations(cfg, log)
-        write_bytes_atomic(path, params_to_bytes(params))
+        spec, params = load_checkpoint(ckpt, dtype)
+        params = train_demonstrations(cfg, spec, params, HFChat.from_dir(ckpt), log)
+        _write_cache(path, spec, params)
     if log is not None:
         log("warmstart.trained", path=str(path), seconds=round(time.perf_counter() - start, 2))
     return params
 
 
-def _read_cache(cfg: Config, path: Path, log: Log | None) -> Params | None:
+def _write_cache(path: Path, spec: ModelSpec, params: Params) -> None:
+    """Export to a fresh directory beside `path`, then rename it into place (under the
+    lock, so nobody reads a half-written entry; a damaged old entry is replaced)."""
+    tmp = Path(tempfile.mkdtemp(prefix=".warmstart-", dir=path.parent))
+    try:
+        export_checkpoint(tmp, spec, params)
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_cache(path: Path, dtype: Any, log: Log | None) -> Params | None:
     if not path.exists():
         return None
     try:
-        params = params_from_bytes(param_shapes(cfg.model, VOCAB_SIZE), path.read_bytes())
-    except WeightsError as err:
+        _, params = load_checkpoint(path, dtype)
+    except CheckpointError as err:
         # Writes are atomic, so this is outside damage; retraining repairs it.
         if log is not None:
             log("warmstart.cache_unreadable", path=str(path), error=str(err))

@@ -1,0 +1,141 @@
+"""Decode throughput of the continuous-batching engine against transformers' generate.
+
+    .venv/bin/python ops/bench/decode.py [--concurrency 1 8 32 64] [--threads 2]
+
+A ~20 M parameter Qwen2-family model with random weights (built locally, no download);
+prompts of 128 random tokens, 128 sampled tokens each (temperature 1, no stop token, so
+every sequence runs to its budget). For each concurrency C it measures, side by side:
+
+- engine:        C sequences submitted at once to an engine of C slots;
+- engine b=1:    the same engine code with one slot, sequences one after another;
+- hf serial:     transformers' PyTorch `generate`, one sequence at a time;
+- hf batched:    transformers' `generate` on all C sequences as one batch;
+- bound:         2 x params FLOPs per token against a dense float32 matmul timed in the same
+                 run (the machine's matmul rate), and the engine's fraction of it.
+
+Tokens/s are medians over `--repeats` runs; ratios are engine over each baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from streamrl.model.checkpoint import load_checkpoint
+from streamrl.model.engine import Engine, EngineConfig
+from streamrl.model.sampling import GenRequest, SamplingParams
+from streamrl.model.spec import ModelSpec
+
+PROMPT, RESPONSE = 128, 128
+SPEC_CONFIG = {
+    "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
+    "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "max_position_embeddings": 512, "tie_word_embeddings": True,
+}  # fmt: skip
+SAMPLING = SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops(repeats: int) -> float:
+    """FLOP/s of a dense float32 matmul (n = 1024) with JAX on this machine."""
+    n = 1024
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t = median_time(lambda: f(a).block_until_ready(), max(5, repeats * 3))
+    return 2 * n**3 / t
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    # Ids from 2 up: 0 is the pad id, 1 the (never emitted here) stop id.
+    return [rng.integers(2, vocab, PROMPT).tolist() for _ in range(n)]
+
+
+def engine_rate(spec: ModelSpec, params: object, slots: int, seqs: int, repeats: int) -> float:
+    cfg = EngineConfig(num_slots=slots, kv_cache_size=PROMPT + RESPONSE + 1,
+                       max_prompt_length=PROMPT, max_new_tokens=RESPONSE, sampling=SAMPLING,
+                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16)  # fmt: skip
+    engine = Engine(spec, params, cfg)
+    reqs = [GenRequest(p, RESPONSE, seed=i) for i, p in enumerate(prompts(seqs, spec.vocab_size))]
+    engine.generate(reqs)  # compile every shape this run uses
+    t = median_time(lambda: engine.generate(reqs), repeats)
+    return seqs * RESPONSE / t
+
+
+def hf_rate(ckpt: Path, batch: int, repeats: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True).eval()
+    ids = torch.tensor(prompts(batch, model.config.vocab_size))
+    model.generation_config.eos_token_id = None  # run every sequence to its budget
+    model.generation_config.pad_token_id = 0
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           max_new_tokens=RESPONSE, min_new_tokens=RESPONSE)  # fmt: skip
+
+    run()
+    return batch * RESPONSE / median_time(run, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    spec = ModelSpec.from_config(SPEC_CONFIG)
+    with tempfile.TemporaryDirectory() as tmp:
+        from streamrl.model.checkpoint import build_tiny_checkpoint
+
+        build_tiny_checkpoint(tmp, spec, seed=0)
+        spec, params = load_checkpoint(tmp)
+        flops = matmul_flops(args.repeats)
+        bound = flops / (2 * spec.num_params())
+        print(
+            f"model: {spec.num_params() / 1e6:.1f} M params; matmul {flops / 1e9:.1f} GFLOP/s;"
+            f" bound {bound:.0f} tokens/s; jax {jax.__version__} on {jax.default_backend()};"
+            f" torch threads {args.threads}; cpus {os.cpu_count()}"
+        )
+        single = engine_rate(spec, params, 1, 2, args.repeats)
+        hf_serial = hf_rate(Path(tmp), 1, args.repeats)
+        header = (f"{'C':>3} {'engine':>9} {'engine b=1':>10} {'hf serial':>9} "
+                  f"{'hf batched':>10} {'x b=1':>6} {'x hf ser':>8} {'x hf bat':>8} "
+                  f"{'of bound':>8}")  # fmt: skip
+        print(header)
+        for c in args.concurrency:
+            ours = engine_rate(spec, params, c, c, args.repeats)
+            hf_batched = hf_rate(Path(tmp), c, max(1, args.repeats - 1))
+            print(
+                f"{c:>3} {ours:>9.0f} {single:>10.0f} {hf_serial:>9.0f} {hf_batched:>10.0f} "
+                f"{ours / single:>6.2f} {ours / hf_serial:>8.2f} {ours / hf_batched:>8.2f} "
+                f"{ours / bound:>8.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Device meshes for the policy: data and tensor axes, by configuration.
+
+Tensor parallelism (Megatron style) splits attention by heads and the MLP by its inner
+size: q/k/v and gate/up are sharded along their output features, o_proj and down_proj along
+their input features, so each device computes its heads and its slice of the MLP and one
+all-reduce per block joins them (XLA's SPMD partitioner inserts it). Embeddings and norms
+are replicated. The KV-cache pool is sharded by slot over `data` and by key/value head over
+`tensor`, so each device keeps the caches of its sequences and heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from streamrl.model.spec import ModelSpec
+
+DATA, TENSOR = "data", "tensor"
+
+_OUT_SHARDED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_IN_SHARDED = ("o_proj", "down_proj")
+
+
+class MeshError(ValueError):
+    pass
+
+
+def make_mesh(data: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
+    """A (data, tensor) mesh over the first data x tensor devices."""
+    devices = devices if devices is not None else jax.devices()
+    if data * tensor > len(devices):
+        raise MeshError(
+            f"mesh data={data} x tensor={tensor} needs {data * tensor} devices; "
+            f"{len(devices)} available"
+        )
+    grid = np.asarray(devices[: data * tensor]).reshape(data, tensor)
+    return Mesh(grid, (DATA, TENSOR))
+
+
+def check_spec(spec: ModelSpec, mesh: Mesh) -> None:
+    """The model's head counts and inner size must split evenly over the tensor axis."""
+    t = mesh.shape[TENSOR]
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(spec, name) % t:
+            raise MeshError(f"{name} ({getattr(spec, name)}) is not divisible by tensor={t}")
+
+
+def _param_spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
+    names = [str(getattr(p, "key", p)) for p in path]
+    module, kind = (names[-2], names[-1]) if len(names) >= 2 else ("", names[-1])
+    if module in _OUT_SHARDED:
+        return PartitionSpec(None, TENSOR) if kind == "kernel" else PartitionSpec(TENSOR)
+    if module in _IN_SHARDED and kind == "kernel":
+        return PartitionSpec(TENSOR, None)
+    return PartitionSpec()
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """Place params on the mesh (tensor-parallel layout above)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, _param_spec(path, x))), params
+    )
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    """[slots, S, kv_heads, head_dim]: slots over data, heads over tensor."""
+    return NamedSharding(mesh, PartitionSpec(DATA, None, TENSOR, None))
+
+
+def shard_cache(cache: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda x: jax.device_put(x, cache_sharding(mesh)), cache)
