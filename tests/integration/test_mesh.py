@@ -73,6 +73,6 @@ def test_engine_on_a_mesh_matches_one_device() -> None:
     assert out["2x2-specs"] == [
         "P(None, 'tensor')",
         "P('tensor', None)",
-        "P('data', None, 'tensor')",
+        "P('data', 'tensor')",
     ]
     assert out["error"] == "num_key_value_heads (2) is not divisible by tensor=4"

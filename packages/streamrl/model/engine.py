@@ -351,7 +351,14 @@ class Engine:
         mask = (k[None, None, :] <= q[None, :, None]) & (k[None, None, :] < lengths[:, None, None])
         positions = jnp.broadcast_to(q, (b, p))
         _, cache = forward(
-            params, self.spec, tokens, positions, cache=cache, write_pos=positions, attn_mask=mask
+            params,
+            self.spec,
+            tokens,
+            positions,
+            cache=cache,
+            write_pos=positions,
+            attn_mask=mask,
+            in_bounds=True,
         )
         assert cache is not None
         return self._constrain(
@@ -388,7 +395,7 @@ class Engine:
             mask = (k_slots[None, :] <= length[:, None])[:, None, :]
             logits, cache = forward(
                 params, self.spec, tok[:, None], length[:, None], cache=cache,
-                write_pos=length[:, None], attn_mask=mask,
+                write_pos=length[:, None], attn_mask=mask, in_bounds=True,
             )  # fmt: skip
             step_keys = jax.vmap(jax.random.fold_in)(keys, produced + count)
             new, lp = sample_tokens(logits[:, 0], step_keys, self.cfg.sampling, self.cfg.pad_id)

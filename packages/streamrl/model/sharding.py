@@ -66,8 +66,9 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """[slots, S, kv_heads, head_dim]: slots over data, heads over tensor."""
-    return NamedSharding(mesh, PartitionSpec(DATA, None, TENSOR, None))
+    """Pool k [slots, kv_heads, head_dim, S] and v [slots, kv_heads, S, head_dim]: slots
+    over data, heads over tensor."""
+    return NamedSharding(mesh, PartitionSpec(DATA, TENSOR))
 
 
 def shard_cache(cache: Any, mesh: Mesh) -> Any:
