@@ -188,3 +188,24 @@ def test_sizes_are_validated() -> None:
             pad_id=0,
         )
         Engine(SPEC, PARAMS, small).submit(GenRequest(prompt(0, 90), 24, seed=0))
+
+
+def test_unaligned_cache_size_is_padded_not_widened() -> None:
+    """kv_cache_size 157 allocates 160 positions per slot (aligned rows decode faster) but
+    requests are still checked against 157, and the padding changes no sample."""
+    cfg = EngineConfig(
+        num_slots=8,
+        kv_cache_size=157,
+        max_prompt_length=140,
+        max_new_tokens=24,
+        sampling=SAMPLING,
+        stop_ids=(STOP,),
+        pad_id=0,
+        decode_chunk=4,
+    )
+    odd = Engine(SPEC, PARAMS, cfg)
+    assert odd.pool_len == 160 and odd.pool.k[0].shape[-1] == 160
+    reqs = [GenRequest(prompt(i, 20 + 9 * i), 24, seed=i) for i in range(4)]
+    assert [r.tokens for r in odd.generate(reqs)] == [r.tokens for r in engine().generate(reqs)]
+    with pytest.raises(ValueError, match=r"= 158 exceeds kv_cache_size \(157\)"):
+        odd.submit(GenRequest(prompt(0, 134), 24, seed=0))

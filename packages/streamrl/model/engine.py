@@ -1,7 +1,7 @@
 """Continuous batching: one decode loop over a fixed pool of KV-cache slots.
 
 Every concurrent sequence of a rollout worker owns one slot of the pool
-(`num_slots` x `kv_cache_size` positions per layer). Each `step()`:
+(`num_slots` x `kv_cache_size` positions per layer, rounded up to a multiple of 8). Each `step()`:
 
 1. admits waiting requests into free slots: their prompts (all but the last token) are
    prefilled, bucketed by count and length; members of a group that share a prompt are
@@ -54,6 +54,7 @@ from streamrl.model.sharding import (
 from streamrl.model.spec import ModelSpec
 
 PROMPT_BUCKET = 64
+POOL_ALIGN = 8
 
 
 def pow2(n: int) -> int:
@@ -136,7 +137,10 @@ class Engine:
                 )
         self.params = params
         self.set_params(params)
-        self.pool: KVCache = init_cache(spec, cfg.num_slots, cfg.kv_cache_size, dtype)
+        # Slots per row rounded up to a multiple of 8: a decode step's attention runs about
+        # twice as fast over 256 or 264 positions as over 257 (vectorised rows on a CPU).
+        self.pool_len = round_up(cfg.kv_cache_size, POOL_ALIGN)
+        self.pool: KVCache = init_cache(spec, cfg.num_slots, self.pool_len, dtype)
         if mesh is not None:
             self.pool = shard_cache(self.pool, mesh)
         self._waiting: deque[_Seq] = deque()
@@ -254,7 +258,7 @@ class Engine:
 
     def _prefill_batch(self, seqs: list[_Seq]) -> None:
         b = round_up(pow2(len(seqs)), self._row_multiple)
-        p = min(round_up(max(s.length for s in seqs), PROMPT_BUCKET), self.cfg.kv_cache_size)
+        p = min(round_up(max(s.length for s in seqs), PROMPT_BUCKET), self.pool_len)
         tokens = np.full((b, p), self.cfg.pad_id, np.int32)
         lengths = np.zeros((b,), np.int32)
         slots = np.full((b,), self.cfg.num_slots, np.int32)  # out of range: dropped
@@ -343,7 +347,7 @@ class Engine:
         """Write the keys/values of right-padded prompts [b, p] into pool rows `slots`."""
         self.compile_counts["prefill"] += 1
         b, p = tokens.shape
-        s = self.cfg.kv_cache_size
+        s = self.pool_len
         rows = jnp.minimum(slots, self.cfg.num_slots - 1)
         cache = jax.tree.map(lambda x: x[rows], pool)
         q = jnp.arange(p, dtype=jnp.int32)
@@ -384,7 +388,7 @@ class Engine:
         self.compile_counts["decode"] += 1
         n = last.shape[0]
         chunk = self.cfg.decode_chunk
-        s = self.cfg.kv_cache_size
+        s = self.pool_len
         stop_ids = jnp.asarray(self.cfg.stop_ids, jnp.int32).reshape(-1)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         k_slots = jnp.arange(s, dtype=jnp.int32)
