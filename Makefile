@@ -6,7 +6,7 @@ RUN_DIR ?= runs/demo
 CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit integration e2e slow bench fmt clean
+.PHONY: demo test lint typecheck unit integration e2e slow bench fmt clean sandbox-host
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,12 @@ e2e: $(VENV)/.installed
 
 slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# The tool sandboxes' host side, as root: podman serving the Docker API on
+# /run/streamrl-podman.sock and the sandbox image (built, never pulled). Then:
+#   export DOCKER_HOST=unix:///run/streamrl-podman.sock CONTAINERS_CONF=/etc/streamrl/containers.conf
+sandbox-host:
+	ops/sandbox/setup_host.sh
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

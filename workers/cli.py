@@ -1,4 +1,5 @@
-"""`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker.
+"""`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
+`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
-from streamrl_workers import generate
+from streamrl_workers import generate, toolexec
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--index", type=int, default=0, help="replica index of this worker")
     w.add_argument("--burst", action="store_true", help="exit once the input is drained")
     generate.add_parser(sub)
+    toolexec.add_parser(sub)
     return parser
 
 
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return generate.main(args)
+    if args.command == "tools":
+        return toolexec.main(args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:

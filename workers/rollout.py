@@ -19,6 +19,7 @@ from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.weights import WeightFollower
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.runtime import WorkerContext
+from streamrl.tasks.registry import EpisodeContext, tool_limits
 from streamrl.tools.client import ToolClient
 from streamrl.wire import Weights
 
@@ -66,7 +67,10 @@ async def _main(ctx: WorkerContext) -> None:
         runner=EpisodeRunner(
             server, chat.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log
         ),
-        tools=ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log),
+        episodes=EpisodeContext(
+            caller=ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log),
+            limits=tool_limits(cfg.tools),
+        ),
         follower=follower,
         log=ctx.log,
         stop=ctx.stop.is_set,

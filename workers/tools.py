@@ -1,5 +1,6 @@
 """Tool worker: an rq SimpleWorker (no fork per job: ~5 ms a job instead of ~27 ms) that
-runs tool calls in the sandbox. rq handles SIGTERM itself (finish the job, then exit)."""
+runs tool calls in the sandbox. rq handles SIGTERM itself (finish the job, then exit); the
+sandbox (its warm containers) is closed on the way out."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
 from streamrl.runtime import WorkerContext
+from streamrl.tools.jobs import close_sandbox, install_sandbox, open_sandbox
 
 # rq's housekeeping (cleaning the jobs of dead workers) runs every 10 minutes by default;
 # callers do not depend on it (they time out and resend), but keep the registries tidy.
@@ -23,7 +25,11 @@ def run(ctx: WorkerContext) -> int:
         name=ctx.consumer,
         maintenance_interval=MAINTENANCE_INTERVAL_S,
     )
+    install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
     ctx.log.info("tools_start", queue=queue.name)
-    worker.work(burst=ctx.burst, logging_level="WARNING", with_scheduler=False)
+    try:
+        worker.work(burst=ctx.burst, logging_level="WARNING", with_scheduler=False)
+    finally:
+        close_sandbox()
     ctx.log.info("tools_stop")
     return 0

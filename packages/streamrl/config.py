@@ -13,7 +13,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "Config",
@@ -79,7 +86,13 @@ class TransportConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic"] = Field("arithmetic", description="Built-in task to train on.")
+    name: Literal["arithmetic", "code"] = Field(
+        "arithmetic",
+        description=(
+            "Built-in task: `arithmetic` (calculator tool, exact answer) or `code` (write a "
+            "Python function; hidden unit tests in the sandbox give the reward)."
+        ),
+    )
     num_prompts: int = Field(
         10_000, ge=1, le=10_000_000, description="Distinct prompts in the data set (cycled)."
     )
@@ -177,6 +190,12 @@ class RolloutConfig(_Section):
         4, ge=2, le=1024, description="Episodes per task (the GRPO group size)."
     )
     max_concurrency: int = Field(16, ge=1, le=4096, description="Episodes running at once.")
+    max_model_calls: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Model calls in flight per rollout worker at most; 0: max_concurrency.",
+    )
     max_steps: int = Field(3, ge=1, le=1000, description="Model turns per episode at most.")
     max_prompt_length: int = Field(
         128,
@@ -274,8 +293,54 @@ class ToolsConfig(_Section):
         1, ge=0, le=10, description="Times a call lost to a dead tool worker is sent again."
     )
     max_parallel_calls: int = Field(
-        64, ge=1, le=100_000, description="Tool calls in flight per rollout worker at most."
+        64,
+        ge=1,
+        le=100_000,
+        description="Sandbox tool calls in flight per rollout worker at most.",
     )
+    max_external_calls: int = Field(
+        16,
+        ge=1,
+        le=100_000,
+        description="Calls to external services (tools of kind `external`) in flight at most.",
+    )
+    rate_limits: dict[str, float] = Field(
+        default_factory=dict,
+        description="Calls per second per rollout worker, by tool name (e.g. {python = 20}).",
+    )
+    max_consecutive_tool_errors: int = Field(
+        20,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Consecutive tool infrastructure errors (no worker answered, sandbox down) after "
+            "which the run stops with an error; 0: never."
+        ),
+    )
+    sandbox: Literal["auto", "container", "bwrap", "subprocess"] = Field(
+        "auto",
+        description=(
+            "Where a call's code runs: `container` (hardened containers through the Docker "
+            "API at DOCKER_HOST), `bwrap` (bubblewrap namespaces), `subprocess` (rlimits "
+            "only, no isolation), `auto`: the first of these that works, logged."
+        ),
+    )
+    image: str = Field("streamrl-sandbox:1", description="Container image of the sandbox.")
+    memory_mb: int = Field(256, ge=16, le=1 << 20, description="Memory of one sandbox, MiB.")
+    pids_limit: int = Field(64, ge=8, le=1 << 16, description="Processes of one sandbox.")
+    cpus: float = Field(1.0, gt=0, le=1024, description="CPU share of one sandbox container.")
+    pool_size: int = Field(1, ge=0, le=1024, description="Warm containers per tool worker.")
+    recycle_after: int = Field(
+        200, ge=1, le=1_000_000, description="Calls a container serves before it is replaced."
+    )
+
+    @field_validator("rate_limits")
+    @classmethod
+    def _positive_rates(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, rate in v.items():
+            if not rate > 0:
+                raise ValueError(f"rate of tool `{name}` must be > 0 calls per second")
+        return v
 
 
 class GrouperConfig(_Section):

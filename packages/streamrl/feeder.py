@@ -14,7 +14,7 @@ import structlog
 
 from streamrl.config import Config
 from streamrl.names import Keys
-from streamrl.tasks import arithmetic
+from streamrl.tasks.registry import make_task
 from streamrl.transport import publish
 
 
@@ -39,7 +39,7 @@ class Feeder:
         cursor, backlog = self.backlog()
         room = self.cfg.task.max_backlog - backlog
         for i in range(max(0, room)):
-            task = arithmetic.make_task(
+            task = make_task(
                 self.cfg.task, self.cfg.run.seed, cursor + i, self.cfg.rollout.num_generations
             )
             pipe = self.client.pipeline(transaction=True)

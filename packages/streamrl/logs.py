@@ -25,7 +25,9 @@ def redact_url(url: str) -> str:
 
 def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for key, value in list(event.items()):
-        if any(s in key.lower() for s in _SECRET_KEYS) and key != "event":
+        secret_name = any(s in key.lower() for s in _SECRET_KEYS) and key != "event"
+        # Numbers are never secrets: a count of `tokens` stays readable.
+        if secret_name and not isinstance(value, int | float):
             event[key] = "***"
         elif isinstance(value, str) and "://" in value:
             event[key] = redact_url(value)

@@ -168,7 +168,9 @@ class TrainMetrics(Message, frozen=True, kw_only=True):
 
 
 class ToolResult(Message, frozen=True, kw_only=True):
-    """The outcome of one tool call as the agent sees it."""
+    """The outcome of one tool call as the agent sees it. `infra`: the tool infrastructure
+    failed (no worker answered, the sandbox is down), not the call: the episode ends with
+    status error and the circuit breaker counts it."""
 
     KIND: ClassVar[str] = "tool_result"
     call_id: str
@@ -177,6 +179,7 @@ class ToolResult(Message, frozen=True, kw_only=True):
     error: str = ""
     duration_s: float = 0.0
     worker: str = ""
+    infra: bool = False
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import structlog
 
-from streamrl.chat import ParsedTurn
+from streamrl.agents.agents import ToolAgent
+from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
 from streamrl.config import Config, parse_config
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
@@ -18,7 +19,6 @@ from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.rollout.engine_server import EngineServer, EngineServerError
-from streamrl.rollout.env import StepResult
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.wire import Task, Trajectory
 
@@ -80,19 +80,16 @@ def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
     return any(tuple(seq[i : i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
 
 
-class ScriptedEnv:
+class ScriptedEnv(Environment):
     """Answers any turn with one tool result, then ends with reward 1 on the next."""
 
     def __init__(self, prompt: str = "Compute 1+1 with the calculator.", mode: str = "ok"):
         self._prompt, self.mode, self.turns = prompt, mode, 0
 
-    def prompt(self) -> str:
-        return self._prompt
+    async def reset(self) -> Reset:
+        return Reset(prompt=self._prompt)
 
-    def tools(self) -> list[dict[str, Any]]:
-        return []
-
-    async def step(self, turn: ParsedTurn, call_prefix: str) -> StepResult:
+    async def step(self, action: Action, call_prefix: str) -> StepResult:
         self.turns += 1
         if self.mode == "raise":
             raise ValueError("environment exploded")
@@ -104,8 +101,8 @@ class ScriptedEnv:
         return None
 
 
-def _same(env: ScriptedEnv) -> ScriptedEnv:
-    return env
+def _same(env: ScriptedEnv) -> tuple[Agent, Environment]:
+    return ToolAgent(), env
 
 
 def _task(i: int) -> Task:

@@ -57,6 +57,6 @@ def test_calculator_tool() -> None:
     assert wrong.error == "missing required argument `expression`"
     typed = run_call(sb, "calculator", '{"expression": 5}', 5.0, 1024)
     assert typed.error == "argument `expression` must be of type string"
-    unknown = run_call(sb, "shell", "{}", 5.0, 1024)
-    assert unknown.error.startswith("unknown tool `shell`")
+    unknown = run_call(sb, "browser", "{}", 5.0, 1024)
+    assert unknown.error.startswith("unknown tool `browser`")
     assert CALCULATOR.schema()["function"]["name"] == "calculator"

@@ -1,10 +1,11 @@
 import asyncio
 import random
 
+from streamrl.agents.envs import ToolLimits
 from streamrl.chat import ToolCall, ToolCallError, parse_turn
 from streamrl.config import TaskConfig
-from streamrl.rollout.env import ArithmeticEnv
 from streamrl.tasks import arithmetic
+from streamrl.tasks.registry import EpisodeContext, make_episode
 from streamrl.wire import ToolResult
 
 
@@ -45,12 +46,20 @@ class StubTools:
 
 def _play(task_answer_from_tool: str, answer: str) -> float:
     task = arithmetic.make_task(TaskConfig(), 0, 5, 4)
-    env = ArithmeticEnv(task=task, tool_client=StubTools(task_answer_from_tool))
-    call = asyncio.run(env.step(parse_turn(arithmetic.calculator_call("x")), "c"))
-    assert call.observations == [task_answer_from_tool] and not call.done
-    final = asyncio.run(env.step(parse_turn(f"<answer>{answer}</answer>"), "c"))
-    assert final.done
-    return final.reward
+
+    async def play() -> float:
+        agent, env = make_episode(
+            task, EpisodeContext(caller=StubTools(task_answer_from_tool), limits=ToolLimits())
+        )
+        reset = await env.reset()
+        assert reset.tools[0]["function"]["name"] == "calculator"
+        call = await env.step(agent.act(arithmetic.calculator_call("x")), "c")
+        assert call.observations == [task_answer_from_tool] and not call.done
+        final = await env.step(agent.act(f"<answer>{answer}</answer>"), "c")
+        assert final.done and env.num_tool_calls == 1
+        return final.reward
+
+    return asyncio.run(play())
 
 
 def test_arithmetic_env_rewards_copying_the_tool_result() -> None:
@@ -64,15 +73,22 @@ def test_arithmetic_env_rewards_copying_the_tool_result() -> None:
 def test_bad_tool_calls_reach_the_agent_as_tool_errors() -> None:
     task = arithmetic.make_task(TaskConfig(), 0, 1, 4)
     tools = StubTools()
-    env = ArithmeticEnv(task=task, tool_client=tools)
-    turn = parse_turn(
+    agent, env = make_episode(task, EpisodeContext(caller=tools, limits=ToolLimits()))
+    action = agent.act(
         '<tool_call>{"name": "calculator", "arguments": </tool_call>'
         '<tool_call>{"name": "calculator", "arguments": "{oops"}</tool_call>'
+        '<tool_call>{"name": "shell", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'
     )
-    step = asyncio.run(env.step(turn, "c"))
+    step = asyncio.run(env.step(action, "c"))
     assert step.observations[0].startswith("error: tool call is not valid JSON")
-    assert step.observations[1] == "error: arguments are not valid JSON: Expecting value at char 1"
-    assert tools.calls == [("calculator", "{oops")]  # the unparseable block never left
+    assert step.observations[1] == (
+        "error: calculator: arguments are not valid JSON: "
+        "Expecting property name enclosed in double quotes at char 1"
+    )
+    assert step.observations[2] == "error: unknown tool `shell`; available: ['calculator']"
+    assert step.observations[3] == "error: calculator: missing required argument `expression`"
+    assert tools.calls == [] and not step.done  # no bad call left the rollout worker
 
 
 def test_tasks_are_deterministic_and_demonstrations_vary() -> None:

@@ -1,9 +1,14 @@
 """One agent-environment episode: model turn, tool step, next model turn, until it ends.
 
-An episode ends on a final answer, `max_steps` model turns, its token limit or
-`episode_timeout_s`. Whatever goes wrong inside it (a model call the generator refuses, an
-environment that raises or hangs) ends that episode with status `error` and a reason; the
-worker and the other episodes carry on.
+An episode ends when the environment says so (a final answer, `finish`), after `max_steps`
+model turns, at its token limit or at `episode_timeout_s`. Whatever goes wrong inside it (a
+model call the generator refuses, an environment that raises or hangs, a tool
+infrastructure error) ends that episode with status `error` and a reason; the worker and
+the other episodes carry on. Only a tripped circuit breaker (`CircuitOpenError`) escapes:
+it stops the worker, and with it the run.
+
+Model calls are limited to `max_model_calls` in flight per worker, apart from the tool
+calls' own limits (`streamrl.agents.envs.ToolLimits`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from typing import Any, Protocol
 
 import structlog
 
-from streamrl.chat import ParsedTurn, Transcript, parse_turn
+from streamrl.agents.base import Action, Agent, Environment, StepResult
+from streamrl.agents.flow import CircuitOpenError
+from streamrl.chat import Transcript
 from streamrl.config import RolloutConfig
 from streamrl.hfchat import Dialogue
 from streamrl.model.sampling import GenRequest, GenResult
-from streamrl.rollout.env import Environment, StepResult
 from streamrl.wire import Status, Task, Trajectory, pack_arrays
 
 
@@ -32,6 +38,8 @@ class ModelService(Protocol):
 
 
 NewDialogue = Callable[[list[dict[str, Any]]], Dialogue]
+# The agent and environment of one episode (built fresh for each).
+NewEpisode = Callable[[], tuple[Agent, Environment]]
 
 
 class EpisodeError(RuntimeError):
@@ -76,16 +84,20 @@ class EpisodeRunner:
         self.run_seed = run_seed
         self.worker = worker
         self.log = log
+        self._model_slots = asyncio.Semaphore(cfg.max_model_calls or cfg.max_concurrency)
 
-    async def run(self, task: Task, member: int, make_env: Callable[[], Environment]) -> Trajectory:
+    async def run(self, task: Task, member: int, make_episode: NewEpisode) -> Trajectory:
         """Play one episode to its end; never raises for the episode's own failures."""
         st = _State()
         tid = traj_id(task, member)
         start = time.monotonic()
         env: Environment | None = None
+        agent: Agent | None = None
         try:
-            env = make_env()
-            await asyncio.wait_for(self._play(tid, env, st), self.cfg.episode_timeout_s)
+            agent, env = make_episode()
+            await asyncio.wait_for(self._play(tid, agent, env, st), self.cfg.episode_timeout_s)
+        except CircuitOpenError:
+            raise
         except TimeoutError:
             st.status, st.reward = "timeout", 0.0
             st.error = f"episode exceeded episode_timeout_s ({self.cfg.episode_timeout_s:g}s)"
@@ -96,8 +108,10 @@ class EpisodeRunner:
         finally:
             if env is not None:
                 await _close(env, self.log, tid)
+            if agent is not None:
+                agent.close()
         tr = st.transcript
-        num_calls = getattr(env, "num_tool_calls", 0)
+        num_calls = env.num_tool_calls if env is not None else 0
         return Trajectory(
             traj_id=tid,
             group_id=task.group_id,
@@ -119,11 +133,13 @@ class EpisodeRunner:
             worker=self.worker,
         )
 
-    async def _play(self, tid: str, env: Environment, st: _State) -> None:
+    async def _play(self, tid: str, agent: Agent, env: Environment, st: _State) -> None:
         cfg = self.cfg
         tr = st.transcript
-        dialogue = self.new_dialogue(env.tools())
-        prompt = dialogue.prompt(env.prompt())
+        reset = await env.reset()
+        agent.reset(reset)
+        dialogue = self.new_dialogue(reset.tools)
+        prompt = dialogue.prompt(reset.prompt)
         if len(prompt) > cfg.max_prompt_length:
             raise EpisodeError(
                 f"prompt of {len(prompt)} tokens exceeds rollout.max_prompt_length "
@@ -143,16 +159,18 @@ class EpisodeRunner:
                 seed=sample_seed(self.run_seed, tid, turn),
             )
             t0 = time.monotonic()
-            result, version = await self.server.generate(request)
+            async with self._model_slots:
+                result, version = await self.server.generate(request)
             st.model_s += time.monotonic() - t0
             tr.add_sampled(result.tokens, result.logprobs, version)
             if not result.stopped:
                 st.status = "truncated"
                 return
-            parsed = parse_turn(dialogue.assistant(result.tokens))
+            action = agent.act(dialogue.assistant(result.tokens))
             t0 = time.monotonic()
-            step = await self._env_step(env, parsed, f"{tid}-{turn}")
+            step = await self._env_step(env, action, f"{tid}-{turn}")
             st.env_s += time.monotonic() - t0
+            agent.observe(step)
             if step.done:
                 st.reward = step.reward
                 return
@@ -163,10 +181,10 @@ class EpisodeRunner:
             tr.add_template(observation)
         st.status = "truncated"  # max_steps turns without a final answer
 
-    async def _env_step(self, env: Environment, parsed: ParsedTurn, call_prefix: str) -> StepResult:
+    async def _env_step(self, env: Environment, action: Action, call_prefix: str) -> StepResult:
         try:
             return await asyncio.wait_for(
-                env.step(parsed, call_prefix), self.cfg.env_step_timeout_s
+                env.step(action, call_prefix), self.cfg.env_step_timeout_s
             )
         except TimeoutError:
             raise EpisodeError(

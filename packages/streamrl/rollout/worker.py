@@ -20,9 +20,9 @@ import structlog
 from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
-from streamrl.rollout.env import ToolCaller, make_env
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.weights import WeightFollower
+from streamrl.tasks.registry import EpisodeContext, make_episode
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import Task, Trajectory
 
@@ -38,7 +38,7 @@ class RolloutWorker:
         consumer: str,
         server: EngineServer,
         runner: EpisodeRunner,
-        tools: ToolCaller,
+        episodes: EpisodeContext,
         follower: WeightFollower,
         log: structlog.stdlib.BoundLogger,
         stop: Callable[[], bool],
@@ -48,7 +48,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.server = server
         self.runner = runner
-        self.tools = tools
+        self.episodes = episodes
         self.follower = follower
         self.log = log
         self.stop = stop
@@ -125,7 +125,7 @@ class RolloutWorker:
 
     async def _episode(self, d: Delivery[Task], member: int) -> None:
         try:
-            traj = await self.runner.run(d.msg, member, lambda: make_env(d.msg, self.tools))
+            traj = await self.runner.run(d.msg, member, lambda: make_episode(d.msg, self.episodes))
             await self._emit(d, traj)
         finally:
             self.active -= 1

@@ -52,6 +52,8 @@ class ToolClient:
         pipe.hincrby(self.keys.stats, "tool_calls", 1)
         if not result.ok:
             pipe.hincrby(self.keys.stats, "tool_errors", 1)
+        if result.infra:
+            pipe.hincrby(self.keys.stats, "tool_infra_errors", 1)
         await pipe.execute()
         return result
 
@@ -77,6 +79,7 @@ class ToolClient:
                 "(tool infrastructure error)"
             ),
             duration_s=time.monotonic() - start,
+            infra=True,
         )
 
     def _enqueue(

@@ -3,23 +3,84 @@
 The job pushes its result onto the call's result list, where the rollout worker waits with
 BLPOP on its event loop; rq's own result store is not used for the answer, so waiting for a
 call costs no thread.
+
+A tool worker process holds one sandbox for all its jobs (`install_sandbox` at start,
+`close_sandbox` at exit): the container backend's warm pool lives across calls. A failure of
+the sandbox itself (engine down, image missing, an API error) comes back as a ToolResult
+with `infra` set: the rollout side ends that episode with status error and counts it for
+its circuit breaker.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 
 import rq
+import structlog
 
+from streamrl.config import ToolsConfig
 from streamrl.names import Keys
-from streamrl.tools.registry import run_call
-from streamrl.tools.sandbox import SubprocessSandbox
+from streamrl.tools.backends import ClosableSandbox, make_sandbox
+from streamrl.tools.bwrap import BubblewrapConfig
+from streamrl.tools.containers import ContainerConfig
+from streamrl.tools.registry import Outcome, run_call
+from streamrl.tools.sandbox import SandboxUnavailableError
 from streamrl.wire import ToolResult, encode_body
 
 RESULT_TTL_S = 120
 
 JOB_PATH = "streamrl.tools.jobs.run_tool_call"
+
+# The worker process's sandbox (rq calls jobs as plain functions: module state is the place).
+_SANDBOX: dict[str, ClosableSandbox] = {}
+
+
+def open_sandbox(
+    cfg: ToolsConfig, namespace: str, worker_id: str, log: structlog.stdlib.BoundLogger
+) -> ClosableSandbox:
+    """The sandbox `cfg.sandbox` names (auto: the strongest that works here, logged)."""
+    container = ContainerConfig(
+        image=cfg.image,
+        namespace=namespace,
+        worker_id=worker_id,
+        memory_bytes=cfg.memory_mb * 2**20,
+        pids_limit=cfg.pids_limit,
+        cpus=cfg.cpus,
+        pool_size=cfg.pool_size,
+        recycle_after=cfg.recycle_after,
+    )
+    bwrap = BubblewrapConfig(max_processes=max(4, cfg.pids_limit))
+    return make_sandbox(cfg.sandbox, container=container, bwrap=bwrap, log=log)
+
+
+def install_sandbox(sandbox: ClosableSandbox) -> None:
+    _SANDBOX["current"] = sandbox
+
+
+def close_sandbox() -> None:
+    sandbox = _SANDBOX.pop("current", None)
+    if sandbox is not None:
+        sandbox.close()
+
+
+def _current() -> ClosableSandbox:
+    if "current" not in _SANDBOX:  # a job run outside a tool worker (tests, rq's own workers)
+        _SANDBOX["current"] = make_sandbox("auto")
+        atexit.register(close_sandbox)  # its containers go with the process
+    return _SANDBOX["current"]
+
+
+def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tuple[Outcome, bool]:
+    """(outcome, infra): a sandbox failure is an infrastructure error, not a tool error."""
+    try:
+        return run_call(_current(), name, arguments, time_limit_s, output_cap), False
+    except SandboxUnavailableError as err:
+        return Outcome(False, "", f"sandbox unavailable: {err}"), True
+    except Exception as err:
+        structlog.get_logger().exception("sandbox_failed", tool=name)
+        return Outcome(False, "", f"sandbox failed: {type(err).__name__}: {err}"), True
 
 
 def run_tool_call(
@@ -39,7 +100,7 @@ def run_tool_call(
         # The caller has given up on this attempt (and may have sent another): skip it.
         result = ToolResult(call_id=call_id, ok=False, output="", error="expired", worker=worker)
     else:
-        out = run_call(SubprocessSandbox(), name, arguments, time_limit_s, output_cap)
+        out, infra = _run(name, arguments, time_limit_s, output_cap)
         result = ToolResult(
             call_id=call_id,
             ok=out.ok,
@@ -47,6 +108,7 @@ def run_tool_call(
             error=out.error,
             duration_s=time.monotonic() - start,
             worker=worker,
+            infra=infra,
         )
     job = rq.get_current_job()
     if job is not None:

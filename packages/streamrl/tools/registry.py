@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamrl.agents.tools import ToolArgumentError, function_schema
+from streamrl.agents.tools import parse_arguments as check_arguments
+from streamrl.tools import harness
 from streamrl.tools.sandbox import TRUNCATED, ExecResult, Sandbox
 
 CALCULATOR_MAIN = str(Path(__file__).with_name("calculator_main.py"))
@@ -33,53 +36,28 @@ class Outcome:
 @dataclass(frozen=True)
 class Tool:
     """A tool as the agent sees it (`name`, `description`, JSON-schema `parameters`) and
-    as the worker runs it (`command` builds argv and stdin from validated arguments)."""
+    as the worker runs it (`command` builds argv and stdin from validated arguments;
+    `report` turns the finished command into what the agent sees; default: `interpret`).
+
+    An argv starting with `sys.executable` means "the sandbox's Python": each backend maps
+    it (`streamrl.tools.sandbox.portable_argv`)."""
 
     name: str
     description: str
     parameters: dict[str, Any]
     command: Callable[[dict[str, Any]], tuple[list[str], bytes]]
+    report: Callable[[ExecResult, float], Outcome] | None = None
 
     def schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
-
-
-_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "string": str,
-    "integer": int,
-    "number": (int, float),
-    "boolean": bool,
-    "object": dict,
-    "array": list,
-}
+        return function_schema(self.name, self.description, self.parameters)
 
 
 def parse_arguments(tool: Tool, arguments: str) -> dict[str, Any]:
     """Decode and check a call's JSON arguments against the tool's (flat) schema."""
     try:
-        args = json.loads(arguments)
-    except json.JSONDecodeError as err:
-        raise ToolInputError(f"arguments are not valid JSON: {err.msg} at char {err.pos}") from None
-    if not isinstance(args, dict):
-        raise ToolInputError("arguments must be a JSON object")
-    props: dict[str, Any] = tool.parameters.get("properties", {})
-    for name in tool.parameters.get("required", []):
-        if name not in args:
-            raise ToolInputError(f"missing required argument `{name}`")
-    for name, value in args.items():
-        if name not in props:
-            raise ToolInputError(f"unknown argument `{name}`")
-        want = _JSON_TYPES[props[name]["type"]]
-        if not isinstance(value, want) or isinstance(value, bool) is not (want is bool):
-            raise ToolInputError(f"argument `{name}` must be of type {props[name]['type']}")
-    return args
+        return check_arguments(tool.parameters, arguments)
+    except ToolArgumentError as err:
+        raise ToolInputError(str(err)) from None
 
 
 def _calculator_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
@@ -98,7 +76,79 @@ CALCULATOR = Tool(
     command=_calculator_command,
 )
 
-TOOLS: dict[str, Tool] = {t.name: t for t in (CALCULATOR,)}
+
+def _python_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+    # -I: no environment variables or user site; -S: the standard library only.
+    return [sys.executable, "-I", "-S", "-c", str(args["code"])], b""
+
+
+def _shell_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+    return ["/bin/sh", "-c", str(args["command"])], b""
+
+
+def _run_tests_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+    return [sys.executable, "-I", "-S", "-c", harness.SOURCE], json.dumps(args).encode()
+
+
+def process_report(r: ExecResult, time_limit_s: float) -> Outcome:
+    """A program run as the agent sees it: its exit status, stdout and stderr. A non-zero
+    status is a result, not a tool error; a time limit or the output cap is an error."""
+    if r.timed_out:
+        return Outcome(False, _text(r.stdout), f"timed out after {time_limit_s:g}s")
+    if r.truncated:
+        out = _text(r.stdout + TRUNCATED)
+        return Outcome(False, out, "output exceeded the output cap and was cut")
+    parts = [f"exit status: {r.exit_code}"]
+    if r.stdout:
+        parts.append("stdout:\n" + _text(r.stdout).rstrip("\n"))
+    if r.stderr:
+        parts.append("stderr:\n" + _text(r.stderr).rstrip("\n"))
+    return Outcome(True, "\n".join(parts))
+
+
+PYTHON = Tool(
+    name="python",
+    description="Run a Python 3 program (standard library only); returns its exit status, "
+    "stdout and stderr.",
+    parameters={
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "The program's source."}},
+        "required": ["code"],
+    },
+    command=_python_command,
+    report=process_report,
+)
+
+SHELL = Tool(
+    name="shell",
+    description="Run a POSIX shell command; returns its exit status, stdout and stderr.",
+    parameters={
+        "type": "object",
+        "properties": {"command": {"type": "string", "description": "e.g. ls -l /tmp"}},
+        "required": ["command"],
+    },
+    command=_shell_command,
+    report=process_report,
+)
+
+# Not offered to agents: the code task's reward runs the hidden tests with it.
+RUN_TESTS = Tool(
+    name="run_tests",
+    description="Run a candidate function on test inputs (streamrl.tools.harness).",
+    parameters={
+        "type": "object",
+        "properties": {
+            "code": {"type": "string"},
+            "entry": {"type": "string"},
+            "inputs": {"type": "array"},
+            "marker": {"type": "string"},
+        },
+        "required": ["code", "entry", "inputs", "marker"],
+    },
+    command=_run_tests_command,
+)
+
+TOOLS: dict[str, Tool] = {t.name: t for t in (CALCULATOR, PYTHON, SHELL, RUN_TESTS)}
 
 
 def _text(data: bytes) -> str:
@@ -130,4 +180,5 @@ def run_call(
     except ToolInputError as err:
         return Outcome(False, "", str(err))
     argv, stdin = tool.command(args)
-    return interpret(sandbox.exec(argv, stdin, time_limit_s, output_cap), time_limit_s)
+    report = tool.report or interpret
+    return report(sandbox.exec(argv, stdin, time_limit_s, output_cap), time_limit_s)

@@ -2,23 +2,29 @@
 
 `SubprocessSandbox` runs a command as a child process in its own session, with resource
 limits, a wall-clock limit enforced by killing the whole process group, and capped output.
-Hardened containers (a later issue) implement the same `Sandbox` protocol.
+The hardened backends implement the same `Sandbox` protocol: containers
+(`streamrl.tools.containers`) and bubblewrap (`streamrl.tools.bwrap`); `streamrl.tools.backends`
+picks one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 TRUNCATED = b"\n[output truncated]"
+TOOLS_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,44 @@ class Sandbox(Protocol):
 
 
 class SandboxUnavailableError(RuntimeError):
-    pass
+    """The sandbox itself cannot run calls (engine down, image or binary missing): an
+    infrastructure failure, never the fault of a call."""
+
+
+def prlimit_args(time_limit_s: float, memory_bytes: int) -> list[str]:
+    """`prlimit` flags for one call: CPU seconds just past the wall-clock limit, address
+    space, a 1 MiB file size cap and no core dumps."""
+    return [
+        f"--cpu={int(time_limit_s) + 1}",
+        f"--as={memory_bytes}",
+        f"--fsize={1 << 20}",
+        "--core=0",
+    ]
+
+
+def portable_argv(argv: list[str], python: str) -> list[str]:
+    """`argv` made to run where neither this checkout nor its virtualenv exists.
+
+    A call whose argv[0] is this process's interpreter runs `python` instead, and a tool
+    script of this package on its command line travels as `-c SOURCE`. So the sandbox image
+    carries no streamrl code: changing a tool never needs an image rebuild, and an image
+    can never run a stale copy. Other argv pass through unchanged.
+    """
+    if not argv or argv[0] not in (sys.executable, os.path.realpath(sys.executable)):
+        return list(argv)
+    out = [python]
+    for arg in argv[1:]:
+        source = _tool_source(arg) if arg.endswith(".py") else None
+        out += ["-c", source] if source is not None else [arg]
+    return out
+
+
+@functools.cache
+def _tool_source(path: str) -> str | None:
+    p = Path(path)
+    if p.parent.resolve() != TOOLS_DIR or not p.is_file():
+        return None
+    return p.read_text()
 
 
 class SubprocessSandbox:
@@ -57,16 +100,10 @@ class SubprocessSandbox:
         self.prlimit = prlimit
 
     def _limited(self, argv: list[str], time_limit_s: float) -> list[str]:
-        cpu = int(time_limit_s) + 1
-        return [
-            self.prlimit,
-            f"--cpu={cpu}",
-            f"--as={self.memory_bytes}",
-            f"--fsize={1 << 20}",
-            "--core=0",
-            "--",
-            *argv,
-        ]
+        return [self.prlimit, *prlimit_args(time_limit_s, self.memory_bytes), "--", *argv]
+
+    def close(self) -> None:
+        """Nothing to release: each call's process is gone when `exec` returns."""
 
     def exec(
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int

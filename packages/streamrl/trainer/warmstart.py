@@ -39,8 +39,7 @@ from streamrl.model.checkpoint import CheckpointError, export_checkpoint, load_c
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import builtin_key, cache_root, ensure_checkpoint
-from streamrl.tasks.arithmetic import demonstration, make_task
-from streamrl.tools.registry import CALCULATOR
+from streamrl.tasks.registry import demonstration
 from streamrl.trainer.step import round_length, standard_promotion
 
 __all__ = [
@@ -55,7 +54,7 @@ __all__ = [
 ]
 
 # Bump whenever a code change alters what a warm start produces: it is part of the cache key.
-WARMSTART_VERSION = 2
+WARMSTART_VERSION = 3
 _LOG_EVERY = 100  # steps between progress events
 _WARMUP_FRACTION = 0.05
 _FINAL_LR_FRACTION = 0.1
@@ -70,22 +69,21 @@ def demonstration_transcript(
 ) -> Transcript:
     """The scripted episode of the task at `cursor`, laid out as a rollout episode.
 
-    prompt with the calculator listed (mask 0), call turn (mask 1), tool result up to the
-    next generation prompt (mask 0), answer turn (mask 1); each sampled turn ends with the
-    template's turn-end token. `rng` decides whether this demonstration answers wrongly.
+    prompt with the task's tools listed (mask 0), then each assistant turn (mask 1) with
+    the tool result after it up to the next generation prompt (mask 0); each sampled turn
+    ends with the template's turn-end token. `rng` decides whether this one errs.
     """
-    task = make_task(cfg.task, cfg.run.seed, cursor, cfg.rollout.num_generations)
-    demo = demonstration(task, rng, cfg.model.warmstart_error_rate)
-    dialogue = chat.dialogue([CALCULATOR.schema()])
+    demo = demonstration(cfg.task, cfg.run.seed, cursor, rng, cfg.model.warmstart_error_rate)
+    dialogue = chat.dialogue(demo.tools)
     t = Transcript()
-    t.add_template(dialogue.prompt(task.prompt))
+    t.add_template(dialogue.prompt(demo.task.prompt))
     t.prompt_len = len(t)
-    call = chat.assistant_turn(demo.turns[0])
-    t.add_sampled(call, [0.0] * len(call), version=0)
-    dialogue.assistant(call)
-    t.add_template(dialogue.tool_results([demo.tool_results[0]]))
-    answer = chat.assistant_turn(demo.turns[1])
-    t.add_sampled(answer, [0.0] * len(answer), version=0)
+    for i, text in enumerate(demo.turns):
+        turn = chat.assistant_turn(text)
+        t.add_sampled(turn, [0.0] * len(turn), version=0)
+        dialogue.assistant(turn)
+        if i < len(demo.tool_results):
+            t.add_template(dialogue.tool_results([demo.tool_results[i]]))
     return t
 
 

@@ -1,0 +1,195 @@
+"""Tool-call round trip and throughput through the real path, against a bare exec.
+
+    DOCKER_HOST=unix:///run/streamrl-podman.sock .venv/bin/python ops/bench/tools.py
+
+Needs a container engine (ops/sandbox/setup_host.sh). Measures, side by side in one run:
+
+- bare exec:     `exec_run` of the command in a warm container through the docker SDK
+                 (the floor: what any framework pays to run a command in a container);
+- sandbox exec:  the same command through `ContainerSandbox.exec` (warm pool, wrapper,
+                 limits, output capture, cleanup of the call's leftovers);
+- round trip:    a `shell` tool call from the rollout side's `ToolClient` (enqueue on rq in
+                 Redis, a tool worker process picks it up, runs it in its container sandbox,
+                 pushes the result, BLPOP wakes the caller);
+- throughput:    calls per second with 1, 2 and 4 tool worker processes, `--inflight` calls
+                 in flight from one rollout-side client.
+
+Latencies are p50/p99 over `--calls` sequential calls; overhead = round trip - bare exec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import docker
+import redis
+import redis.asyncio as aioredis
+import structlog
+from rq import Worker
+
+from streamrl.config import load_config
+from streamrl.launcher import worker_command
+from streamrl.names import Keys
+from streamrl.redis_server import EmbeddedRedis
+from streamrl.tools.client import ToolClient
+from streamrl.tools.containers import ContainerConfig, ContainerSandbox
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny.toml"
+COMMAND = "echo ok"
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def bare_exec(n: int, image: str) -> list[float]:
+    client = docker.from_env()
+    c = client.containers.run(
+        image, ["sleep", "infinity"], detach=True, network_mode="none", init=True,
+        labels={"streamrl.bench": "1"},
+    )  # fmt: skip
+    try:
+        c.exec_run(["/bin/sh", "-c", COMMAND])
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            r = c.exec_run(["/bin/sh", "-c", COMMAND])
+            times.append(time.perf_counter() - t)
+            assert r.exit_code == 0
+        return times
+    finally:
+        c.remove(force=True)
+
+
+def sandbox_exec(n: int, image: str) -> list[float]:
+    box = ContainerSandbox(ContainerConfig(image=image, namespace="bench", pool_size=1))
+    box.start()
+    try:
+        times = []
+        for _ in range(n + 1):
+            t = time.perf_counter()
+            r = box.exec(["/bin/sh", "-c", COMMAND], b"", 5.0, 4096)
+            times.append(time.perf_counter() - t)
+            assert r.exit_code == 0 and r.stdout == b"ok\n", r
+        return times[1:]
+    finally:
+        box.close()
+
+
+class Pipeline:
+    """An embedded Redis plus tool worker processes of one run namespace."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.redis = EmbeddedRedis(tmp / "redis", appendonly=False).start()
+        self.keys = Keys("bench")
+        self.client = redis.Redis.from_url(self.redis.url)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def scale(self, n: int) -> None:
+        env = {**os.environ, "REDIS_URL": self.redis.url}
+        while len(self.procs) < n:
+            i = len(self.procs)
+            cmd = worker_command("tools", i, CONFIG, self.tmp / "run",
+                                 ["run.name=bench", "tools.sandbox=container"])  # fmt: skip
+            log = open(self.tmp / f"tools-{i}.log", "ab")  # noqa: SIM115 - lives with the process
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + 60
+        while len(Worker.all(connection=self.client)) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} tool workers did not come up; see {self.tmp}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=30)
+        self.redis.stop()
+
+
+async def round_trips(pipe: Pipeline, n: int) -> list[float]:
+    aclient = aioredis.Redis.from_url(pipe.redis.url)
+    cfg = load_config(CONFIG, ["run.name=bench"]).tools
+    tc = ToolClient(pipe.client, aclient, pipe.keys, cfg, structlog.get_logger())
+    args = f'{{"command": "{COMMAND}"}}'
+    times = []
+    for i in range(n + 2):
+        t = time.perf_counter()
+        r = await tc.call("shell", args, f"rt-{i}")
+        times.append(time.perf_counter() - t)
+        assert r.ok and r.output.endswith("ok"), r
+    await aclient.aclose()
+    return times[2:]
+
+
+async def throughput(pipe: Pipeline, calls: int, inflight: int, tag: str) -> float:
+    aclient = aioredis.Redis.from_url(pipe.redis.url)
+    cfg = load_config(CONFIG, ["run.name=bench"]).tools
+    tc = ToolClient(pipe.client, aclient, pipe.keys, cfg, structlog.get_logger())
+    args = f'{{"command": "{COMMAND}"}}'
+    sem = asyncio.Semaphore(inflight)
+
+    async def one(i: int) -> None:
+        async with sem:
+            r = await tc.call("shell", args, f"{tag}-{i}")
+            assert r.ok, r
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(calls)))
+    rate = calls / (time.perf_counter() - start)
+    await aclient.aclose()
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=200, help="sequential calls per latency")
+    parser.add_argument("--throughput-calls", type=int, default=200)
+    parser.add_argument("--inflight", type=int, default=16)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--image", default="streamrl-sandbox:1")
+    args = parser.parse_args()
+    if not os.environ.get("DOCKER_HOST"):
+        sys.exit("DOCKER_HOST is not set: run ops/sandbox/setup_host.sh and export it")
+    bare = bare_exec(args.calls, args.image)
+    box = sandbox_exec(args.calls, args.image)
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe = Pipeline(Path(tmp))
+        try:
+            pipe.scale(1)
+            rt = asyncio.run(round_trips(pipe, args.calls))
+            rates = {}
+            for n in args.workers:
+                pipe.scale(n)
+                asyncio.run(throughput(pipe, 20, args.inflight, f"warm{n}"))  # warm pools
+                rates[n] = asyncio.run(
+                    throughput(pipe, args.throughput_calls, args.inflight, f"tp{n}")
+                )
+        finally:
+            pipe.close()
+    base = statistics.median(bare)
+    print(f"command: sh -c '{COMMAND}'; {args.calls} sequential calls; cpus {os.cpu_count()}")
+    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'p50 over bare ms':>17}")
+    for name, xs in (("bare exec", bare), ("sandbox exec", box), ("round trip", rt)):
+        p50 = statistics.median(xs)
+        print(
+            f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {(p50 - base) * 1e3:>17.2f}"
+        )
+    print(f"{'tool workers':<14} {'calls/s':>8} {'x 1 worker':>10}")
+    for n, rate in rates.items():
+        print(f"{n:<14} {rate:>8.1f} {rate / rates[args.workers[0]]:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Agents, environments and the tools they use (see `base` for the protocol)."""

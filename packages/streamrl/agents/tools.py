@@ -1,0 +1,166 @@
+"""Tools as an environment offers them: a JSON schema plus `apply()` or `apply_async()`.
+
+A tool's code runs in the rollout worker, so it must be trusted. Code the policy writes
+(python, shell) never runs here: `SandboxTool` sends such a call to the tool workers, which
+run it in a hardened sandbox. `FinishTool` is how a tool environment's agent ends its
+episode. Every call gets a `CallContext` whose `call_id` is unique per call and the same when
+an episode is replayed (the idempotency key of its side effects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from streamrl.agents.base import ToolInfraError
+from streamrl.wire import ToolResult
+
+ToolKind = Literal["local", "sandbox", "external"]
+
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+}
+
+
+class ToolArgumentError(ValueError):
+    """Arguments a tool cannot accept; the message goes back to the agent."""
+
+
+def parse_arguments(parameters: dict[str, Any], arguments: str) -> dict[str, Any]:
+    """Decode a call's JSON arguments and check them against a flat JSON-object schema
+    (required names, no unknown names, JSON types of the values)."""
+    try:
+        args = json.loads(arguments)
+    except json.JSONDecodeError as err:
+        raise ToolArgumentError(
+            f"arguments are not valid JSON: {err.msg} at char {err.pos}"
+        ) from None
+    if not isinstance(args, dict):
+        raise ToolArgumentError("arguments must be a JSON object")
+    props: dict[str, Any] = parameters.get("properties", {})
+    for name in parameters.get("required", []):
+        if name not in args:
+            raise ToolArgumentError(f"missing required argument `{name}`")
+    for name, value in args.items():
+        if name not in props:
+            raise ToolArgumentError(f"unknown argument `{name}`")
+        want = _JSON_TYPES[props[name]["type"]]
+        if not isinstance(value, want) or isinstance(value, bool) is not (want is bool):
+            raise ToolArgumentError(f"argument `{name}` must be of type {props[name]['type']}")
+    return args
+
+
+def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool as chat templates list it (OpenAI function format)."""
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    ok: bool
+    output: str
+    error: str = ""
+
+    def render(self) -> str:
+        """The tool result as the agent reads it."""
+        if self.ok:
+            return self.output
+        return f"error: {self.error}" + (f"\n{self.output}" if self.output else "")
+
+
+@dataclass(frozen=True)
+class CallContext:
+    call_id: str
+
+
+class Tool:
+    """Subclass and override `apply` (blocking: run on a thread) or `apply_async`.
+
+    `kind` picks the limit a call counts against: `local` (in-process, no limit),
+    `sandbox` (the tool workers), `external` (a remote service).
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON schema of type object
+    kind: ToolKind = "local"
+
+    def schema(self) -> dict[str, Any]:
+        return function_schema(self.name, self.description, self.parameters)
+
+    def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        raise NotImplementedError(f"{type(self).__name__} implements neither apply nor apply_async")
+
+    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        return await asyncio.to_thread(self.apply, args, ctx)
+
+
+@dataclass
+class FunctionTool(Tool):
+    """A trusted Python function as a tool: `fn(**args)` returns the output text; an
+    exception it raises becomes a tool error."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: Callable[..., str]
+    kind: ToolKind = "local"
+
+    def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        try:
+            return ToolOutput(True, str(self.fn(**args)))
+        except Exception as err:
+            return ToolOutput(False, "", f"{type(err).__name__}: {err}")
+
+
+class ToolCaller(Protocol):
+    """The rollout side of the tool workers (`streamrl.tools.client.ToolClient`)."""
+
+    async def call(self, name: str, arguments: str, call_id: str) -> ToolResult: ...
+
+
+@dataclass
+class SandboxTool(Tool):
+    """A tool whose call runs on a tool worker, in its sandbox. An infrastructure failure
+    (no worker answered, the sandbox is unavailable) raises `ToolInfraError`."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    caller: ToolCaller
+    kind: ToolKind = "sandbox"
+
+    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        result = await self.caller.call(self.name, json.dumps(args), ctx.call_id)
+        if result.infra:
+            raise ToolInfraError(f"tool `{self.name}` call {ctx.call_id}: {result.error}")
+        return ToolOutput(result.ok, result.output, result.error)
+
+
+@dataclass
+class FinishTool(Tool):
+    """`finish(answer)`: the agent's final answer; a tool environment ends the episode."""
+
+    name: str = "finish"
+    description: str = "Give your final answer and end the episode."
+    parameters: dict[str, Any] = field(
+        default_factory=lambda: {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "description": "The final answer."}},
+            "required": ["answer"],
+        }
+    )
+
+    def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        return ToolOutput(True, str(args["answer"]))

@@ -1,0 +1,163 @@
+"""The bubblewrap sandbox: a tool call in fresh Linux namespaces, for hosts with no engine.
+
+Each call runs under `bwrap` in new user, pid, network, ipc, uts and cgroup namespaces
+(no network at all, further user namespaces disallowed), with every capability dropped, a
+clean environment, a new session (no terminal injection), and a root that holds only
+/usr (read-only, with the /bin and /lib* links), a private /proc and /dev, and size-capped
+tmpfs /tmp and /work; the root itself is remounted read-only. rlimits come from `prlimit`
+as in `SubprocessSandbox`. A root worker drops the call to an unprivileged uid (`setpriv`)
+before bwrap.
+
+The deadline, the kill and the output cap are `SubprocessSandbox`'s. The command is PID 1
+of its pid namespace (`--as-pid-1`): when it exits or bwrap is killed
+(`--die-with-parent`), the kernel kills every other process of the call. (With bwrap's own
+init as PID 1, bwrap exits before reaping it; under an init that reaps late, those
+zombies count against the process limit.)
+
+Unlike a container there is no cgroup: memory is capped per process (address space), not
+per call, and the process limit (RLIMIT_NPROC) counts every process of `run_as_uid` on the
+host, so concurrent calls of one uid share it: size `max_processes` for them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from streamrl.tools.sandbox import (
+    ExecResult,
+    SandboxUnavailableError,
+    _drive,
+    portable_argv,
+    prlimit_args,
+)
+
+WORKDIR = "/work"
+_TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+@dataclass(frozen=True)
+class BubblewrapConfig:
+    """Limits of one call. Sizes are bytes."""
+
+    memory_bytes: int = 512 * 2**20  # address space of each process (RLIMIT_AS)
+    max_processes: int = 64  # processes and threads of run_as_uid on the host (RLIMIT_NPROC)
+    tmpfs_bytes: int = 64 * 2**20  # size of each of /tmp and /work
+    run_as_uid: int = 65534  # uid and gid a root worker drops the call to
+    python: str = "/usr/bin/python3"  # the interpreter a python tool runs with (under /usr)
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 16 * 2**20 or self.tmpfs_bytes < 2**20:
+            raise ValueError("memory_bytes must be >= 16 MiB and tmpfs_bytes >= 1 MiB")
+        if self.max_processes < 4 or self.run_as_uid <= 0:
+            raise ValueError("max_processes must be >= 4 and run_as_uid > 0")
+        if not self.python.startswith("/usr/"):
+            raise ValueError("python must live under /usr: nothing else is in the sandbox")
+
+
+class BubblewrapSandbox:
+    """The bubblewrap backend of the `Sandbox` protocol.
+
+    Construction runs one trivial call, so a host that lacks bwrap, prlimit or user
+    namespaces raises `SandboxUnavailableError` at once rather than at the first tool call.
+    """
+
+    def __init__(self, config: BubblewrapConfig | None = None) -> None:
+        self.cfg = config or BubblewrapConfig()
+        tools = {name: shutil.which(name) for name in ("bwrap", "prlimit", "setpriv")}
+        needed = ["bwrap", "prlimit"] + (["setpriv"] if os.geteuid() == 0 else [])
+        missing = [n for n in needed if tools[n] is None]
+        if missing:
+            raise SandboxUnavailableError(
+                f"the bubblewrap sandbox needs {', '.join(missing)} (apt-get install "
+                "bubblewrap util-linux, or run ops/sandbox/setup_host.sh)"
+            )
+        self._bwrap = str(tools["bwrap"])
+        self._prlimit = str(tools["prlimit"])
+        self._setpriv = tools["setpriv"]
+        probe = self.exec(["/bin/true"], b"", 10.0, 4096)
+        if probe.exit_code != 0:
+            err = probe.stderr.decode(errors="replace").strip()
+            raise SandboxUnavailableError(
+                f"bubblewrap cannot make a sandbox here (user namespaces off?): {err}"
+            )
+
+    def exec(
+        self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
+    ) -> ExecResult:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            self._command(portable_argv(argv, self.cfg.python), time_limit_s),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            start_new_session=True,
+        )
+        out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
+        return ExecResult(
+            exit_code=proc.returncode,
+            stdout=out,
+            stderr=err,
+            timed_out=timed_out,
+            truncated=truncated,
+            duration_s=time.monotonic() - start,
+        )
+
+    def close(self) -> None:
+        """Nothing to release: a call's namespaces die with it."""
+
+    def _command(self, argv: list[str], time_limit_s: float) -> list[str]:
+        cfg = self.cfg
+        cmd = [
+            self._prlimit,
+            *prlimit_args(time_limit_s, cfg.memory_bytes),
+            f"--nproc={cfg.max_processes}",
+            "--",
+        ]
+        if os.geteuid() == 0:
+            uid = str(cfg.run_as_uid)
+            cmd += [str(self._setpriv), f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        size = str(cfg.tmpfs_bytes)
+        cmd += [
+            self._bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--as-pid-1",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin",
+            "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "HOME", WORKDIR,
+            "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr",
+            *_top_dirs(),
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--size", size, "--tmpfs", "/tmp",
+            "--size", size, "--tmpfs", WORKDIR,
+            "--chdir", WORKDIR,
+            "--remount-ro", "/",
+            "--",
+            *argv,
+        ]  # fmt: skip
+        return cmd
+
+
+def _top_dirs() -> list[str]:
+    """/bin, /lib and friends as on the host: the merged-/usr links, or read-only binds."""
+    args: list[str] = []
+    for d in _TOP_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    return args

@@ -1,0 +1,444 @@
+"""Hostile tool calls against the real sandboxes: containers through the Docker API (podman
+in CI) and bubblewrap.
+
+Every hostile case runs through both backends and checks three things: the outcome is a
+clear tool error or a contained result, the same sandbox object serves the next call, and
+no process of the call survives it (the call's code carries a marker that is looked for
+in the host's /proc). The container fixture also checks that no labelled container is
+left behind after close.
+
+Without an engine at DOCKER_HOST (or without bwrap) these tests skip, saying why; CI sets
+STREAMRL_REQUIRE_SANDBOX=1, which turns a skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import pytest
+
+from streamrl.redis_server import EmbeddedRedis
+from streamrl.tools.backends import make_sandbox
+from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
+from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox
+from streamrl.tools.registry import Outcome, interpret, run_call
+from streamrl.tools.sandbox import ExecResult, Sandbox, SandboxUnavailableError
+from streamrl.wire import ToolResult, decode_body, encode_body
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+CAP = 4096
+MEMORY = 128 * 2**20
+WRITABLE = ["/tmp", "/work", "/var/tmp", "/dev/shm", "/dev/mqueue"]
+# One namespace for this test session's containers, so counting them ignores anyone else's.
+NS = f"t{uuid.uuid4().hex[:10]}"
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
+        pytest.fail(f"STREAMRL_REQUIRE_SANDBOX=1 but {why}")
+    pytest.skip(why)
+
+
+def _engine() -> docker.DockerClient:
+    host = os.environ.get("DOCKER_HOST")
+    if not host:
+        _unavailable("DOCKER_HOST is not set (run ops/sandbox/setup_host.sh and export it)")
+    try:
+        client = docker.from_env(timeout=10)
+        client.ping()
+    except Exception as err:
+        _unavailable(f"no container engine answers at DOCKER_HOST={host}: {err}")
+        raise
+    return client
+
+
+def labelled(client: docker.DockerClient, ns: str = NS) -> list[str]:
+    """Ids of the sandbox containers of namespace `ns`, running or not."""
+    found = client.containers.list(all=True, filters={"label": f"{LABEL}={ns}"})
+    return [c.id or "" for c in found]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[docker.DockerClient]:
+    client = _engine()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def container_sandbox(engine: docker.DockerClient) -> Iterator[ContainerSandbox]:
+    cfg = ContainerConfig(
+        namespace=NS, memory_bytes=MEMORY, pids_limit=32, tmpfs_bytes=8 * 2**20, pool_size=1
+    )
+    with ContainerSandbox(cfg) as sb:
+        sb.start()
+        yield sb
+    assert labelled(engine) == []
+
+
+@pytest.fixture(scope="module")
+def bwrap_sandbox() -> BubblewrapSandbox:
+    try:
+        return BubblewrapSandbox(
+            BubblewrapConfig(memory_bytes=256 * 2**20, max_processes=32, tmpfs_bytes=8 * 2**20)
+        )
+    except SandboxUnavailableError as err:
+        _unavailable(str(err))
+        raise
+
+
+@pytest.fixture(params=["container", "bwrap"])
+def sandbox(request: pytest.FixtureRequest) -> Sandbox:
+    sb: Sandbox = request.getfixturevalue(f"{request.param}_sandbox")
+    return sb
+
+
+def run(
+    sb: Sandbox, code: str, time_limit_s: float = 1.5, stdin: bytes = b""
+) -> tuple[ExecResult, Outcome, str]:
+    """Run python `code` in the sandbox; returns the raw result, what the agent would see,
+    and the marker the code carries (to find its processes on the host)."""
+    marker = f"hostile-{uuid.uuid4().hex}"
+    code = f"# {marker}\n{textwrap.dedent(code)}"
+    r = sb.exec([PY, "-I", "-S", "-c", code], stdin, time_limit_s, CAP)
+    return r, interpret(r, time_limit_s), marker
+
+
+def host_processes_with(marker: str) -> list[int]:
+    """Pids of live (non-zombie) host processes whose command line holds `marker`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes()
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            found.append(int(d.name))
+    return found
+
+
+def assert_contained(sb: Sandbox, marker: str) -> None:
+    """No process of the call is left, and the sandbox serves the next call."""
+    deadline = time.monotonic() + 3
+    while host_processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_processes_with(marker) == []
+    r, out, _ = run(sb, "print(6 * 7)", time_limit_s=10)
+    assert out == Outcome(True, "42"), r
+
+
+# -- the hostile cases, each through both backends
+
+
+def test_infinite_loop(sandbox: Sandbox) -> None:
+    r, out, marker = run(sandbox, "while True: pass", time_limit_s=1.0)
+    assert r.timed_out and out.error == "tool timed out after 1s"
+    assert r.duration_s < 4
+    assert_contained(sandbox, marker)
+
+
+def test_sleep_past_the_limit(sandbox: Sandbox) -> None:
+    r, out, marker = run(sandbox, "import time; print('zz', flush=True); time.sleep(60)", 1.0)
+    assert r.timed_out and not out.ok and out.output == "zz\n"
+    assert r.duration_s < 4
+    assert_contained(sandbox, marker)
+
+
+def test_fork_bomb(sandbox: Sandbox) -> None:
+    code = """
+        import os
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=1.5)
+    assert not out.ok and r.timed_out
+    assert_contained(sandbox, marker)
+
+
+def test_a_gigabyte_of_output(sandbox: Sandbox) -> None:
+    code = """
+        import sys
+        chunk = b"x" * 65536
+        for _ in range(16384):
+            sys.stdout.buffer.write(chunk)
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=10)
+    assert r.truncated and len(r.stdout) == CAP and r.duration_s < 5
+    assert not out.ok and out.error == "tool output exceeded the output cap and was cut"
+    assert out.output.endswith("[output truncated]")
+    assert_contained(sandbox, marker)
+
+
+def test_memory_balloon(sandbox: Sandbox) -> None:
+    code = """
+        blocks = []
+        for _ in range(64):
+            blocks.append(b"m" * (32 << 20))
+        print("allocated", sum(map(len, blocks)))
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=10)
+    assert not out.ok and "allocated" not in out.output
+    if isinstance(sandbox, ContainerSandbox):  # the cgroup's OOM killer
+        assert r.exit_code == -signal.SIGKILL and "memory limit is 128 MiB" in out.error
+    else:  # the address-space rlimit
+        assert "MemoryError" in out.error
+    assert_contained(sandbox, marker)
+
+
+def test_no_network(sandbox: Sandbox, redis_server: EmbeddedRedis) -> None:
+    targets = [("1.1.1.1", 53), ("127.0.0.1", 6379), ("127.0.0.1", redis_server.port)]
+    # The control: from the host, the test's own Redis answers.
+    socket.create_connection(("127.0.0.1", redis_server.port), timeout=2).close()
+    code = f"""
+        import socket
+        for host, port in {targets!r}:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                print(host, port, "CONNECTED")
+            except OSError as err:
+                print(host, port, "blocked", err.errno)
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=10)
+    assert out.ok, r
+    assert out.output.count("blocked") == 3 and "CONNECTED" not in out.output
+    assert_contained(sandbox, marker)
+
+
+def test_writes_outside_the_tmpfs_fail(sandbox: Sandbox) -> None:
+    name = f"streamrl-hostile-{uuid.uuid4().hex}"
+    code = f"""
+        for d in ["/", "/usr", "/etc", "/usr/bin", "/opt", "/tmp", "/work"]:
+            try:
+                with open(d.rstrip("/") + "/{name}", "w") as f:
+                    f.write("pwned")
+                print(d, "written")
+            except OSError as err:
+                print(d, "denied", err.errno)
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=10)
+    assert out.ok, r
+    lines = dict(line.split(" ", 1) for line in out.output.splitlines())
+    assert lines.pop("/tmp") == "written" and lines.pop("/work") == "written"
+    assert all(v.startswith("denied") for v in lines.values()), lines
+    for d in ["/", "/usr", "/etc", "/usr/bin", "/opt", "/tmp"]:  # nothing reached the host
+        assert not Path(d, name).exists()
+    assert_contained(sandbox, marker)
+
+
+def test_host_files_and_secrets_stay_hidden(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("STREAMRL_TEST_SECRET", secret)
+    secret_file = tmp_path / "secret.txt"
+    secret_file.write_text(secret)
+    paths = ["/etc/shadow", str(secret_file), str(REPO / "pyproject.toml"), "/root"]
+    code = f"""
+        import os
+        print("env", dict(os.environ))
+        for p in ["/proc/self/environ", "/proc/1/environ", *{paths!r}]:
+            try:
+                data = os.listdir(p) if os.path.isdir(p) else open(p, "rb").read()
+                print(p, "READ", data)
+            except OSError as err:
+                print(p, "denied", err.errno)
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=10)
+    assert out.ok, r
+    assert secret not in out.output and secret.encode() not in r.stderr
+    assert "STREAMRL_TEST_SECRET" not in out.output
+    for p in paths:  # (/proc/1 is the sandbox's own init: readable in bwrap, but clean)
+        assert f"{p} denied" in out.output, out.output
+    assert_contained(sandbox, marker)
+
+
+def test_killing_its_parents(sandbox: Sandbox) -> None:
+    code = """
+        import os
+        for pid in (1, os.getppid(), -1):
+            try:
+                os.kill(pid, 9)
+                print("killed", pid, flush=True)
+            except OSError as err:
+                print("denied", pid, err.errno, flush=True)
+    """
+    _, _, marker = run(sandbox, code, time_limit_s=3)
+    # Whatever the call managed to kill, the sandbox and its next call are unharmed.
+    assert_contained(sandbox, marker)
+
+
+def test_binary_garbage_on_stdout(sandbox: Sandbox) -> None:
+    code = """
+        import sys
+        sys.stdout.buffer.write(bytes(range(256)) * 4 + b"\\xff\\xfe\\xc3(")
+        sys.stderr.buffer.write(b"\\x00\\x80 on stderr too")
+    """
+    r, out, marker = run(sandbox, code)
+    assert out.ok and len(r.stdout) == 1028
+    assert "\ufffd" in out.output  # invalid UTF-8 became replacement characters
+    # What the agent gets travels on the wire like any other result.
+    result = ToolResult(call_id="c", ok=out.ok, output=out.output, error=out.error, worker="w")
+    assert decode_body(encode_body(result), ToolResult) == result
+    assert_contained(sandbox, marker)
+
+
+def test_nothing_leaks_into_the_next_call(sandbox: Sandbox) -> None:
+    code = f"""
+        import os, time
+        for d in {WRITABLE!r}:
+            try:
+                open(d + "/left-behind", "w").write("x")
+            except OSError:
+                pass  # not writable in this backend
+        if os.fork() == 0:  # a daemon that outlives the call, in its own session
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(60)
+            os._exit(0)
+        print("done")
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=5)
+    assert out.ok and out.output == "done", r
+    assert_contained(sandbox, marker)
+    code = f"import os; print([os.listdir(d) for d in {WRITABLE!r} if os.path.isdir(d)])"
+    r, out, _ = run(sandbox, code)
+    assert out.ok and set(out.output) <= set("[], "), r
+
+
+def test_a_locked_directory_is_cleaned_up(sandbox: Sandbox) -> None:
+    code = """
+        import os
+        os.makedirs("/work/locked/deeper")
+        open("/work/locked/deeper/f", "w").write("x")
+        os.chmod("/work/locked/deeper", 0)
+        os.chmod("/work/locked", 0)
+        print("locked")
+    """
+    r, out, marker = run(sandbox, code, time_limit_s=5)
+    assert out == Outcome(True, "locked"), r
+    assert_contained(sandbox, marker)
+    r, out, _ = run(sandbox, "import os; print(os.listdir('/work'))")
+    assert out.output == "[]", r
+
+
+def test_calculator_tool_runs_inside(sandbox: Sandbox) -> None:
+    # The tool's argv names the host interpreter and script: both are mapped.
+    assert run_call(sandbox, "calculator", '{"expression": "37+58"}', 5.0, CAP).output == "95"
+    bad = run_call(sandbox, "calculator", '{"expression": "__import__(\\"os\\")"}', 5.0, CAP)
+    assert not bad.ok and "unsupported syntax" in bad.error
+
+
+# -- the container pool and its housekeeping
+
+
+def _hostname(sb: Sandbox) -> str:
+    r, out, _ = run(sb, "import os; print(os.uname().nodename)", time_limit_s=10)
+    assert out.ok, r
+    return out.output
+
+
+def test_pool_reuses_a_warm_container(engine: docker.DockerClient) -> None:
+    with ContainerSandbox(ContainerConfig(namespace=NS, pool_size=1)) as sb:
+        sb.start()
+        [warm] = sb.container_ids
+        assert _hostname(sb) == _hostname(sb) == warm[:12]
+        assert sb.container_ids == [warm]
+
+
+def test_recycled_after_n_calls(engine: docker.DockerClient) -> None:
+    with ContainerSandbox(ContainerConfig(namespace=NS, recycle_after=2)) as sb:
+        first, second, third = _hostname(sb), _hostname(sb), _hostname(sb)
+        assert first == second != third
+        assert len(sb.container_ids) == 1
+
+
+def test_close_removes_own_containers_only(engine: docker.DockerClient) -> None:
+    ns = f"{NS}-close"
+    with ContainerSandbox(ContainerConfig(namespace=ns, pool_size=1)) as bystander:
+        bystander.start()
+        sb = ContainerSandbox(ContainerConfig(namespace=ns, pool_size=2))
+        sb.start()
+        assert len(labelled(engine, ns)) == 3
+        sb.close()
+        assert labelled(engine, ns) == bystander.container_ids
+        with pytest.raises(SandboxUnavailableError, match="closed"):
+            sb.exec(["true"], b"", 1.0, CAP)
+    assert labelled(engine, ns) == []
+
+
+_OWNER = """
+import sys, time
+from streamrl.tools.containers import ContainerConfig, ContainerSandbox
+sb = ContainerSandbox(ContainerConfig(namespace=sys.argv[1], pool_size=2))
+sb.start()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_reap_orphans_removes_a_dead_owners_containers(engine: docker.DockerClient) -> None:
+    ns = f"{NS}-reap"
+    owner = subprocess.Popen(
+        [PY, "-c", _OWNER, ns], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO
+    )
+    try:
+        assert owner.stdout is not None
+        assert b"ready\n" in iter(owner.stdout.readline, b"")  # after its log lines
+    finally:
+        owner.kill()  # SIGKILL: no close() runs, the containers stay behind
+        owner.wait()
+        assert owner.stdout is not None
+        owner.stdout.close()
+    assert len(labelled(engine, ns)) == 2
+    with ContainerSandbox(ContainerConfig(namespace=ns)) as live:
+        live.start()
+        with ContainerSandbox(ContainerConfig(namespace=ns)) as sb:
+            assert sb.reap_orphans() >= 2  # (and any other dead owner's on this host)
+            # A live owner's container is not an orphan, and neither are one's own.
+            assert labelled(engine, ns) == live.container_ids
+    assert labelled(engine, ns) == []
+
+
+def test_unavailable_engine_is_a_clear_error() -> None:
+    cfg = ContainerConfig(docker_host="unix:///nonexistent/streamrl.sock")
+    with pytest.raises(SandboxUnavailableError, match=r"DOCKER_HOST=unix:///nonexistent/"):
+        ContainerSandbox(cfg)
+
+
+def test_missing_image_is_a_clear_error(engine: docker.DockerClient) -> None:
+    with pytest.raises(SandboxUnavailableError, match=r"'streamrl-sandbox:missing' is missing"):
+        ContainerSandbox(ContainerConfig(namespace=NS, image="streamrl-sandbox:missing"))
+
+
+def test_auto_picks_containers_then_falls_back(engine: docker.DockerClient) -> None:
+    ns = f"{NS}-auto"
+    sb = make_sandbox("auto", container=ContainerConfig(namespace=ns))
+    try:
+        assert isinstance(sb, ContainerSandbox)
+        assert len(labelled(engine, ns)) == 1  # the warm pool
+    finally:
+        sb.close()
+    assert labelled(engine, ns) == []
+    down = ContainerConfig(namespace=ns, docker_host="unix:///nonexistent/streamrl.sock")
+    fallback = make_sandbox("auto", container=down)
+    assert isinstance(fallback, BubblewrapSandbox)
+    fallback.close()

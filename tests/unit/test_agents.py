@@ -1,0 +1,209 @@
+"""The agent/environment API: built-in agents, tool environment semantics, flow control."""
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from streamrl.agents.agents import ModelAgent, ToolAgent
+from streamrl.agents.base import Action, ToolInfraError
+from streamrl.agents.envs import TaskEnvironment, ToolEnvironment, ToolLimits, ToolRecord
+from streamrl.agents.flow import CircuitBreaker, CircuitOpenError, RateLimiter
+from streamrl.agents.tools import (
+    CallContext,
+    FinishTool,
+    FunctionTool,
+    SandboxTool,
+    Tool,
+    ToolOutput,
+)
+from streamrl.chat import ToolCall
+from streamrl.wire import ToolResult
+
+ECHO_PARAMS = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+}
+
+
+def call(name: str, **args: Any) -> ToolCall:
+    return ToolCall(name, json.dumps(args))
+
+
+class Barrier(Tool):
+    """Returns only once `parties` calls are in flight at the same time."""
+
+    name, description, parameters = "barrier", "waits for company", ECHO_PARAMS
+    kind = "sandbox"
+
+    def __init__(self, parties: int) -> None:
+        self.parties, self.inside, self.most = parties, 0, 0
+        self.event = asyncio.Event()
+
+    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        self.inside += 1
+        self.most = max(self.most, self.inside)
+        if self.inside >= self.parties:
+            self.event.set()
+        await self.event.wait()
+        await asyncio.sleep(0)
+        self.inside -= 1
+        return ToolOutput(True, f"{args['text']}@{ctx.call_id}")
+
+
+async def no_reward(answer: str | None, calls: list[ToolRecord], ctx: CallContext) -> float:
+    return 0.5 if answer else 0.0
+
+
+def test_calls_of_one_turn_run_in_parallel_and_answer_in_order() -> None:
+    async def go() -> None:
+        barrier = Barrier(parties=3)
+        env = ToolEnvironment("p", [barrier], no_reward, ToolLimits())
+        action = Action("", calls=[call("barrier", text=t) for t in "abc"])
+        # Serial calls would wait for company forever.
+        step = await asyncio.wait_for(env.step(action, "ep-0"), 5)
+        assert step.observations == ["a@ep-0-0", "b@ep-0-1", "c@ep-0-2"]
+        assert barrier.most == 3 and env.num_tool_calls == 3 and not step.done
+
+    asyncio.run(go())
+
+
+def test_sandbox_limit_caps_calls_in_flight() -> None:
+    class Counting(Tool):
+        name, description, parameters, kind = "count", "", ECHO_PARAMS, "sandbox"
+        inside = most = 0
+
+        async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+            Counting.inside += 1
+            Counting.most = max(Counting.most, Counting.inside)
+            await asyncio.sleep(0.01)
+            Counting.inside -= 1
+            return ToolOutput(True, "")
+
+    async def go() -> None:
+        env = ToolEnvironment("p", [Counting()], no_reward, ToolLimits(max_sandbox_calls=2))
+        await env.step(Action("", calls=[call("count", text="x")] * 7), "e")
+
+    asyncio.run(go())
+    assert Counting.most == 2
+
+
+def test_finish_ends_the_episode_with_its_answer_and_skips_other_calls() -> None:
+    ran: list[str] = []
+
+    def echo_fn(text: str) -> str:
+        ran.append(text)
+        return text
+
+    echo = FunctionTool("echo", "", ECHO_PARAMS, echo_fn)
+    env = ToolEnvironment("p", [echo, FinishTool()], no_reward, ToolLimits())
+    action = ToolAgent().act(
+        '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>'
+        '<tool_call>{"name": "finish", "arguments": {"answer": "42"}}</tool_call>'
+    )
+    step = asyncio.run(env.step(action, "e"))
+    assert step.done and step.reward == 0.5 and ran == []
+
+
+def test_answer_ends_or_is_asked_for_a_tool_call() -> None:
+    lenient = ToolEnvironment("p", [FinishTool()], no_reward, ToolLimits())
+    assert asyncio.run(lenient.step(Action("x", answer="7"), "e")).done
+    strict = ToolEnvironment("p", [FinishTool()], no_reward, ToolLimits(), answer_ends=False)
+    step = asyncio.run(strict.step(Action("x", answer="7"), "e"))
+    assert not step.done and step.observations == [
+        "error: no tool call; call a tool, or `finish` with your answer"
+    ]
+
+
+def test_function_tool_errors_and_unimplemented_tools() -> None:
+    def boom(text: str) -> str:
+        raise KeyError(text)
+
+    env = ToolEnvironment(
+        "p", [FunctionTool("boom", "", ECHO_PARAMS, boom)], no_reward, ToolLimits()
+    )
+    step = asyncio.run(env.step(Action("", calls=[call("boom", text="k")]), "e"))
+    assert step.observations == ["error: KeyError: 'k'"]
+
+    class Lazy(Tool):
+        name, description, parameters = "lazy", "", ECHO_PARAMS
+
+    with pytest.raises(NotImplementedError, match="Lazy implements neither apply nor apply_async"):
+        asyncio.run(Lazy().apply_async({"text": ""}, CallContext("c")))
+
+
+class FlakyCaller:
+    """Tool client stand-in: infra errors until `heal`."""
+
+    def __init__(self) -> None:
+        self.healthy = False
+
+    async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+        if self.healthy:
+            return ToolResult(call_id=call_id, ok=True, output="fine")
+        return ToolResult(call_id=call_id, ok=False, output="", error="no worker", infra=True)
+
+
+def test_infra_errors_end_episodes_and_trip_the_breaker() -> None:
+    caller = FlakyCaller()
+    limits = ToolLimits(breaker=CircuitBreaker(3))
+    tool = SandboxTool("calc", "", ECHO_PARAMS, caller)
+
+    def step() -> None:
+        env = ToolEnvironment("p", [tool], no_reward, limits)
+        asyncio.run(env.step(Action("", calls=[call("calc", text="1")]), "e"))
+
+    for _ in range(2):
+        with pytest.raises(ToolInfraError, match="no worker"):
+            step()
+    caller.healthy = True
+    step()  # a success resets the count
+    assert limits.breaker.consecutive == 0
+    caller.healthy = False
+    for _ in range(2):
+        with pytest.raises(ToolInfraError):
+            step()
+    with pytest.raises(CircuitOpenError, match=r"3 consecutive tool infrastructure errors"):
+        step()
+
+
+def test_rate_limiter_spaces_calls_by_its_rate() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rate=2.0, burst=2, clock=lambda: now[0])
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    async def go() -> None:
+        real = asyncio.sleep
+        asyncio.sleep = fake_sleep  # type: ignore[assignment]
+        try:
+            for _ in range(4):
+                await limiter.acquire()
+        finally:
+            asyncio.sleep = real
+
+    asyncio.run(go())
+    # A burst of 2 at once, then one every 1/rate = 0.5 s.
+    assert slept == pytest.approx([0.5, 0.5]) and now[0] == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        RateLimiter(rate=0)
+
+
+def test_model_agent_and_task_environment() -> None:
+    agent = ModelAgent()
+    assert agent.act("so <answer> 12 </answer>").answer == "12"
+    bare = agent.act('plain <tool_call>{"name": "x", "arguments": {}}</tool_call>')
+    assert bare.calls == [] and bare.answer is not None and bare.answer.startswith("plain")
+
+    async def exact(answer: str | None, calls: list[ToolRecord], ctx: CallContext) -> float:
+        return float(answer == "12")
+
+    env = TaskEnvironment("What is 3*4?", exact)
+    assert asyncio.run(env.reset()).tools == []
+    step = asyncio.run(env.step(agent.act("<answer>12</answer>"), "e"))
+    assert step.done and step.reward == 1.0

@@ -1,0 +1,70 @@
+"""`streamrl tools exec`: run one tool call through the configured sandbox, print JSON.
+
+    streamrl tools exec --config configs/tiny.toml --tool python --args '{"code": "print(1)"}'
+
+prints {"ok": ..., "output": ..., "error": ..., "duration_s": ..., "sandbox": ...}. Exit
+status 0 when the call ran (whatever its outcome), 2 for a bad config or an unknown tool, 3
+when the sandbox itself is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tools = sub.add_parser("tools", help="tool sandbox utilities")
+    tsub = tools.add_subparsers(dest="tools_command", required=True)
+    ex = tsub.add_parser("exec", help="run one tool call in the configured sandbox")
+    ex.add_argument("--config", required=True, help="TOML run config (its [tools] section)")
+    ex.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override"
+    )
+    ex.add_argument("--tool", required=True, help="tool name, e.g. calculator, python, shell")
+    ex.add_argument("--args", required=True, help="the call's arguments as a JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    from streamrl.config import ConfigError, load_config
+    from streamrl.logs import configure_logging
+    from streamrl.tools.jobs import open_sandbox
+    from streamrl.tools.registry import TOOLS, run_call
+    from streamrl.tools.sandbox import SandboxUnavailableError
+
+    try:
+        cfg = load_config(args.config, overrides=args.set)
+    except ConfigError as err:
+        print(f"streamrl: {err}", file=sys.stderr)
+        return 2
+    if args.tool not in TOOLS:
+        print(
+            f"streamrl tools exec: unknown tool {args.tool!r}; known: {sorted(TOOLS)}",
+            file=sys.stderr,
+        )
+        return 2
+    log = configure_logging("tools-exec", stream=sys.stderr)
+    try:
+        sandbox = open_sandbox(cfg.tools, cfg.run.name, "tools-exec", log)
+    except SandboxUnavailableError as err:
+        print(f"streamrl tools exec: sandbox unavailable: {err}", file=sys.stderr)
+        return 3
+    try:
+        start = time.monotonic()
+        out = run_call(
+            sandbox, args.tool, args.args, cfg.tools.time_limit_s, cfg.tools.output_cap_bytes
+        )
+        duration = time.monotonic() - start
+    finally:
+        sandbox.close()
+    report = {
+        "ok": out.ok,
+        "output": out.output,
+        "error": out.error,
+        "duration_s": round(duration, 4),
+        "sandbox": type(sandbox).__name__,
+    }
+    print(json.dumps(report))
+    return 0
