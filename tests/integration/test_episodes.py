@@ -11,7 +11,8 @@ import pytest
 import structlog
 
 from streamrl.agents.agents import ToolAgent
-from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
+from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult, ToolInfraError
+from streamrl.agents.flow import CircuitOpenError
 from streamrl.config import Config, parse_config
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
@@ -93,6 +94,10 @@ class ScriptedEnv(Environment):
         self.turns += 1
         if self.mode == "raise":
             raise ValueError("environment exploded")
+        if self.mode == "infra":
+            raise ToolInfraError("no tool worker answered")
+        if self.mode == "circuit":
+            raise CircuitOpenError("20 consecutive tool infrastructure errors")
         if self.mode == "hang":
             await asyncio.sleep(3600)
         return StepResult(observations=["2"], done=self.turns > 1, reward=1.0)
@@ -169,6 +174,13 @@ def test_failures_stay_inside_their_episode(setup: Any) -> None:
     assert hung.error == "EpisodeError: environment step exceeded env_step_timeout_s (0.5s)"
     # The hung step was cancelled, not left on a thread; the engine thread is gone too.
     assert threading.active_count() <= threads_before + 1
+
+
+def test_infra_error_ends_the_episode_and_a_tripped_breaker_stops_the_worker(setup: Any) -> None:
+    [t] = asyncio.run(_run_all(setup, [ScriptedEnv(mode="infra")]))
+    assert t.status == "error" and t.error == "ToolInfraError: no tool worker answered"
+    with pytest.raises(CircuitOpenError, match="20 consecutive"):
+        asyncio.run(_run_all(setup, [ScriptedEnv(), ScriptedEnv(mode="circuit")]))
 
 
 def test_request_the_engine_refuses_is_an_episode_error(setup: Any) -> None:
