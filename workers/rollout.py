@@ -13,15 +13,13 @@ from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import SamplingParams
 from streamrl.model.sharding import make_mesh
 from streamrl.model.tiny import ensure_checkpoint
-from streamrl.model.weights import read_weights
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.weights import WeightFollower
+from streamrl.rollout.weights import SyncLock, WeightFollower, WeightLoader
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.runtime import WorkerContext
 from streamrl.tasks.registry import EpisodeContext, tool_limits
 from streamrl.tools.client import ToolClient
-from streamrl.wire import Weights
 
 
 def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
@@ -49,14 +47,14 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
 async def _main(ctx: WorkerContext) -> None:
     cfg = ctx.cfg
     chat, engine = build_engine(ctx)
-    template = engine.params
     server = EngineServer(engine, -1, ctx.log)
     aclient = aioredis.Redis.from_url(ctx.redis_url)
-
-    def load(msg: Weights) -> object:
-        return read_weights(msg.path, template, msg.sha256, msg.nbytes)
-
-    follower = WeightFollower(aclient, ctx.keys, server, load, asyncio.Event(), ctx.log)
+    # The checkpoint's params: the structure versions decode into, and the base adapters
+    # merge into until the trainer publishes a full version.
+    loader = WeightLoader(ctx.client(), ctx.keys, engine.params, engine.params)
+    follower = WeightFollower(
+        aclient, ctx.keys, server, loader, SyncLock(), ctx.log, cfg.rollout.sync_mode
+    )
     worker = RolloutWorker(
         client=ctx.client(),
         aclient=aclient,
@@ -84,6 +82,8 @@ async def _main(ctx: WorkerContext) -> None:
             engine_steps=server.steps,
             tokens=engine.tokens_generated,
             weight_syncs=follower.syncs,
+            weight_sync_s=round(follower.sync_s, 3),
+            weight_stall_s=round(server.stall_s, 3),
             weights_refused=follower.refused,
         )
         await aclient.aclose()

@@ -5,18 +5,43 @@ from __future__ import annotations
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from streamrl.config import ConfigError
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.runtime import WorkerContext
 from streamrl.trainer.loop import CheckpointHook, ExportHook, PublishHook, TrainerLoop
-from streamrl.trainer.step import init_state, make_optimizer, make_train_step
+from streamrl.trainer.publish import WeightPublisher
+from streamrl.trainer.step import init_state, make_optimizer, make_train_mesh, make_train_step
 from streamrl.trainer.warmstart import warmstart_params
+from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
+
+
+def publish_hook(ctx: WorkerContext) -> PublishHook:
+    """Weights published every `publish_every` steps through the configured channel."""
+    t = ctx.cfg.trainer
+    if t.publish == "lora":
+        # The publishing and loading side handle adapters (PublishHook.adapters); the
+        # train step does not train them yet.
+        raise ConfigError(
+            'trainer.publish = "lora" needs a trainer that trains LoRA adapters; this one '
+            'trains all parameters: use trainer.publish = "full"'
+        )
+    client = ctx.client()
+    channel: WeightsChannel
+    if t.weights_channel == "redis":
+        channel = RedisChannel(client, ctx.keys, t.weights_chunk_mb << 20)
+    else:
+        channel = DirChannel(ctx.run_dir / "weights")
+    return PublishHook(
+        t.publish_every, WeightPublisher(client, ctx.keys, channel, ctx.log, t.weights_keep)
+    )
 
 
 def run(ctx: WorkerContext) -> int:
     cfg = ctx.cfg
+    publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     ckpt = ensure_checkpoint(cfg)
     chat = HFChat.from_dir(ckpt)
     if cfg.model.init == "warmstart":
@@ -25,7 +50,13 @@ def run(ctx: WorkerContext) -> int:
         dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
         spec, params = load_checkpoint(ckpt, dtype)
     optimizer = make_optimizer(cfg.trainer)
-    step_fn = make_train_step(spec, cfg.trainer, cfg.rollout.temperature, optimizer)
+    tcfg = cfg.trainer
+    mesh = None
+    if tcfg.mesh_data * tcfg.mesh_fsdp > 1:
+        mesh = make_train_mesh(tcfg.mesh_data, tcfg.mesh_fsdp)
+    step_fn = make_train_step(
+        spec, tcfg, cfg.rollout.temperature, optimizer, mesh, cfg.rollout.max_response_length
+    )
     manager = ocp.CheckpointManager(
         (ctx.run_dir / "checkpoints").resolve(),
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.trainer.keep_checkpoints, create=True),
@@ -34,14 +65,14 @@ def run(ctx: WorkerContext) -> int:
         client=ctx.client(),
         keys=ctx.keys,
         cfg=cfg,
-        state=init_state(params, optimizer),
+        state=init_state(params, optimizer, with_reference=tcfg.kl_beta > 0, mesh=mesh),
         train_step=step_fn,
         log=ctx.log,
         stop=ctx.stop.is_set,
         pad_id=chat.pad_id,
         max_steps=ctx.max_steps or cfg.trainer.max_steps,
         hooks=[
-            PublishHook(cfg.trainer.publish_every, ctx.run_dir / "weights"),
+            publish,
             CheckpointHook(cfg.trainer.checkpoint_every, manager),
             ExportHook(cfg.trainer.export_every, ctx.run_dir / "export", spec, ckpt),
         ],

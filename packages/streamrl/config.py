@@ -248,6 +248,15 @@ class RolloutConfig(_Section):
         le=1_000_000,
         description="Backpressure: no new episode starts while more groups wait for the trainer.",
     )
+    sync_mode: Literal["continue", "finish", "pause"] = Field(
+        "continue",
+        description=(
+            "Weight sync (no new episode starts meanwhile): `continue`, running episodes go "
+            "on while the new version loads and switch to it at the next decode chunk; "
+            "`finish`, they finish on the old version, then it is swapped; `pause`, their "
+            "model calls wait while it loads, then go on with it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> RolloutConfig:
@@ -357,6 +366,17 @@ class GrouperConfig(_Section):
     advantage_epsilon: float = Field(
         1e-6, gt=0, le=1, description="Added to the group reward std before dividing."
     )
+    advantage: Literal["grpo", "dr_grpo"] = Field(
+        "grpo",
+        description="Group advantage: `grpo` (r - mean) / (std + eps); `dr_grpo` r - mean.",
+    )
+    zero_variance: Literal["keep", "drop"] = Field(
+        "keep",
+        description=(
+            "A group whose rewards are all equal (advantages all 0): kept (it still counts "
+            "for KL and the step's batch) or dropped; counted either way."
+        ),
+    )
 
 
 class TrainerConfig(_Section):
@@ -366,10 +386,94 @@ class TrainerConfig(_Section):
     b1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
     b2: float = Field(0.99, ge=0, lt=1, description="AdamW second-moment decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global-norm gradient clip.")
-    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO/GRPO ratio clip epsilon.")
-    loss: Literal["grpo"] = Field("grpo", description="Registered loss function.")
+    clip_epsilon: float = Field(
+        0.2, gt=0, lt=1, description="Ratio clip epsilon: the ratio is kept >= 1 - epsilon."
+    )
+    clip_epsilon_high: float = Field(
+        0.0,
+        ge=0,
+        lt=10,
+        description="Upper clip (DAPO's clip higher): ratio <= 1 + this; 0: clip_epsilon.",
+    )
+    loss: Literal["grpo", "dapo", "dr_grpo"] = Field(
+        "grpo",
+        description=(
+            "Registered loss: `grpo` (sequence-level mean), `dapo` (token-level mean, clip "
+            "higher), `dr_grpo` (constant length normaliser; pair with grouper.advantage = "
+            "dr_grpo)."
+        ),
+    )
+    kl_beta: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="Weight of the KL penalty to the frozen reference (the starting policy); "
+        "0: no reference pass at all.",
+    )
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator: k1 or k3.")
+    use_rollout_logps: bool = Field(
+        True,
+        description=(
+            "Importance ratio against the rollout's log-probs (required on every sampled "
+            "token); false: against log-probs the trainer recomputes before its update."
+        ),
+    )
+    micro_batch_size: int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="Sequences per micro-batch, gradients accumulated over a step; 0: one.",
+    )
+    warmup_steps: int = Field(
+        0, ge=0, le=100_000_000, description="Linear learning-rate warmup from 0, in steps."
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: constant, or cosine decay over decay_steps."
+    )
+    decay_steps: int = Field(
+        1000, ge=1, le=100_000_000, description="Steps of the cosine decay after warmup."
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="Cosine decay ends at learning_rate x this."
+    )
+    mesh_data: int = Field(
+        1, ge=1, le=4096, description="Trainer mesh: devices on the data axis (batch rows)."
+    )
+    mesh_fsdp: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Trainer mesh: devices on the fsdp axis (batch rows and parameter shards).",
+    )
     publish_every: int = Field(
         1, ge=1, le=1_000_000, description="Publish a new policy version every N steps."
+    )
+    weights_channel: Literal["dir", "redis"] = Field(
+        "dir",
+        description=(
+            "Where published weights travel: `dir`, a file in RUN_DIR/weights (atomic "
+            "rename; every worker must see that directory), or `redis`, chunked keys in the "
+            "run's Redis (no shared file system needed)."
+        ),
+    )
+    weights_chunk_mb: int = Field(
+        4, ge=1, le=256, description="Size of one Redis key of published weights (MiB)."
+    )
+    weights_keep: int = Field(
+        2,
+        ge=1,
+        le=1000,
+        description=(
+            "Published versions kept (files or Redis keys), plus the full version that kept "
+            "adapters apply to; older ones are deleted after each publish."
+        ),
+    )
+    publish: Literal["full", "lora"] = Field(
+        "full",
+        description=(
+            "What a publish carries: all parameters, or LoRA adapters only (merged by rollout "
+            "into the last full version, which is published first)."
+        ),
     )
     checkpoint_every: int = Field(
         5, ge=1, le=1_000_000, description="Write an Orbax checkpoint every N steps."
@@ -387,6 +491,17 @@ class TrainerConfig(_Section):
     max_steps: int = Field(
         0, ge=0, le=100_000_000, description="Stop after this many steps (0: run until stopped)."
     )
+
+    @model_validator(mode="after")
+    def _clip_higher(self) -> TrainerConfig:
+        high = self.clip_epsilon_high
+        if self.loss == "grpo" and high and high != self.clip_epsilon:
+            raise ValueError(
+                f"trainer.clip_epsilon_high ({high:g}) differs from trainer.clip_epsilon "
+                f"({self.clip_epsilon:g}) but trainer.loss grpo clips symmetrically: "
+                "use loss dapo for clip higher"
+            )
+        return self
 
 
 class Config(_Section):

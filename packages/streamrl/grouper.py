@@ -50,12 +50,15 @@ return {'complete', n, redis.call('HVALS', KEYS[1])}
 """
 
 # KEYS: members hash, emitted set, groups stream, trajectories stream, stats hash
-# ARGV: group id, schema version, kind, body, entry id, consumer group
+# ARGV: group id, schema version, kind, body, entry id, consumer group, extra counter ('' none)
 _EMIT = """
 local first = redis.call('SADD', KEYS[2], ARGV[1])
 if first == 1 then
   redis.call('XADD', KEYS[3], '*', 'v', ARGV[2], 'kind', ARGV[3], 'data', ARGV[4])
   redis.call('HINCRBY', KEYS[5], 'groups', 1)
+  if ARGV[7] ~= '' then
+    redis.call('HINCRBY', KEYS[5], ARGV[7], 1)
+  end
 end
 redis.call('DEL', KEYS[1])
 redis.call('XACK', KEYS[4], ARGV[6], ARGV[5])
@@ -63,7 +66,7 @@ return first
 """
 
 # KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash
-# ARGV: group id, entry id, consumer group
+# ARGV: group id, entry id, consumer group, extra counter ('' none)
 _DROP = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
   redis.call('XACK', KEYS[4], ARGV[3], ARGV[2])
@@ -72,6 +75,9 @@ end
 local first = redis.call('SADD', KEYS[3], ARGV[1])
 if first == 1 then
   redis.call('HINCRBY', KEYS[5], 'groups_dropped', 1)
+  if ARGV[4] ~= '' then
+    redis.call('HINCRBY', KEYS[5], ARGV[4], 1)
+  end
 end
 local held = redis.call('HLEN', KEYS[1])
 redis.call('HINCRBY', KEYS[5], 'trajectories_dropped', held + 1)
@@ -89,8 +95,12 @@ class Outcome:
     group_id: str
 
 
-def build_group(members: list[Trajectory], epsilon: float) -> Group | None:
-    """The group with advantages; None when no member finished without error.
+ZERO_VARIANCE = "groups_zero_variance"  # stats counter: groups whose rewards were all equal
+
+
+def build_group(members: list[Trajectory], epsilon: float, estimator: str = "grpo") -> Group | None:
+    """The group with advantages (`ADVANTAGES[estimator]`); None when no member finished
+    without error.
 
     Members with status `error` (an infrastructure or environment failure, not the
     policy's doing) get advantage 0 and take no part in the group's statistics.
@@ -99,7 +109,7 @@ def build_group(members: list[Trajectory], epsilon: float) -> Group | None:
     scored = [m for m in members if m.status != "error"]
     if not scored:
         return None
-    adv = iter(ADVANTAGES["grpo"]([m.reward for m in scored], epsilon))
+    adv = iter(ADVANTAGES[estimator]([m.reward for m in scored], epsilon))
     advantages = [0.0 if m.status == "error" else next(adv) for m in members]
     return Group(
         group_id=members[0].group_id,
@@ -184,9 +194,16 @@ class Grouper:
             members = [decode_body(b, Trajectory) for b in res[2]]
         except WireError as err:  # only a foreign writer could have put this there
             return self._drop_group(d, f"a stored member cannot be decoded: {err}")
-        group = build_group(members, self.cfg.grouper.advantage_epsilon)
+        gcfg = self.cfg.grouper
+        group = build_group(members, gcfg.advantage_epsilon, gcfg.advantage)
         if group is None:
             return self._drop_group(d, "every member of the group ended with status error")
+        rewards = {m.reward for m in group.members if m.status != "error"}
+        zero_variance = len(rewards) == 1
+        if zero_variance and gcfg.zero_variance == "drop":
+            return self._drop_group(
+                d, f"zero variance: every reward is {rewards.pop():g}", counter=ZERO_VARIANCE
+            )
         first = self._emit(
             keys=[k.group_members(t.group_id), k.groups_emitted, k.groups, k.trajectories, k.stats],
             args=[
@@ -196,6 +213,7 @@ class Grouper:
                 encode_body(group),
                 d.entry_id,
                 k.CG_GROUPER,
+                ZERO_VARIANCE if zero_variance else "",
             ],
         )
         if not first:
@@ -209,12 +227,13 @@ class Grouper:
         )
         return Outcome("emitted", t.group_id)
 
-    def _drop_group(self, d: Delivery[Trajectory], reason: str) -> Outcome:
+    def _drop_group(self, d: Delivery[Trajectory], reason: str, counter: str = "") -> Outcome:
+        """Drop the group (once; `counter` in stats counts the reason too)."""
         t = d.msg
         k = self.keys
         self._drop(
             keys=self._assembly_keys(t.group_id),
-            args=[t.group_id, d.entry_id, k.CG_GROUPER],
+            args=[t.group_id, d.entry_id, k.CG_GROUPER, counter],
         )
         self.log.warning(
             "group_dropped",

@@ -82,6 +82,19 @@ class Keys:
         """The trainer's latest published policy version (an integer)."""
         return self._k("policy", "version")
 
+    def weights_blob(self, version: int) -> str:
+        """Prefix of one published version's chunk keys (the `redis` weights channel)."""
+        return self._k("weights", f"v{version:06d}")
+
+    def weights_chunk(self, version: int, index: int) -> str:
+        """String key holding chunk `index` of a published version's bytes."""
+        return f"{self.weights_blob(version)}:{index}"
+
+    @property
+    def weights_chunks(self) -> str:
+        """Hash version -> chunk count of the versions held in Redis (what to delete)."""
+        return self._k("weights", "chunks")
+
     @property
     def feeder_cursor(self) -> str:
         """Next data-set position the feeder writes."""

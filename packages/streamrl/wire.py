@@ -117,8 +117,24 @@ class Group(Message, frozen=True, kw_only=True):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
+class LoraInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reader needs to merge published adapters: `W + (alpha / rank) * A @ B` on
+    every layer named in `targets`."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+
 class Weights(Message, frozen=True, kw_only=True):
-    """A published policy version, by reference: the bytes live at `path`."""
+    """A published policy version, by reference.
+
+    `channel` "dir": the bytes are the file at `path`; "redis": they are split over
+    `chunks` keys (`Keys.weights_chunk(version, i)`, whose common prefix is `path`).
+    `nbytes` and `sha256` are those of the whole byte string (Flax msgpack). `kind` "lora":
+    the bytes are adapters only (`lora` gives rank, alpha, targets), merged into the full
+    version `base_version`.
+    """
 
     KIND: ClassVar[str] = "weights"
     version: int
@@ -127,6 +143,10 @@ class Weights(Message, frozen=True, kw_only=True):
     nbytes: int
     sha256: str
     kind: Literal["full", "lora"] = "full"
+    channel: Literal["dir", "redis"] = "dir"
+    chunks: int = 0
+    lora: LoraInfo | None = None
+    base_version: int = -1
     created_at: float = msgspec.field(default_factory=time.time)
 
 

@@ -83,6 +83,45 @@ def test_error_members_get_zero_advantage(rclient: redis.Redis, redis_url: str, 
     assert [round(a, 4) for a in group.advantages] == [0.7071, 0.0, -1.4142, 0.7071]
 
 
+def test_zero_variance_groups_kept_or_dropped_and_counted(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    keep = grouper(redis_url, keys, "g0")
+    for m in range(4):
+        publish(rclient, keys.trajectories, traj(1, m, 1.0))
+    keep.step()
+    [kept] = groups_out(rclient, keys)
+    assert kept.advantages == [0.0] * 4
+    drop_cfg = CFG.model_copy(
+        update={"grouper": CFG.grouper.model_copy(update={"zero_variance": "drop"})}
+    )
+    drop = grouper(redis_url, keys, "g1", cfg=drop_cfg)
+    for m in range(4):
+        publish(rclient, keys.trajectories, traj(2, m, 0.0))
+    for m in range(4):  # a group with spread is emitted as ever
+        publish(rclient, keys.trajectories, traj(3, m, float(m)))
+    kinds = [o.kind for o in drop.step()]
+    assert kinds == ["partial"] * 3 + ["dropped"] + ["partial"] * 3 + ["emitted"]
+    assert [g.group_id for g in groups_out(rclient, keys)] == ["g1", "g3"]
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups_zero_variance"] == b"2" and stats[b"groups_dropped"] == b"1"
+    assert stats[b"groups"] == b"2"
+
+
+def test_dr_grpo_advantages_are_not_scaled(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    cfg = CFG.model_copy(
+        update={"grouper": CFG.grouper.model_copy(update={"advantage": "dr_grpo"})}
+    )
+    g = grouper(redis_url, keys, "g0", cfg=cfg)
+    for m, r in enumerate([1.0, 0.0, 0.0, 0.0]):
+        publish(rclient, keys.trajectories, traj(1, m, r))
+    g.step()
+    [group] = groups_out(rclient, keys)
+    assert group.advantages == [0.75, -0.25, -0.25, -0.25]  # r - mean, mean 0.25
+
+
 def test_stale_trajectory_drops_group(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
     g = grouper(redis_url, keys, "g0")
     rclient.set(keys.policy_version, 5)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
+import optax
 import pytest
 
 from streamrl.config import TrainerConfig
@@ -13,10 +16,12 @@ from streamrl.trainer.step import (
     Batch,
     build_batch,
     init_state,
+    learning_rate_schedule,
     make_optimizer,
     make_train_step,
     round_batch,
     round_length,
+    standard_promotion,
     token_logprobs,
 )
 
@@ -118,7 +123,8 @@ def test_grpo_step_moves_logprobs_and_does_not_recompile(params: Params) -> None
 
     new_state, metrics = step(state, batch)
     assert int(new_state.step) == 1
-    assert set(metrics) == {"loss", "grad_norm", "clip_fraction", "ratio_mean", "num_tokens"}
+    assert {"loss", "grad_norm", "clip_fraction", "ratio_mean", "num_tokens", "kl"} <= set(metrics)
+    assert float(metrics["learning_rate"]) == pytest.approx(1e-2)
     assert float(metrics["num_tokens"]) == 10 + 12 + 15
     # On-policy: every ratio is 1 and nothing is clipped.
     np.testing.assert_allclose(float(metrics["ratio_mean"]), 1.0, atol=1e-4)
@@ -134,3 +140,69 @@ def test_grpo_step_moves_logprobs_and_does_not_recompile(params: Params) -> None
     new_state, _ = step(new_state, other)
     assert int(new_state.step) == 2
     assert step.compile_count == 1
+
+
+def _run(
+    params: Params, cfg: TrainerConfig, batch: Batch, ref: bool = False, sgd: bool = False
+) -> tuple[Any, Any]:
+    # SGD moves params by lr x gradient, so params compare gradients; Adam's first step is
+    # lr x sign(g), which turns float noise on near-zero gradient entries into full steps.
+    optimizer = standard_promotion(optax.sgd(1.0)) if sgd else make_optimizer(cfg)
+    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer, max_tokens=40)
+    return step(init_state(params, optimizer, with_reference=ref), batch)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_accumulate_to_the_whole_batch_gradient(params: Params, loss: str) -> None:
+    items = _items(params, [20, 24, 30, 9, 17, 28], seed=4)
+    # Off-policy rollout log-probs, so ratios differ from 1 and clipping is exercised.
+    items = [(t, m, lp - 0.3 * (i % 3)) for i, (t, m, lp) in enumerate(items)]
+    batch = build_batch(items, [1.0, -1.0, 0.5, 2.0, -0.5, 0.0], PAD)
+    whole_cfg = TrainerConfig(learning_rate=1e-2, loss=loss)
+    micro_cfg = whole_cfg.model_copy(update={"micro_batch_size": 2})
+    whole, mw = _run(params, whole_cfg, batch, sgd=True)
+    micro, mm = _run(params, micro_cfg, batch, sgd=True)
+    np.testing.assert_allclose(float(mm["loss"]), float(mw["loss"]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(mm["grad_norm"]), float(mw["grad_norm"]), rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(micro.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_learning_rate_warmup_then_cosine() -> None:
+    cfg = TrainerConfig(
+        learning_rate=1e-3, warmup_steps=10, lr_schedule="cosine", decay_steps=100,
+        min_lr_ratio=0.1,
+    )  # fmt: skip
+    lr = learning_rate_schedule(cfg)
+    # 0 at the start, peak after warmup, the cosine's midpoint (1 + 0.1) / 2, then the floor.
+    assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(5e-4)
+    assert float(lr(10)) == pytest.approx(1e-3)
+    assert float(lr(60)) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5), rel=1e-5)
+    assert float(lr(110)) == pytest.approx(1e-4) and float(lr(500)) == pytest.approx(1e-4)
+    flat = learning_rate_schedule(TrainerConfig(learning_rate=3e-4))
+    assert float(flat(0)) == float(flat(10_000)) == pytest.approx(3e-4)
+
+
+def test_kl_to_the_reference_and_recomputed_logps(params: Params) -> None:
+    items = _items(params, [20, 24], seed=5)
+    batch = build_batch(items, [1.0, -1.0], PAD)
+    cfg = TrainerConfig(learning_rate=1e-2, kl_beta=0.5)
+    state, m = _run(params, cfg, batch, ref=True)
+    assert float(m["kl"]) == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
+    optimizer = make_optimizer(cfg)
+    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    state = state.replace(ref_params=params)
+    _, m2 = step(state, batch)
+    assert float(m2["kl"]) > 0.0  # one update later, the policy has moved off it
+    # Ratios against the trainer's own log-probs start at exactly 1, whatever the rollout said.
+    stale = [(t, msk, lp - 5.0) for t, msk, lp in items]
+    cfg = TrainerConfig(learning_rate=1e-2, use_rollout_logps=False)
+    _, m3 = _run(params, cfg, build_batch(stale, [1.0, -1.0], PAD))
+    assert float(m3["ratio_mean"]) == pytest.approx(1.0) and float(m3["clip_fraction"]) == 0.0
+    _, m4 = _run(params, TrainerConfig(learning_rate=1e-2), build_batch(stale, [1.0, -1.0], PAD))
+    assert float(m4["ratio_mean"]) > 100  # exp(5) against the stale rollout log-probs
+
+
+def test_batch_rows_round_to_the_micro_batch_size(params: Params) -> None:
+    batch = build_batch(_items(params, [20, 24, 30], seed=6), [1.0, -1.0, 0.0], PAD, 6)
+    assert batch.tokens.shape[0] == 6 and batch.mask[3:].sum() == 0

@@ -2,9 +2,14 @@
 
 Episodes await `generate()` on the event loop; one dedicated thread owns the engine and
 runs `step()` while there is work, so every concurrent episode shares one decode loop and
-the event loop stays free for tool results and weight-sync signals. New weights are applied
-by the engine thread between steps; each result carries the lowest policy version that
-sampled any of its tokens.
+the event loop stays free for tool results and weight-sync signals.
+
+New weights are swapped in by the engine thread between decode chunks (`swap`); each
+result carries the lowest policy version that sampled any of its tokens. `hold` stops the
+thread at the next chunk boundary until the swap (the `pause` sync mode): sequences in
+flight wait, requests that arrive meanwhile are taken only after the swap, so they are
+sampled by the new version alone. The time the engine spent held or swapping while it had
+work is counted (`stall_s`): the decode time weight sync cost.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +55,14 @@ class EngineServer:
         self._inbox: queue.SimpleQueue[_Call | int] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._weights: tuple[Any, int] | None = None
+        self._weights: tuple[Any, int, Future[None]] | None = None
+        self._held = threading.Event()
+        self._lock = threading.Lock()  # pending weights vs the thread taking them
+        self._running = False
         self._calls: dict[int, _Call] = {}
         self.steps = 0
+        self.swaps = 0
+        self.stall_s = 0.0  # engine time lost to syncs: held or swapping with work pending
 
     # -- event-loop side -------------------------------------------------------------------
 
@@ -71,10 +83,28 @@ class EngineServer:
             self._wake.set()
             raise
 
-    def set_weights(self, params: Any, version: int) -> None:
-        """New params for the next engine step; sequences in flight go on with them."""
-        self._weights = (params, version)
+    def hold(self) -> None:
+        """Stop decoding at the next chunk boundary until `swap` (or `release`)."""
+        self._held.set()
+
+    def release(self) -> None:
+        """Decode again with the params held (a sync that failed)."""
+        self._held.clear()
         self._wake.set()
+
+    async def swap(self, params: Any, version: int) -> None:
+        """Serve `params` as `version` from the next chunk on; returns once the engine
+        thread has them, so every request submitted afterwards is tagged `version`.
+        Releases a hold. Sequences in flight go on with the new params."""
+        done: Future[None] = Future()
+        with self._lock:
+            if self._weights is not None:  # superseded before the thread took it
+                self._weights[2].set_result(None)
+            self._weights = (params, version, done)
+            if not self._running:  # no engine thread (before `serve`): apply here
+                self._take_weights()
+        self._wake.set()
+        await asyncio.wrap_future(done)
 
     async def serve(self) -> None:
         """Run the engine thread until cancelled; re-raises its failure."""
@@ -82,6 +112,8 @@ class EngineServer:
         thread = threading.Thread(
             target=self._thread_main, args=(thread_done,), name="engine", daemon=True
         )
+        with self._lock:
+            self._running = True
         thread.start()
         try:
             await thread_done
@@ -89,6 +121,9 @@ class EngineServer:
             self._stop.set()
             self._wake.set()
             await asyncio.to_thread(thread.join, 10)
+            with self._lock:
+                self._running = False
+                self._take_weights()  # a swap the thread never got to: apply it here
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -101,15 +136,44 @@ class EngineServer:
         else:
             loop.call_soon_threadsafe(_set_result, done)
 
+    def _apply(self, params: Any, version: int) -> None:
+        start = time.monotonic()
+        self.engine.set_params(params)
+        self.version = version
+        self.swaps += 1
+        if self._calls or not self._inbox.empty():
+            self.stall_s += time.monotonic() - start
+
+    def _take_weights(self) -> None:
+        """Apply pending weights, if any, and wake their `swap` (caller holds _lock)."""
+        if self._weights is None:
+            return
+        params, version, done = self._weights
+        self._weights = None
+        self._held.clear()
+        try:
+            self._apply(params, version)
+        except BaseException as err:
+            done.set_exception(err)
+            raise
+        done.set_result(None)
+
     def _run(self) -> None:
         failures = 0
         handles: dict[int, int] = {}  # id(call) -> engine handle
         while not self._stop.is_set():
+            # Weights first, then new requests: a request is tagged with the version that
+            # will sample it.
+            with self._lock:
+                self._take_weights()
+            if self._held.is_set():
+                start = time.monotonic()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                if self._calls or not self._inbox.empty():
+                    self.stall_s += time.monotonic() - start
+                continue
             self._drain(handles)
-            if self._weights is not None:
-                params, self.version = self._weights
-                self._weights = None
-                self.engine.set_params(params)
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()

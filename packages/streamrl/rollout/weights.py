@@ -1,10 +1,20 @@
 """Weight sync on the rollout side: follow `weights`, load each new version under a lock.
 
-The lock is an asyncio gate: while it is closed no new episode starts; episodes already
-running go on, and each model turn is tagged with the version that produced it. Loading
-(read, checksum, decode) runs on a thread, so waiting for the lock never blocks the event
-loop. A version whose file is missing, truncated or fails its checksum is refused with a
-logged reason and the worker keeps serving the last good version.
+The lock (`SyncLock`) is an asyncio gate plus a count of running episodes: while a sync
+holds it no new episode starts. What running episodes do meanwhile is the sync mode
+(`rollout.sync_mode`):
+
+- `continue`: they go on while the new version loads and switch to it at the engine's
+  next decode chunk; a model turn sampled partly by each is tagged with the older.
+- `finish`: they finish on the old version; the new one, loaded meanwhile, is swapped in
+  once none is left (at once if none runs).
+- `pause`: the engine stops at its next chunk boundary while the new version loads, then
+  goes on with it; model calls made meanwhile wait and are sampled by the new version.
+
+Loading (fetch, checksum, decode, LoRA merge) runs on threads, so the event loop stays
+free. A version that is missing, truncated, fails its checksum or does not decode is
+refused with a logged reason (`weights_refused`) and the worker keeps serving the last
+good version.
 """
 
 from __future__ import annotations
@@ -12,35 +22,137 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
+import redis
 import redis.asyncio as aioredis
 import structlog
 
-from streamrl.model.weights import WeightsError
+from streamrl.model.lora import LoraConfig
+from streamrl.model.weights import adapters_template, lora_config, merge_lora, params_from_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
+from streamrl.weightsync import WeightsError, check_sha256, describe, fetch_published
 from streamrl.wire import Weights, WireError, decode
+
+SyncMode = Literal["continue", "finish", "pause"]
+
+
+class SyncLock:
+    """Episodes take it shared (`enter`/`leave`), a weight sync exclusively (`close`)."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.episodes = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    async def wait_open(self) -> None:
+        """Return when no sync holds the lock; `enter` right after (no await between)."""
+        while not self._open.is_set():  # closed again before this waiter ran: wait more
+            await self._open.wait()
+
+    def enter(self) -> None:
+        if not self._open.is_set():
+            raise RuntimeError("an episode started while weights sync (wait_open first)")
+        self.episodes += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.episodes -= 1
+        if self.episodes == 0:
+            self._idle.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def reopen(self) -> None:
+        self._open.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+class WeightLoader:
+    """Published version -> serving params (runs on a thread).
+
+    Full versions decode into `template`'s structure and become the base that later
+    adapter-only versions are merged into (`apply_lora`, merged). The sha256 is checked
+    while the bytes decode, on a second thread; decoded params are used only once it
+    matched.
+    """
+
+    def __init__(self, client: redis.Redis | None, keys: Keys, template: Any, base: Any) -> None:
+        self.client = client
+        self.keys = keys
+        self.template = template
+        self.base = base
+        self.base_version = -1  # -1: the checkpoint the worker started from
+        self._adapter_templates: dict[LoraConfig, Any] = {}
+        self._hasher = ThreadPoolExecutor(1)
+
+    def __call__(self, msg: Weights, base_msg: Weights | None) -> Any:
+        if msg.kind == "full":
+            params = self._fetch_decode(msg, self.template)
+            self.base, self.base_version = params, msg.version
+            return params
+        cfg = lora_config(msg.lora)
+        if msg.base_version != self.base_version:
+            if base_msg is None or base_msg.version != msg.base_version:
+                raise WeightsError(
+                    f"adapters of version {msg.version} apply to full version "
+                    f"{msg.base_version}, which this worker has not seen"
+                )
+            self(base_msg, None)
+        if cfg not in self._adapter_templates:
+            self._adapter_templates[cfg] = adapters_template(self.template, cfg)
+        adapters = self._fetch_decode(msg, self._adapter_templates[cfg])
+        return merge_lora(self.base, adapters, cfg)
+
+    def _fetch_decode(self, msg: Weights, template: Any) -> Any:
+        data = fetch_published(msg, self.client, self.keys)
+        checked = self._hasher.submit(check_sha256, data, msg.sha256, describe(msg))
+        try:
+            params = params_from_bytes(template, data)
+        except WeightsError as err:
+            checked.result()  # damaged bytes: the checksum says so more clearly
+            raise WeightsError(f"{describe(msg)}: {err}") from None
+        checked.result()
+        return params
+
+
+Load = Callable[[Weights, Weights | None], Any]
 
 
 class WeightFollower:
+    """Follows `weights` and swaps each new version into the engine server."""
+
     def __init__(
         self,
         aclient: aioredis.Redis,
         keys: Keys,
         server: EngineServer,
-        load: Callable[[Weights], Any],
-        gate: asyncio.Event,
+        load: Load,
+        lock: SyncLock,
         log: structlog.stdlib.BoundLogger,
+        mode: SyncMode = "continue",
     ) -> None:
         self.aclient = aclient
         self.keys = keys
         self.server = server
         self.load_params = load
-        self.gate = gate
+        self.lock = lock
         self.log = log
+        self.mode = mode
         self.last_id = "0-0"
         self.loaded_version = -1
+        self._fulls: dict[int, Weights] = {}  # the newest full versions seen (LoRA bases)
         self.syncs = 0
         self.sync_s = 0.0
         self.refused = 0
@@ -53,41 +165,62 @@ class WeightFollower:
         return False
 
     async def poll(self, block_ms: int) -> bool:
-        """Load the newest version published since the last one seen; True if one loaded."""
+        """Load the newest good version published since the last one seen; True if one
+        loaded. From the stream's start (a worker that starts or restarts), that is the
+        latest version."""
         resp: Any = await self.aclient.xread({self.keys.weights: self.last_id}, block=block_ms)
         if not resp:
             return False
         entries = resp[0][1]
         self.last_id = entries[-1][0].decode()
-        for entry_id, fields in reversed(entries):  # newest good one wins
+        msgs = []
+        for entry_id, fields in entries:
             try:
-                msg = decode(fields, Weights)
+                msgs.append(decode(fields, Weights))
             except WireError as err:
                 self.log.error("weights_entry_bad", entry_id=entry_id.decode(), reason=str(err))
-                continue
+        for msg in msgs:
+            if msg.kind == "full":
+                self._fulls[msg.version] = msg
+        for old in sorted(self._fulls)[:-4]:
+            del self._fulls[old]
+        for msg in reversed(msgs):  # newest good one wins
             if msg.version <= self.loaded_version:
                 return False
-            return await self.load(msg)
+            if await self.load(msg):
+                return True
         return False
 
     async def load(self, msg: Weights) -> bool:
-        self.gate.clear()
+        """Load and swap in one version under the lock; False if it was refused."""
+        self.lock.close()
+        if self.mode == "pause":
+            self.server.hold()
         start = time.monotonic()
+        swapped = False
         try:
-            params = await asyncio.to_thread(self.load_params, msg)
-            self.server.set_weights(params, msg.version)
+            base = self._fulls.get(msg.base_version) if msg.kind == "lora" else None
+            params = await asyncio.to_thread(self.load_params, msg, base)
+            loaded_s = time.monotonic() - start
+            if self.mode == "finish":
+                await self.lock.wait_idle()
+            await self.server.swap(params, msg.version)
+            swapped = True
         except WeightsError as err:
             self.refused += 1
             self.log.error(
                 "weights_refused",
                 version=msg.version,
+                channel=msg.channel,
                 path=msg.path,
                 reason=str(err),
                 serving_version=self.loaded_version,
             )
             return False
         finally:
-            self.gate.set()
+            if not swapped:
+                self.server.release()
+            self.lock.reopen()
         self.loaded_version = msg.version
         elapsed = time.monotonic() - start
         self.syncs += 1
@@ -96,7 +229,10 @@ class WeightFollower:
             "weights_loaded",
             version=msg.version,
             step=msg.step,
+            kind=msg.kind,
+            channel=msg.channel,
             nbytes=msg.nbytes,
+            load_s=round(loaded_s, 4),
             sync_s=round(elapsed, 4),
         )
         return True

@@ -2,7 +2,7 @@
 trajectories, acknowledge a task only with the write of its last trajectory.
 
 Up to `max_concurrency` episodes run at once on one event loop. No new episode starts while
-weights load (the follower's gate) or while too many groups wait for the trainer
+weights sync (the follower's lock) or while too many groups wait for the trainer
 (backpressure). Entries still being worked on are touched regularly, so a long episode is
 not mistaken for the work of a dead consumer and claimed by another worker.
 """
@@ -97,10 +97,10 @@ class RolloutWorker:
             if await self._backpressured():
                 await asyncio.sleep(0.2)
                 continue
-            await self.follower.gate.wait()
+            await self.follower.lock.wait_open()
             deliveries = await asyncio.to_thread(self.input.read, 1)
             for d in deliveries:
-                await self.follower.gate.wait()  # a sync may have begun during the read
+                await self.follower.lock.wait_open()  # a sync may have begun during the read
                 self._start(d)
 
     async def _backpressured(self) -> bool:
@@ -112,6 +112,7 @@ class RolloutWorker:
         task = d.msg
         self._remaining[d.entry_id] = task.num_generations
         for member in range(task.num_generations):
+            self.follower.lock.enter()
             self.active += 1
             self.started += 1
             ep = asyncio.create_task(self._episode(d, member), name=f"{task.group_id}-m{member}")
@@ -129,6 +130,7 @@ class RolloutWorker:
             await self._emit(d, traj)
         finally:
             self.active -= 1
+            self.follower.lock.leave()
             async with self._capacity:
                 self._capacity.notify_all()
 

@@ -27,12 +27,14 @@ import structlog
 
 from streamrl.config import Config
 from streamrl.model.checkpoint import export_checkpoint
+from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
-from streamrl.model.weights import write_weights
 from streamrl.names import Keys
+from streamrl.rl.losses import check_rollout_logps
+from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import TrainState, build_batch
 from streamrl.transport import Delivery, RedisStreamConsumer, publish
-from streamrl.wire import Group, TrainMetrics, Weights
+from streamrl.wire import Group, TrainMetrics
 
 TRAINER_CONSUMER = "trainer"
 
@@ -117,7 +119,11 @@ class TrainerLoop:
                 advantages.append(adv)
                 rewards.append(traj.reward)
                 min_versions.append(traj.min_version)
-        batch = build_batch(items, advantages, self.pad_id)
+        if self.cfg.trainer.use_rollout_logps:
+            for _, mask, logps in items:
+                check_rollout_logps(logps, mask)
+        row_multiple = int(getattr(self.train_step, "row_multiple", 1))
+        batch = build_batch(items, advantages, self.pad_id, row_multiple)
         self.state, m = self.train_step(self.state, batch)
         loss = float(m["loss"])
         if not math.isfinite(loss):
@@ -171,38 +177,24 @@ def _zeros_like(traj: Any) -> np.ndarray:
 
 @dataclass
 class PublishHook:
-    """Writes the params as a new policy version and signals it on `weights`."""
+    """Publishes the policy as a new version through `publisher` (its channel, signal and
+    clean-up): the full params, or, with `adapters` set, the LoRA adapters it picks out
+    of the train state (the first version is full all the same: their base)."""
 
     every: int
-    weights_dir: Path
-    keep: int = 4
-    published: list[Path] = field(default_factory=list)
+    publisher: WeightPublisher
+    adapters: Callable[[TrainState], tuple[Any, LoraConfig]] | None = None
+    published: int = 0
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         version = loop.version + 1 if self.published else loop.version
-        path = self.weights_dir / f"v{version:06d}.msgpack"
-        start = time.monotonic()
-        nbytes, sha = write_weights(path, loop.state.params)
-        msg = Weights(
-            version=version, step=loop.step, path=str(path.resolve()), nbytes=nbytes, sha256=sha
-        )
-        pipe = loop.client.pipeline(transaction=True)
-        publish(pipe, loop.keys.weights, msg)
-        pipe.set(loop.keys.policy_version, version)
-        pipe.hset(loop.keys.stats, "policy_version", version)
-        pipe.execute()
+        if self.adapters is None or self.publisher.base_version < 0:
+            self.publisher.publish(loop.state.params, version, loop.step)
+        else:
+            tree, lora = self.adapters(loop.state)
+            self.publisher.publish(tree, version, loop.step, lora)
         loop.version = version
-        self.published.append(path)
-        # Rollout workers may still be reading a recent version; older ones can go.
-        while len(self.published) > self.keep:
-            self.published.pop(0).unlink(missing_ok=True)
-        loop.log.info(
-            "weights_published",
-            version=version,
-            step=loop.step,
-            nbytes=nbytes,
-            write_s=round(time.monotonic() - start, 4),
-        )
+        self.published += 1
 
 
 @dataclass

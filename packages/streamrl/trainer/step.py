@@ -1,8 +1,21 @@
 """Immutable train state and the jitted policy-gradient step.
 
 `train_step(state, batch) -> (state, metrics)` is pure and compiled once per batch bucket:
-build_batch pads B up to a power of two and L up to a multiple of 32, so steady-state
-training compiles nothing new.
+build_batch pads B up to a power of two (and a multiple of the micro-batch size and of the
+mesh's batch devices) and L up to a multiple of 32, so steady-state training compiles
+nothing new.
+
+One step: the batch is cut into micro-batches of `micro_batch_size` rows; each one's
+gradient is computed in turn (a `lax.scan`, so only one micro-batch's activations live at a
+time) and accumulated with the weight its share of the loss's normaliser gives it, so the
+accumulated gradient equals the whole batch's exactly; then one AdamW update (warmup, then
+constant or cosine decay; global-norm clipping). With `kl_beta` > 0 the frozen reference
+policy (the starting params, `TrainState.ref_params`) is run too; with 0 it is not.
+
+On a mesh (`trainer.mesh_data` x `trainer.mesh_fsdp`), batch rows are split over both axes
+and every parameter (and its optimizer state) is split over `fsdp` along its largest
+divisible axis, replicated over `data` (FSDP / ZeRO-3 style): XLA's SPMD partitioner gathers
+parameters for the forward and reduce-scatters gradients.
 """
 
 from __future__ import annotations
@@ -14,22 +27,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl.config import TrainerConfig
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.spec import ModelSpec
-from streamrl.rl.losses import LOSSES
+from streamrl.rl.losses import LOSSES, LossConfig
 
 __all__ = [
     "Batch",
     "TrainState",
     "TrainStep",
+    "batch_sharding",
     "build_batch",
+    "fsdp_spec",
     "init_state",
+    "learning_rate_schedule",
+    "loss_config",
     "make_optimizer",
+    "make_train_mesh",
     "make_train_step",
     "round_batch",
     "round_length",
+    "shard_fsdp",
     "standard_promotion",
     "token_logprobs",
 ]
@@ -48,11 +68,14 @@ def round_length(n: int) -> int:
 
 
 class TrainState(flax.struct.PyTreeNode):
-    """step: int32 scalar (optimizer steps taken); params; opt_state (optax state)."""
+    """step: int32 scalar (optimizer steps taken); params; opt_state (optax state);
+    ref_params: the frozen reference policy for the KL penalty (None when kl_beta is 0;
+    it is the starting params, so a restart rebuilds it rather than checkpointing it)."""
 
     step: jax.Array
     params: Params
     opt_state: Any
+    ref_params: Params | None = None
 
 
 @flax.struct.dataclass
@@ -70,13 +93,43 @@ class Batch:
     advantages: jax.Array | np.ndarray
 
 
+def learning_rate_schedule(cfg: TrainerConfig) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup_steps`, then constant, or cosine decay over
+    `decay_steps` down to `learning_rate * min_lr_ratio` (and constant after)."""
+    peak = cfg.learning_rate
+    if cfg.lr_schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, cfg.decay_steps, alpha=cfg.min_lr_ratio)
+    else:
+        after = optax.constant_schedule(peak)
+    if cfg.warmup_steps == 0:
+        return after
+    warm = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
+    return optax.join_schedules([warm, after], [cfg.warmup_steps])
+
+
 def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
-    """Global-norm clip, then AdamW at a constant learning rate."""
+    """Global-norm clip, then AdamW on the learning-rate schedule."""
     return standard_promotion(
         optax.chain(
             optax.clip_by_global_norm(cfg.max_grad_norm),
-            optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+            optax.adamw(
+                learning_rate_schedule(cfg),
+                b1=cfg.b1,
+                b2=cfg.b2,
+                weight_decay=cfg.weight_decay,
+            ),
         )
+    )
+
+
+def loss_config(cfg: TrainerConfig, max_tokens: int) -> LossConfig:
+    """The loss settings of the trainer's config (`max_tokens`: Dr. GRPO's constant)."""
+    return LossConfig(
+        epsilon=cfg.clip_epsilon,
+        epsilon_high=cfg.clip_epsilon_high or None,
+        max_tokens=max_tokens,
+        kl_beta=cfg.kl_beta,
+        kl_estimator=cfg.kl_estimator,
     )
 
 
@@ -101,21 +154,77 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
     return optax.GradientTransformation(init, update)
 
 
-def init_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
-    return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+def init_state(
+    params: Params,
+    optimizer: optax.GradientTransformation,
+    *,
+    with_reference: bool = False,
+    mesh: Mesh | None = None,
+) -> TrainState:
+    """A fresh state; `with_reference` keeps a copy of `params` as the frozen reference;
+    with a mesh, params, reference and optimizer state are placed fsdp-sharded."""
+    if mesh is not None:
+        params = shard_fsdp(params, mesh)
+    ref = jax.tree.map(jnp.copy, params) if with_reference else None
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=optimizer.init(params),
+        ref_params=ref,
     )
+    # Every leaf on the mesh (optimizer counts and the step replicated, moments like params).
+    return shard_fsdp(state, mesh) if mesh is not None else state
+
+
+DATA, FSDP = "data", "fsdp"
+
+
+def make_train_mesh(data: int, fsdp: int, devices: list[Any] | None = None) -> Mesh:
+    """A (data, fsdp) mesh over the first data x fsdp devices."""
+    devices = devices if devices is not None else jax.devices()
+    if data * fsdp > len(devices):
+        raise ValueError(
+            f"trainer mesh data={data} x fsdp={fsdp} needs {data * fsdp} devices; "
+            f"{len(devices)} available"
+        )
+    return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), (DATA, FSDP))
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
+    """Shard the largest axis that `fsdp` divides; replicate small or indivisible leaves."""
+    if fsdp == 1 or not shape:
+        return PartitionSpec()
+    axes = sorted(range(len(shape)), key=lambda i: -shape[i])
+    for i in axes:
+        if shape[i] % fsdp == 0 and shape[i] >= fsdp:
+            return PartitionSpec(*[FSDP if j == i else None for j in range(len(shape))])
+    return PartitionSpec()
+
+
+def shard_fsdp(tree: Any, mesh: Mesh) -> Any:
+    """Place every leaf of `tree` on the mesh, fsdp-sharded (`fsdp_spec`)."""
+    f = mesh.shape[FSDP]
+    return jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, fsdp_spec(np.shape(x), f))), tree
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays: rows over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec((DATA, FSDP)))
 
 
 def build_batch(
     items: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     advantages: list[float],
     pad_id: int,
+    row_multiple: int = 1,
 ) -> Batch:
     """Right-pad (tokens, mask, logprobs) sequences into a bucketed Batch.
 
     Each item is three aligned 1-D arrays of one transcript. L rounds up to a multiple of
-    32, B to a power of two; padding rows and columns have mask 0 and advantage 0.
+    32, B to a power of two and then to a multiple of `row_multiple` (the micro-batch
+    size, the mesh's batch devices); padding rows and columns have mask 0 and advantage 0.
     """
     if len(items) != len(advantages):
         raise ValueError(f"{len(items)} sequences but {len(advantages)} advantages")
@@ -128,6 +237,7 @@ def build_batch(
                 f"({len(t)}, {len(m)}, {len(lp)})"
             )
     b = round_batch(len(items))
+    b = -(-b // row_multiple) * row_multiple
     length = round_length(max(len(t) for t, _, _ in items))
     tokens = np.full((b, length), pad_id, np.int32)
     mask = np.zeros((b, length), np.float32)
@@ -162,7 +272,7 @@ class TrainStep:
     """The jitted `(state, batch) -> (state, metrics)`; `compile_count` counts traces.
 
     metrics (float32 scalars): loss, grad_norm (before clipping), clip_fraction,
-    ratio_mean, num_tokens (mask sum).
+    ratio_mean, kl, learning_rate, num_tokens (mask sum), and the loss's other metrics.
     """
 
     def __init__(
@@ -171,37 +281,109 @@ class TrainStep:
         trainer_cfg: TrainerConfig,
         temperature: float,
         optimizer: optax.GradientTransformation,
+        mesh: Mesh | None = None,
+        max_tokens: int = 0,
     ) -> None:
+        if trainer_cfg.loss == "dr_grpo" and max_tokens <= 0:
+            raise ValueError("loss dr_grpo needs max_tokens > 0: its constant length normaliser")
         self.spec = spec
+        self.cfg = trainer_cfg
+        self.max_tokens = max_tokens
         self.loss_fn = LOSSES[trainer_cfg.loss]
-        self.clip_epsilon = trainer_cfg.clip_epsilon
         self.temperature = temperature
         self.optimizer = optimizer
+        self.schedule = learning_rate_schedule(trainer_cfg)
+        self.mesh = mesh
         self.compile_count = 0
         # Donating the old state halves peak memory on accelerators; XLA:CPU cannot reuse
         # donated buffers and warns, so donate only off the CPU.
         donate = (0,) if jax.default_backend() != "cpu" else ()
         self._step = jax.jit(self._train_step, donate_argnums=donate)
+        self._mesh_step: Any = None
+
+    @property
+    def row_multiple(self) -> int:
+        """Batch rows must be a multiple of this (micro-batch size, mesh batch devices)."""
+        devices = 1 if self.mesh is None else self.mesh.shape[DATA] * self.mesh.shape[FSDP]
+        micro = self.cfg.micro_batch_size or 1
+        return int(np.lcm(devices, micro))
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        return self._step(state, batch)
+        if self.mesh is None:
+            return self._step(state, batch)
+        if self._mesh_step is None:
+            # The new state keeps the layout of the old (params, optimizer state fsdp-sharded);
+            # metrics come back replicated.
+            layout = jax.tree.map(lambda x: x.sharding, state)
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            self._mesh_step = jax.jit(self._train_step, out_shardings=(layout, replicated))
+        return self._mesh_step(state, jax.device_put(batch, batch_sharding(self.mesh)))
 
-    def _loss(self, params: Params, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logp = token_logprobs(params, self.spec, jnp.asarray(batch.tokens), self.temperature)
+    def _micro_loss(
+        self, params: Params, ref_params: Params | None, mb: Batch, max_tokens: int
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        tokens = jnp.asarray(mb.tokens)
+        logp = token_logprobs(params, self.spec, tokens, self.temperature)
+        # The ratio's denominator: the rollout's log-probs, or this policy's own before the
+        # update (no gradient through it; the ratio starts at 1).
+        old = (
+            jnp.asarray(mb.old_logp) if self.cfg.use_rollout_logps else jax.lax.stop_gradient(logp)
+        )
+        ref = None
+        if self.cfg.kl_beta > 0:
+            assert ref_params is not None, "kl_beta > 0 needs TrainState.ref_params"
+            ref = jax.lax.stop_gradient(
+                token_logprobs(ref_params, self.spec, tokens, self.temperature)
+            )
         return self.loss_fn(
             logp,
-            jnp.asarray(batch.old_logp),
-            jnp.asarray(batch.advantages),
-            jnp.asarray(batch.mask),
-            self.clip_epsilon,
+            old,
+            jnp.asarray(mb.advantages),
+            jnp.asarray(mb.mask),
+            loss_config(self.cfg, max_tokens),
+            ref_logp=ref,
         )
+
+    def _weights(self, mask: jax.Array) -> jax.Array:
+        """Each micro-batch's share [M] of the loss's normaliser (mask [M, b, L]): its
+        per-micro-batch mean loss times this sums to the whole batch's loss exactly."""
+        if self.cfg.loss == "dapo":  # token-level mean
+            count = jnp.sum(mask, axis=(1, 2))
+        else:  # grpo, dr_grpo: per sequence (rows with tokens), mean or constant normaliser
+            count = jnp.sum(jnp.any(mask > 0, axis=2), axis=1).astype(jnp.float32)
+        return count / jnp.maximum(jnp.sum(count), 1.0)
 
     def _train_step(
         self, state: TrainState, batch: Batch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         self.compile_count += 1  # runs once per trace, i.e. once per compiled bucket
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        (loss, metrics), grads = grad_fn(state.params, batch)
+        b = np.shape(batch.tokens)[0]
+        micro = self.cfg.micro_batch_size or b
+        if b % micro:
+            raise ValueError(f"batch of {b} rows is not a multiple of micro_batch_size {micro}")
+        m = b // micro
+        mbs = jax.tree.map(
+            lambda x: jnp.reshape(jnp.asarray(x), (m, micro, *np.shape(x)[1:])), batch
+        )
+        weights = self._weights(mbs.mask)
+        grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+
+        def body(acc: Any, xs: tuple[Batch, jax.Array]) -> tuple[Any, None]:
+            mb, w = xs
+            (loss, metrics), grads = grad_fn(state.params, state.ref_params, mb, self.max_tokens)
+            grads_acc, loss_acc, metrics_acc = acc
+            grads_acc = jax.tree.map(lambda a, g: a + w * g, grads_acc, grads)
+            metrics_acc = {k: metrics_acc[k] + w * v for k, v in metrics.items()}
+            return (grads_acc, loss_acc + w * loss, metrics_acc), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        metric_shapes = jax.eval_shape(
+            lambda: grad_fn(
+                state.params, state.ref_params, jax.tree.map(lambda x: x[0], mbs), self.max_tokens
+            )
+        )[0][1]
+        init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, metric_shapes))
+        (grads, loss, metrics), _ = jax.lax.scan(body, init, (mbs, weights))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -209,6 +391,7 @@ class TrainStep:
             **metrics,
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
+            "learning_rate": jnp.asarray(self.schedule(state.step), jnp.float32),
             "num_tokens": jnp.sum(jnp.asarray(batch.mask)),
         }
         return new_state, metrics
@@ -219,6 +402,10 @@ def make_train_step(
     trainer_cfg: TrainerConfig,
     temperature: float,
     optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
+    max_tokens: int = 0,
 ) -> TrainStep:
-    """The compiled train step for this model, loss (`trainer_cfg.loss`) and temperature."""
-    return TrainStep(spec, trainer_cfg, temperature, optimizer)
+    """The compiled train step for this model, loss (`trainer_cfg.loss`), temperature and
+    (optionally) trainer mesh. `max_tokens`: the constant length normaliser of dr_grpo
+    (the rollout's response budget; required for that loss)."""
+    return TrainStep(spec, trainer_cfg, temperature, optimizer, mesh, max_tokens)
