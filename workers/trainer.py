@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from streamrl.config import ConfigError
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.spec import ModelSpec
@@ -13,7 +12,13 @@ from streamrl.model.tiny import ensure_checkpoint
 from streamrl.runtime import WorkerContext
 from streamrl.trainer.loop import CheckpointHook, ExportHook, PublishHook, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
-from streamrl.trainer.step import init_state, make_optimizer, make_train_mesh, make_train_step
+from streamrl.trainer.step import (
+    init_state,
+    lora_config,
+    make_optimizer,
+    make_train_mesh,
+    make_train_step,
+)
 from streamrl.trainer.warmstart import warmstart_params
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
 
@@ -21,22 +26,17 @@ from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
 def publish_hook(ctx: WorkerContext) -> PublishHook:
     """Weights published every `publish_every` steps through the configured channel."""
     t = ctx.cfg.trainer
-    if t.publish == "lora":
-        # The publishing and loading side handle adapters (PublishHook.adapters); the
-        # train step does not train them yet.
-        raise ConfigError(
-            'trainer.publish = "lora" needs a trainer that trains LoRA adapters; this one '
-            'trains all parameters: use trainer.publish = "full"'
-        )
     client = ctx.client()
     channel: WeightsChannel
     if t.weights_channel == "redis":
         channel = RedisChannel(client, ctx.keys, t.weights_chunk_mb << 20)
     else:
         channel = DirChannel(ctx.run_dir / "weights")
-    return PublishHook(
-        t.publish_every, WeightPublisher(client, ctx.keys, channel, ctx.log, t.weights_keep)
-    )
+    publisher = WeightPublisher(client, ctx.keys, channel, ctx.log, t.weights_keep)
+    lora = lora_config(t)
+    if t.publish == "lora" and lora is not None:
+        return PublishHook(t.publish_every, publisher, adapters=lambda st: (st.params, lora))
+    return PublishHook(t.publish_every, publisher)
 
 
 def run(ctx: WorkerContext) -> int:
@@ -65,7 +65,14 @@ def run(ctx: WorkerContext) -> int:
         client=ctx.client(),
         keys=ctx.keys,
         cfg=cfg,
-        state=init_state(params, optimizer, with_reference=tcfg.kl_beta > 0, mesh=mesh),
+        state=init_state(
+            params,
+            optimizer,
+            with_reference=tcfg.kl_beta > 0,
+            mesh=mesh,
+            lora=lora_config(tcfg),
+            seed=cfg.run.seed,
+        ),
         train_step=step_fn,
         log=ctx.log,
         stop=ctx.stop.is_set,
@@ -74,7 +81,13 @@ def run(ctx: WorkerContext) -> int:
         hooks=[
             publish,
             CheckpointHook(cfg.trainer.checkpoint_every, manager),
-            ExportHook(cfg.trainer.export_every, ctx.run_dir / "export", spec, ckpt),
+            ExportHook(
+                cfg.trainer.export_every,
+                ctx.run_dir / "export",
+                spec,
+                ckpt,
+                lora=lora_config(tcfg),
+            ),
         ],
     )
     try:

@@ -492,6 +492,30 @@ class TrainerConfig(_Section):
         0, ge=0, le=100_000_000, description="Stop after this many steps (0: run until stopped)."
     )
 
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Train LoRA adapters of this rank on a frozen base; 0: train every weight.",
+    )
+    lora_alpha: float = Field(16.0, gt=0, le=1e6, description="LoRA scale numerator (alpha).")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        description="Dense layers that get adapters (q/k/v/o_proj, gate/up/down_proj).",
+    )
+
+    @model_validator(mode="after")
+    def _lora(self) -> TrainerConfig:
+        known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        unknown = sorted(set(self.lora_targets) - known)
+        if unknown or not self.lora_targets:
+            raise ValueError(f"trainer.lora_targets {unknown or '[]'} not among {sorted(known)}")
+        if self.publish == "lora" and self.lora_rank == 0:
+            raise ValueError(
+                'trainer.publish = "lora" needs trainer.lora_rank > 0 (adapters to publish)'
+            )
+        return self
+
     @model_validator(mode="after")
     def _clip_higher(self) -> TrainerConfig:
         high = self.clip_epsilon_high

@@ -109,6 +109,36 @@ def test_up_runs_the_pipeline(tmp_path: Path, warm_cache: str) -> None:
     assert "trainer finished 4 steps" in out
 
 
+def test_up_trains_lora_adapters_and_syncs_them_through_redis(
+    tmp_path: Path, warm_cache: str
+) -> None:
+    """LoRA training on the frozen warm-started base; each version after the first carries
+    only the adapters, through chunked Redis keys; rollout merges and serves them."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir, 3, f'model.cache_dir="{warm_cache}"', "trainer.lora_rank=4",
+        "trainer.publish=lora", "trainer.weights_channel=redis", "trainer.learning_rate=1e-3",
+        "rollout.max_ready_groups=4",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 3 and s["policy_version"] == 3
+    assert s["max_trajectory_policy_version"] >= 1  # rollout served merged adapters
+    assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
+    published = [
+        json.loads(line)
+        for line in (run_dir / "logs" / "trainer-0.log").read_text().splitlines()
+        if line.startswith("{") and '"weights_published"' in line
+    ]
+    kinds = [e.get("kind") for e in published]
+    assert kinds[0] == "full" and set(kinds[1:]) == {"lora"}, kinds
+    assert max(e["nbytes"] for e in published[1:]) < published[0]["nbytes"] / 10
+    rollout = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert '"weights_refused"' not in rollout or '"weights_refused": 0' in rollout
+    assert_nothing_left(s)
+
+
 def _sandbox_containers(namespace: str) -> int | None:
     """Containers labelled with this run's sandbox namespace (None: no engine here)."""
     if not os.environ.get("DOCKER_HOST"):

@@ -17,6 +17,7 @@ from streamrl.trainer.step import (
     build_batch,
     init_state,
     learning_rate_schedule,
+    lora_config,
     make_optimizer,
     make_train_step,
     round_batch,
@@ -206,3 +207,36 @@ def test_kl_to_the_reference_and_recomputed_logps(params: Params) -> None:
 def test_batch_rows_round_to_the_micro_batch_size(params: Params) -> None:
     batch = build_batch(_items(params, [20, 24, 30], seed=6), [1.0, -1.0, 0.0], PAD, 6)
     assert batch.tokens.shape[0] == 6 and batch.mask[3:].sum() == 0
+
+
+def test_lora_trains_adapters_on_a_frozen_base(params: Params) -> None:
+    cfg = TrainerConfig(learning_rate=1e-2, lora_rank=4, lora_targets=["q_proj", "up_proj"])
+    optimizer = make_optimizer(cfg)
+    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    lora = lora_config(cfg)
+    state = init_state(params, optimizer, lora=lora, seed=3)
+    assert state.base_params is params and state.ref_params is None
+    # A fresh adapter (B = 0) leaves the policy unchanged.
+    for a, b in zip(
+        jax.tree.leaves(state.policy_params(lora)), jax.tree.leaves(params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    batch = build_batch(_items(params, [20, 24], seed=7), [1.0, -1.0], PAD)
+    new, _ = step(state, batch)
+    # Only adapters moved: the optimizer never saw the base.
+    layer = new.params["model"]["layers_0"]
+    assert set(layer) == {"self_attn", "mlp"} and set(layer["mlp"]["up_proj"]) == {
+        "lora_a",
+        "lora_b",
+    }
+    assert float(np.abs(np.asarray(layer["mlp"]["up_proj"]["lora_b"])).sum()) > 0
+    for a, b in zip(jax.tree.leaves(new.base_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    merged = new.policy_params(lora)
+    assert _masked_mean_logp(merged, batch, 0) > _masked_mean_logp(params, batch, 0)
+    assert _masked_mean_logp(merged, batch, 1) < _masked_mean_logp(params, batch, 1)
+    # KL with LoRA uses the base as the reference (no copy kept).
+    kl_cfg = cfg.model_copy(update={"kl_beta": 0.1})
+    kl_step = make_train_step(SPEC, kl_cfg, TEMPERATURE, make_optimizer(kl_cfg))
+    _, m = kl_step(init_state(params, make_optimizer(kl_cfg), lora=lora), batch)
+    assert float(m["kl"]) == pytest.approx(0.0, abs=1e-6)

@@ -106,7 +106,12 @@ def test_sync_lock() -> None:
 def test_weight_sync_config() -> None:
     cfg = parse_config(
         {
-            "trainer": {"weights_channel": "redis", "weights_chunk_mb": 8, "publish": "lora"},
+            "trainer": {
+                "weights_channel": "redis",
+                "weights_chunk_mb": 8,
+                "publish": "lora",
+                "lora_rank": 4,
+            },
             "rollout": {"sync_mode": "pause"},
         }
     )
@@ -124,11 +129,10 @@ def test_weight_sync_config() -> None:
 
 
 def test_lora_publishing_needs_lora_training() -> None:
-    from streamrl_workers.trainer import publish_hook
-
-    ctx: Any = SimpleNamespace(cfg=parse_config({"trainer": {"publish": "lora"}}))
-    with pytest.raises(ConfigError, match=r'trainer\.publish = "lora" needs a trainer that trains'):
-        publish_hook(ctx)
+    with pytest.raises(ConfigError, match=r'trainer\.publish = "lora" needs trainer\.lora_rank'):
+        parse_config({"trainer": {"publish": "lora"}})
+    with pytest.raises(ConfigError, match=r"trainer\.lora_targets \['qkv'\] not among"):
+        parse_config({"trainer": {"lora_rank": 4, "lora_targets": ["qkv"]}})
 
 
 def test_trainer_wires_the_configured_channel(tmp_path: Path) -> None:

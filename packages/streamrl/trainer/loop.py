@@ -189,7 +189,9 @@ class PublishHook:
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         version = loop.version + 1 if self.published else loop.version
         if self.adapters is None or self.publisher.base_version < 0:
-            self.publisher.publish(loop.state.params, version, loop.step)
+            # Under LoRA training the full version is the frozen base the adapters apply to.
+            base = loop.state.base_params if self.adapters is not None else None
+            self.publisher.publish(loop.state.params if base is None else base, version, loop.step)
         else:
             tree, lora = self.adapters(loop.state)
             self.publisher.publish(tree, version, loop.step, lora)
@@ -264,6 +266,7 @@ class ExportHook:
     spec: ModelSpec
     source_dir: Path
     max_shard_bytes: int | None = None
+    lora: LoraConfig | None = None  # LoRA training: the adapters are merged into the export
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         start = time.monotonic()
@@ -273,7 +276,8 @@ class ExportHook:
         old = parent / f"{tmp.name}-old"
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         try:
-            export_checkpoint(tmp, self.spec, loop.state.params, self.max_shard_bytes)
+            params = loop.state.policy_params(self.lora)
+            export_checkpoint(tmp, self.spec, params, self.max_shard_bytes)
             for name in TOKENIZER_FILES:
                 if (self.source_dir / name).is_file():
                     shutil.copyfile(self.source_dir / name, tmp / name)

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl.config import TrainerConfig
 from streamrl.model.llm import Params, causal_logits
+from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.spec import ModelSpec
 from streamrl.rl.losses import LOSSES, LossConfig
 
@@ -43,6 +44,7 @@ __all__ = [
     "fsdp_spec",
     "init_state",
     "learning_rate_schedule",
+    "lora_config",
     "loss_config",
     "make_optimizer",
     "make_train_mesh",
@@ -70,12 +72,22 @@ def round_length(n: int) -> int:
 class TrainState(flax.struct.PyTreeNode):
     """step: int32 scalar (optimizer steps taken); params; opt_state (optax state);
     ref_params: the frozen reference policy for the KL penalty (None when kl_beta is 0;
-    it is the starting params, so a restart rebuilds it rather than checkpointing it)."""
+    it is the starting params, so a restart rebuilds it rather than checkpointing it).
+    With LoRA, `params` are the adapters (all the optimizer sees) and `base_params` the
+    frozen base, which is also the reference."""
 
     step: jax.Array
     params: Params
     opt_state: Any
     ref_params: Params | None = None
+    base_params: Params | None = None
+
+    def policy_params(self, lora: LoraConfig | None) -> Params:
+        """The policy as plain params: with LoRA (`params` are adapters on the frozen
+        `base_params`), the adapters merged in; otherwise `params`."""
+        if lora is None or self.base_params is None:
+            return self.params
+        return apply_lora(self.base_params, self.params, lora)
 
 
 @flax.struct.dataclass
@@ -154,23 +166,37 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
     return optax.GradientTransformation(init, update)
 
 
+def lora_config(cfg: TrainerConfig) -> LoraConfig | None:
+    """The trainer's LoRA settings, or None when it trains every weight."""
+    if cfg.lora_rank == 0:
+        return None
+    return LoraConfig(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets))
+
+
 def init_state(
     params: Params,
     optimizer: optax.GradientTransformation,
     *,
     with_reference: bool = False,
     mesh: Mesh | None = None,
+    lora: LoraConfig | None = None,
+    seed: int = 0,
 ) -> TrainState:
     """A fresh state; `with_reference` keeps a copy of `params` as the frozen reference;
-    with a mesh, params, reference and optimizer state are placed fsdp-sharded."""
+    with `lora`, fresh adapters (from `seed`) are what trains and `params` become the frozen
+    base (and the reference: no copy); with a mesh, every leaf is placed fsdp-sharded."""
     if mesh is not None:
         params = shard_fsdp(params, mesh)
-    ref = jax.tree.map(jnp.copy, params) if with_reference else None
+    base = None
+    if lora is not None:
+        base, params = params, init_lora(params, lora, seed)
+    ref = jax.tree.map(jnp.copy, params) if with_reference and lora is None else None
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=optimizer.init(params),
         ref_params=ref,
+        base_params=base,
     )
     # Every leaf on the mesh (optimizer counts and the step replicated, moments like params).
     return shard_fsdp(state, mesh) if mesh is not None else state
@@ -288,6 +314,7 @@ class TrainStep:
             raise ValueError("loss dr_grpo needs max_tokens > 0: its constant length normaliser")
         self.spec = spec
         self.cfg = trainer_cfg
+        self.lora = lora_config(trainer_cfg)
         self.max_tokens = max_tokens
         self.loss_fn = LOSSES[trainer_cfg.loss]
         self.temperature = temperature
@@ -320,10 +347,22 @@ class TrainStep:
         return self._mesh_step(state, jax.device_put(batch, batch_sharding(self.mesh)))
 
     def _micro_loss(
-        self, params: Params, ref_params: Params | None, mb: Batch, max_tokens: int
+        self,
+        params: Params,
+        frozen: tuple[Params | None, Params | None],
+        mb: Batch,
+        max_tokens: int,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        ref_params, base = frozen
         tokens = jnp.asarray(mb.tokens)
-        logp = token_logprobs(params, self.spec, tokens, self.temperature)
+        if self.lora is not None:
+            # Unmerged LoRA: gradients reach the adapters only, through A @ B.
+            assert base is not None, "LoRA training needs TrainState.base_params"
+            ref_params = base
+            policy = apply_lora(base, params, self.lora)
+        else:
+            policy = params
+        logp = token_logprobs(policy, self.spec, tokens, self.temperature)
         # The ratio's denominator: the rollout's log-probs, or this policy's own before the
         # update (no gradient through it; the ratio starts at 1).
         old = (
@@ -366,11 +405,12 @@ class TrainStep:
             lambda x: jnp.reshape(jnp.asarray(x), (m, micro, *np.shape(x)[1:])), batch
         )
         weights = self._weights(mbs.mask)
+        frozen = (state.ref_params, state.base_params)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
         def body(acc: Any, xs: tuple[Batch, jax.Array]) -> tuple[Any, None]:
             mb, w = xs
-            (loss, metrics), grads = grad_fn(state.params, state.ref_params, mb, self.max_tokens)
+            (loss, metrics), grads = grad_fn(state.params, frozen, mb, self.max_tokens)
             grads_acc, loss_acc, metrics_acc = acc
             grads_acc = jax.tree.map(lambda a, g: a + w * g, grads_acc, grads)
             metrics_acc = {k: metrics_acc[k] + w * v for k, v in metrics.items()}
@@ -379,7 +419,7 @@ class TrainStep:
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         metric_shapes = jax.eval_shape(
             lambda: grad_fn(
-                state.params, state.ref_params, jax.tree.map(lambda x: x[0], mbs), self.max_tokens
+                state.params, frozen, jax.tree.map(lambda x: x[0], mbs), self.max_tokens
             )
         )[0][1]
         init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, metric_shapes))
