@@ -278,8 +278,9 @@ def test_lora_publish_serves_exactly_the_merged_model(
     channel = _channel(kind, rclient, keys, tmp_path)
     pub = WeightPublisher(rclient, keys, channel, LOG, keep=1)
     # A train state that holds adapters beside the frozen base (what LoRA training keeps).
-    loop: Any = SimpleNamespace(version=0, step=0, state=SimpleNamespace(params=base))
-    hook = PublishHook(1, pub, adapters=lambda state: (adapters, lora))
+    state = SimpleNamespace(params=adapters, base_params=base)
+    loop: Any = SimpleNamespace(version=0, step=0, state=state)
+    hook = PublishHook(1, pub, adapters=lambda st: (st.params, lora))
     follower = _follower(model, rclient, redis_url, keys)
 
     async def go() -> None:
