@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import redis.asyncio as aioredis
@@ -45,9 +46,19 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
 
 
 async def _main(ctx: WorkerContext) -> None:
+    await serve(ctx)
+
+
+async def serve(
+    ctx: WorkerContext, on_server: Callable[[EngineServer], None] | None = None
+) -> None:
+    """Build the rollout worker and run it until stopped; `on_server` sees the engine
+    server first (the colocated worker pauses it while it trains)."""
     cfg = ctx.cfg
     chat, engine = build_engine(ctx)
     server = EngineServer(engine, -1, ctx.log)
+    if on_server is not None:
+        on_server(server)
     aclient = aioredis.Redis.from_url(ctx.redis_url)
     # The checkpoint's params: the structure versions decode into, and the base adapters
     # merge into until the trainer publishes a full version.

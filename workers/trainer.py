@@ -39,7 +39,8 @@ def publish_hook(ctx: WorkerContext) -> PublishHook:
     return PublishHook(t.publish_every, publisher)
 
 
-def run(ctx: WorkerContext) -> int:
+def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
+    """The trainer's loop with its hooks, and the checkpoint manager to close after it."""
     cfg = ctx.cfg
     publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     ckpt = ensure_checkpoint(cfg)
@@ -90,6 +91,11 @@ def run(ctx: WorkerContext) -> int:
             ),
         ],
     )
+    return loop, manager
+
+
+def run(ctx: WorkerContext) -> int:
+    loop, manager = build_loop(ctx)
     try:
         loop.run()
     finally:

@@ -45,6 +45,13 @@ class RunConfig(_Section):
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data, initialisation, sampling.")
+    colocated: bool = Field(
+        False,
+        description=(
+            "One process alternates rollout and training on the same devices (the "
+            "`colocated` worker) instead of a trainer and rollout workers of their own."
+        ),
+    )
 
 
 class RedisConfig(_Section):

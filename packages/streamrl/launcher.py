@@ -153,8 +153,11 @@ class Launcher:
         c = self.cfg
         plan = [("tools", i) for i in range(c.tools.num_workers)]
         plan += [("grouper", i) for i in range(c.grouper.num_workers)]
-        plan += [("trainer", 0)]
-        plan += [("rollout", i) for i in range(c.rollout.num_workers)]
+        if c.run.colocated:  # rollout and training in one process, alternating
+            plan += [("colocated", 0)]
+        else:
+            plan += [("trainer", 0)]
+            plan += [("rollout", i) for i in range(c.rollout.num_workers)]
         return [*plan, ("feeder", 0)]
 
     def _spawn_all(self, url: str) -> None:
@@ -164,7 +167,7 @@ class Launcher:
 
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
-        if name == "trainer" and self.steps:
+        if name in TRAINS and self.steps:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
         err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
@@ -189,7 +192,7 @@ class Launcher:
                 rc = p.popen.poll()
                 if rc is None:
                     continue
-                if p.name == "trainer" and rc == 0:
+                if p.name in TRAINS and rc == 0:
                     return f"trainer finished {self.steps} steps", 0
                 msg = f"worker {p.worker_id} exited with code {rc}; see {p.stderr_path}"
                 log.error("worker_failed", worker=p.worker_id, code=rc)
@@ -280,6 +283,9 @@ class Launcher:
         path.write_text(json.dumps(summary, indent=2) + "\n")
         shown = {k: summary[k] for k in SUMMARY_SHOWN}
         print(f"\n{reason}; summary in {path}\n{json.dumps(shown)}", file=self.out, flush=True)
+
+
+TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
 
 
 def worker_command(

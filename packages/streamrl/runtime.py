@@ -17,7 +17,7 @@ from streamrl.logs import configure_logging
 from streamrl.names import Keys
 from streamrl.transport import make_client
 
-WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer")
+WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated")
 
 
 class NoRedisError(RuntimeError):

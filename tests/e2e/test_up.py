@@ -61,9 +61,9 @@ def summary_of(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def assert_nothing_left(summary: dict[str, Any]) -> None:
+def assert_nothing_left(summary: dict[str, Any], workers: int = 6) -> None:
     pids = list(summary["worker_pids"].values())
-    assert len(set(pids)) == len(pids) == 6  # tools x2, grouper, trainer, rollout, feeder
+    assert len(set(pids)) == len(pids) == workers  # tools x2, grouper, trainer, rollout, feeder
     for pid in pids:
         assert live_in_group(pid) == [], f"processes left in the group of {pid}"
 
@@ -137,6 +137,28 @@ def test_up_trains_lora_adapters_and_syncs_them_through_redis(
     rollout = (run_dir / "logs" / "rollout-0.log").read_text()
     assert '"weights_refused"' not in rollout or '"weights_refused": 0' in rollout
     assert_nothing_left(s)
+
+
+def test_up_colocated_alternates_rollout_and_training(tmp_path: Path, warm_cache: str) -> None:
+    """run.colocated: one process holds the engine and the trainer; the run completes its
+    steps, rollout serves published versions, and the trainer paused the engine each step."""
+    run_dir = tmp_path / "run"
+    proc = up(run_dir, 3, f'model.cache_dir="{warm_cache}"', "run.colocated=true",
+              "rollout.max_ready_groups=4")  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 3 and s["policy_version"] == 3
+    assert s["max_trajectory_policy_version"] >= 1
+    assert set(s["worker_pids"]) == {"tools-0", "tools-1", "grouper-0", "colocated-0", "feeder-0"}
+    assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
+    stop = [
+        json.loads(line)
+        for line in (run_dir / "logs" / "colocated-0.log").read_text().splitlines()
+        if line.startswith("{") and '"colocated_stop"' in line
+    ]
+    assert stop and stop[0]["training_phases"] == 3
+    assert_nothing_left(s, workers=5)
 
 
 def _sandbox_containers(namespace: str) -> int | None:
