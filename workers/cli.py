@@ -13,7 +13,7 @@ from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
-from streamrl_workers import generate, toolexec
+from streamrl_workers import generate, queuescli, toolexec
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--burst", action="store_true", help="exit once the input is drained")
     generate.add_parser(sub)
     toolexec.add_parser(sub)
+    queuescli.add_parser(sub)
     return parser
 
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return generate.main(args)
     if args.command == "tools":
         return toolexec.main(args)
+    if args.command == "queues":
+        return queuescli.main(args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:

@@ -23,7 +23,7 @@ from streamrl.rl.advantages import ADVANTAGES
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import SCHEMA_VERSION, Group, Trajectory, WireError, decode_body, encode_body
 
-# KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash
+# KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash, started hash
 # ARGV: group id, member index, payload, group size, entry id, consumer group, max version
 _ADD_MEMBER = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
@@ -36,6 +36,8 @@ if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then
   return {'dropped', 0}
 end
 if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3]) == 1 then
+  local t = redis.call('TIME')
+  redis.call('HSETNX', KEYS[6], ARGV[1], t[1] * 1000 + math.floor(t[2] / 1000))
   local cur = tonumber(redis.call('HGET', KEYS[5], 'max_trajectory_policy_version') or '-1')
   if tonumber(ARGV[7]) > cur then
     redis.call('HSET', KEYS[5], 'max_trajectory_policy_version', ARGV[7])
@@ -49,9 +51,11 @@ end
 return {'complete', n, redis.call('HVALS', KEYS[1])}
 """
 
-# KEYS: members hash, emitted set, groups stream, trajectories stream, stats hash
+# KEYS: members hash, emitted set, groups stream, trajectories stream, stats hash,
+#       started hash
 # ARGV: group id, schema version, kind, body, entry id, consumer group, extra counter ('' none)
 _EMIT = """
+redis.call('HDEL', KEYS[6], ARGV[1])
 local first = redis.call('SADD', KEYS[2], ARGV[1])
 if first == 1 then
   redis.call('XADD', KEYS[3], '*', 'v', ARGV[2], 'kind', ARGV[3], 'data', ARGV[4])
@@ -65,9 +69,10 @@ redis.call('XACK', KEYS[4], ARGV[6], ARGV[5])
 return first
 """
 
-# KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash
+# KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash, started hash
 # ARGV: group id, entry id, consumer group, extra counter ('' none)
 _DROP = """
+redis.call('HDEL', KEYS[6], ARGV[1])
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then
   redis.call('XACK', KEYS[4], ARGV[3], ARGV[2])
   return 0
@@ -157,6 +162,7 @@ class Grouper:
             k.groups_dropped,
             k.trajectories,
             k.stats,
+            k.groups_started,
         ]
 
     def trainer_version(self) -> int:
@@ -205,7 +211,14 @@ class Grouper:
                 d, f"zero variance: every reward is {rewards.pop():g}", counter=ZERO_VARIANCE
             )
         first = self._emit(
-            keys=[k.group_members(t.group_id), k.groups_emitted, k.groups, k.trajectories, k.stats],
+            keys=[
+                k.group_members(t.group_id),
+                k.groups_emitted,
+                k.groups,
+                k.trajectories,
+                k.stats,
+                k.groups_started,
+            ],
             args=[
                 t.group_id,
                 SCHEMA_VERSION,

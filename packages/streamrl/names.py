@@ -110,6 +110,11 @@ class Keys:
         return self._k("groups", "emitted")
 
     @property
+    def groups_started(self) -> str:
+        """Hash group id -> ms of its first member's arrival, for groups being assembled."""
+        return self._k("groups", "started")
+
+    @property
     def groups_dropped(self) -> str:
         """Set of group ids dropped by a policy (late members are dropped too)."""
         return self._k("groups", "dropped")

@@ -39,6 +39,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def url_from_conf(data_dir: str | Path) -> str | None:
+    """The URL of the embedded Redis whose config is in `data_dir` (None: no config)."""
+    conf = Path(data_dir) / "redis.conf"
+    if not conf.is_file():
+        return None
+    fields = dict(line.split(" ", 1) for line in conf.read_text().splitlines() if " " in line)
+    return f"redis://:{fields['requirepass']}@127.0.0.1:{fields['port']}/0"
+
+
 class EmbeddedRedis:
     """A redis-server child process with its data (AOF) under `data_dir`."""
 

@@ -173,13 +173,7 @@ def test_crash_between_add_and_emit(rclient: redis.Redis, redis_url: str, keys: 
     publish(rclient, keys.trajectories, traj(1, 3, 1.0))
     [d] = a.input.read()
     a._add(  # the first script only: `a` dies before emitting
-        keys=[
-            keys.group_members("g1"),
-            keys.groups_emitted,
-            keys.groups_dropped,
-            keys.trajectories,
-            keys.stats,
-        ],
+        keys=a._assembly_keys("g1"),
         args=["g1", 3, encode_body(d.msg), 4, d.entry_id, keys.CG_GROUPER, 0],
     )
     assert groups_out(rclient, keys) == []
@@ -187,3 +181,4 @@ def test_crash_between_add_and_emit(rclient: redis.Redis, redis_url: str, keys: 
     b.run(threading.Event(), burst=True)
     [group] = groups_out(rclient, keys)
     assert group.group_id == "g1" and len(group.members) == 4
+    assert rclient.hlen(keys.groups_started) == 0  # assembled groups leave no start time

@@ -1,0 +1,158 @@
+"""Queue inspection and dead-letter replay for operators (`streamrl queues`).
+
+`inspect` reads, per stream of a run: its length, and per consumer group the entries not
+yet delivered (lag), the delivered but unacknowledged ones (pending) and the age of the
+oldest pending entry; the dead letters by source stream; and the groups being assembled
+(half-filled groups) with the age of the oldest. `replay_dead` puts dead letters back
+into their source stream, unchanged, and removes them from the dead-letter stream, in one
+transaction each: after a fix, the work they carry is done once more, not twice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from streamrl.names import Keys
+from streamrl.wire import DeadLetter, WireError, decode
+
+LAG_COUNT_CAP = 100_000  # entries counted at most when Redis does not report the lag
+
+
+@dataclass
+class GroupInfo:
+    name: str
+    consumers: int
+    lag: int | None  # entries not yet delivered to the group
+    pending: int
+    oldest_pending_s: float | None  # age of the oldest unacknowledged entry
+
+
+@dataclass
+class StreamInfo:
+    name: str
+    length: int
+    groups: list[GroupInfo] = field(default_factory=list)
+
+
+@dataclass
+class QueueReport:
+    streams: list[StreamInfo]
+    dead_by_source: dict[str, int]
+    partial_groups: int
+    oldest_partial_group_s: float | None
+    stats: dict[str, str]
+
+
+def _entry_age_s(entry_id: str | bytes, now_ms: float) -> float:
+    ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    return max(0.0, (now_ms - ms) / 1000)
+
+
+def _groups(client: redis.Redis, stream: str, now_ms: float) -> list[GroupInfo]:
+    out = []
+    raw: Any = client.xinfo_groups(stream)
+    for g in raw:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
+        oldest = None
+        if int(g["pending"]):
+            summary: Any = client.xpending(stream, name)
+            oldest = _entry_age_s(summary["min"], now_ms)
+        lag = g.get("lag")
+        if lag is None:  # Redis before 7 does not report it: count (up to a cap)
+            last = g["last-delivered-id"]
+            last = last.decode() if isinstance(last, bytes) else str(last)
+            undelivered: Any = client.xrange(stream, min=f"({last}", count=LAG_COUNT_CAP)
+            lag = len(undelivered)
+        out.append(
+            GroupInfo(
+                name=name,
+                consumers=int(g["consumers"]),
+                lag=None if lag is None else int(lag),
+                pending=int(g["pending"]),
+                oldest_pending_s=oldest,
+            )
+        )
+    return out
+
+
+def _partial_groups(client: redis.Redis, keys: Keys, now_ms: float) -> tuple[int, float | None]:
+    """Groups with members held but not yet emitted or dropped, and the oldest one's age
+    (since its first member arrived)."""
+    raw: Any = client.hvals(keys.groups_started)
+    if not raw:
+        return 0, None
+    return len(raw), max(0.0, (now_ms - min(int(v) for v in raw)) / 1000)
+
+
+def inspect(client: redis.Redis, keys: Keys) -> QueueReport:
+    now_ms = time.time() * 1000
+    streams = []
+    for name in keys.streams():
+        length = int(client.xlen(name)) if client.exists(name) else 0
+        info = StreamInfo(name=name, length=length)
+        if length or client.exists(name):
+            info.groups = _groups(client, name, now_ms)
+        streams.append(info)
+    dead: dict[str, int] = {}
+    entries: Any = client.xrange(keys.dead)
+    for _, fields in entries:
+        try:
+            letter = decode(fields, DeadLetter)
+            dead[letter.source] = dead.get(letter.source, 0) + 1
+        except WireError:
+            dead["(undecodable)"] = dead.get("(undecodable)", 0) + 1
+    partial, oldest = _partial_groups(client, keys, now_ms)
+    raw: Any = client.hgetall(keys.stats)
+    stats = {k.decode(): v.decode() for k, v in raw.items()}
+    return QueueReport(streams, dead, partial, oldest, stats)
+
+
+def replay_dead(
+    client: redis.Redis, keys: Keys, source: str | None = None, limit: int = 0
+) -> list[tuple[str, str]]:
+    """Move dead letters (of `source`, or all) back into their source stream; returns
+    (dead entry id, new entry id) pairs. Undecodable dead entries stay where they are."""
+    moved: list[tuple[str, str]] = []
+    entries: Any = client.xrange(keys.dead)
+    for dead_id, fields in entries:
+        if limit and len(moved) >= limit:
+            break
+        try:
+            letter = decode(fields, DeadLetter)
+        except WireError:
+            continue
+        if source is not None and letter.source != source:
+            continue
+        if not letter.source.startswith(keys.ns + ":"):
+            continue  # never write outside this run's namespace
+        pipe = client.pipeline(transaction=True)
+        pipe.xadd(letter.source, dict(letter.fields))  # type: ignore[arg-type]
+        pipe.xdel(keys.dead, dead_id)
+        new_id, _ = pipe.execute()
+        did = dead_id.decode() if isinstance(dead_id, bytes) else str(dead_id)
+        moved.append((did, new_id.decode() if isinstance(new_id, bytes) else str(new_id)))
+    return moved
+
+
+def format_report(r: QueueReport) -> str:
+    def age(s: float | None) -> str:
+        return "-" if s is None else f"{s:.1f}s"
+
+    lines = [f"{'stream':<28} {'length':>7} {'group':<9} {'lag':>6} {'pending':>8} {'oldest':>9}"]
+    for s in r.streams:
+        if not s.groups:
+            lines.append(f"{s.name:<28} {s.length:>7} {'-':<9} {'-':>6} {'-':>8} {'-':>9}")
+        for g in s.groups:
+            lag = "?" if g.lag is None else str(g.lag)
+            lines.append(
+                f"{s.name:<28} {s.length:>7} {g.name:<9} {lag:>6} {g.pending:>8} "
+                f"{age(g.oldest_pending_s):>9}"
+            )
+    dead = ", ".join(f"{k}: {v}" for k, v in sorted(r.dead_by_source.items())) or "none"
+    lines.append(f"dead letters: {dead}")
+    lines.append(f"half-filled groups: {r.partial_groups} (oldest {age(r.oldest_partial_group_s)})")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""`streamrl queues`: each stream's length, lag, pending entries, oldest pending age, dead
+letters and half-filled groups; `--replay-dead` puts dead letters back into their source
+stream after a fix.
+
+    streamrl queues --config configs/tiny.toml --run-dir runs/demo [--json]
+    streamrl queues --config configs/tiny.toml --run-dir runs/demo --replay-dead [--source S]
+
+Redis: REDIS_URL, else `redis.url`, else the embedded Redis of the run directory (while
+`streamrl up` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    q = sub.add_parser("queues", help="inspect a run's queues; replay dead letters")
+    q.add_argument("--config", required=True, help="TOML run config (its run name)")
+    q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    q.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>)")
+    q.add_argument("--json", action="store_true", help="print the report as JSON")
+    q.add_argument("--replay-dead", action="store_true", help="move dead letters back")
+    q.add_argument("--source", default=None, help="replay only dead letters of this stream")
+    q.add_argument("--limit", type=int, default=0, help="replay at most N (0: all)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import redis
+
+    from streamrl.config import ConfigError, load_config
+    from streamrl.names import Keys
+    from streamrl.queues import format_report, inspect, replay_dead
+    from streamrl.redis_server import url_from_conf
+
+    try:
+        cfg = load_config(args.config, overrides=args.set)
+    except ConfigError as err:
+        print(f"streamrl: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
+    url = cfg.redis_url() or url_from_conf(run_dir / "redis")
+    if not url:
+        print(
+            f"streamrl queues: no Redis: set REDIS_URL or redis.url, or point --run-dir at a "
+            f"run started by `streamrl up` (no {run_dir / 'redis' / 'redis.conf'})",
+            file=sys.stderr,
+        )
+        return 2
+    client = redis.Redis.from_url(url)
+    keys = Keys(cfg.run.name)
+    try:
+        if args.replay_dead:
+            moved = replay_dead(client, keys, args.source, args.limit)
+            print(json.dumps({"replayed": [{"dead": d, "new": n} for d, n in moved]}))
+            return 0
+        report = inspect(client, keys)
+    except redis.ConnectionError as err:
+        print(f"streamrl queues: cannot reach Redis: {err}", file=sys.stderr)
+        return 3
+    finally:
+        client.close()
+    print(json.dumps(dataclasses.asdict(report)) if args.json else format_report(report))
+    return 0
