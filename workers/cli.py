@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
+from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
 from streamrl_workers import generate, queuescli, toolexec
 
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"streamrl_workers.{args.name}")
     try:
         code: int = module.run(ctx)
+    except FatalError as err:
+        ctx.log.error("worker_fatal", error=f"{type(err).__name__}: {err}")
+        print(f"streamrl: {type(err).__name__}: {err}", file=sys.stderr)
+        return FATAL_EXIT_CODE
     except Exception:
         ctx.log.exception("worker_failed")
         raise

@@ -52,6 +52,24 @@ class RunConfig(_Section):
             "`colocated` worker) instead of a trainer and rollout workers of their own."
         ),
     )
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        le=1000,
+        description=(
+            "`streamrl up` restarts a worker that crashes, up to this many times within "
+            "restart_window_s, then stops the run with an error; 0: never restart."
+        ),
+    )
+    restart_window_s: float = Field(
+        300.0, gt=0, le=86400, description="Window over which a worker's restarts count."
+    )
+    restart_backoff_s: float = Field(
+        1.0,
+        ge=0,
+        le=600,
+        description="Wait before a restart; doubles with each restart in the window (max 60 s).",
+    )
 
 
 class RedisConfig(_Section):

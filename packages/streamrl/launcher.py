@@ -1,9 +1,14 @@
 """`streamrl up`: start Redis and every worker as its own process, show progress, stop.
 
 The run ends after the trainer's `--steps` (the trainer exits 0 when it has written its
-final checkpoint), on Ctrl-C or SIGTERM (exit code 0), or when a worker dies (exit code 1,
-naming the worker and its log). Every worker runs in its own session, so stopping one kills
-its whole process group (tool subprocesses included) and nothing is left behind.
+final checkpoint), on Ctrl-C or SIGTERM (exit code 0), or with exit code 1 naming the
+worker and its log when a worker fails for good: a worker that crashes (the trainer aside,
+until it can resume from its checkpoint) is restarted alone
+after a backoff (1 s, doubling), up to `run.max_restarts` times within
+`run.restart_window_s`; a worker that exits with a fatal error (exit code 3: a tripped
+circuit breaker, a NaN loss) is not restarted. Every worker runs in its own session, so
+stopping one kills its whole process group (tool subprocesses included) and nothing is
+left behind.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -24,6 +29,7 @@ import redis
 import structlog
 
 from streamrl.config import Config
+from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.logs import configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis
@@ -55,6 +61,8 @@ class WorkerProc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     stderr_path: Path
+    restarts: list[float] = field(default_factory=list)  # monotonic times of restarts
+    restart_at: float | None = None  # a restart is due then (the process has exited)
 
     @property
     def worker_id(self) -> str:
@@ -79,6 +87,7 @@ class Launcher:
         self.keys = Keys(cfg.run.name)
         self.out = out or sys.stderr
         self.procs: list[WorkerProc] = []
+        self._env: dict[str, str] = {}
         self.redis: EmbeddedRedis | None = None
         self._stop_signal: str | None = None
         self._stopped = False
@@ -161,9 +170,9 @@ class Launcher:
         return [*plan, ("feeder", 0)]
 
     def _spawn_all(self, url: str) -> None:
-        env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+        self._env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
         for name, index in self._plan():
-            self.procs.append(self._spawn(name, index, env))
+            self.procs.append(self._spawn(name, index, self._env))
 
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
@@ -189,19 +198,54 @@ class Launcher:
                 log.info("stop_requested", signal=self._stop_signal)
                 return f"stopped by {self._stop_signal}", 0
             for p in self.procs:
+                if p.restart_at is not None:
+                    if time.monotonic() >= p.restart_at:
+                        self._restart(p, log)
+                    continue
                 rc = p.popen.poll()
                 if rc is None:
                     continue
                 if p.name in TRAINS and rc == 0:
                     return f"trainer finished {self.steps} steps", 0
-                msg = f"worker {p.worker_id} exited with code {rc}; see {p.stderr_path}"
-                log.error("worker_failed", worker=p.worker_id, code=rc)
-                print(f"\nstreamrl: {msg}", file=sys.stderr)
-                return msg, 1
+                failed = self._supervise(p, rc, log)
+                if failed is not None:
+                    print(f"\nstreamrl: {failed}", file=sys.stderr)
+                    return failed, 1
             if time.monotonic() >= next_progress:
                 self._progress(client)
                 next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
             time.sleep(0.2)
+
+    def _supervise(self, p: WorkerProc, rc: int, log: structlog.stdlib.BoundLogger) -> str | None:
+        """A worker exited: schedule its restart, or say why the run must stop."""
+        run = self.cfg.run
+        now = time.monotonic()
+        decision = restart_decision(p.restarts, now, run.max_restarts, run.restart_window_s)
+        if rc == FATAL_EXIT_CODE:
+            log.error("worker_fatal", worker=p.worker_id, code=rc)
+            return f"worker {p.worker_id} stopped with a fatal error; see {p.stderr_path}"
+        if p.name in TRAINS:
+            # A trainer restarted from scratch would lose its step and the groups it trained
+            # since its last checkpoint: it restarts only with resume (a later issue).
+            log.error("worker_failed", worker=p.worker_id, code=rc)
+            return f"worker {p.worker_id} exited with code {rc}; see {p.stderr_path}"
+        if decision is None:
+            log.error("worker_failed", worker=p.worker_id, code=rc, restarts=len(p.restarts))
+            return (
+                f"worker {p.worker_id} exited with code {rc} after {len(p.restarts)} restarts "
+                f"within {run.restart_window_s:g}s (run.max_restarts = {run.max_restarts}); "
+                f"see {p.stderr_path}"
+            )
+        delay = backoff_s(decision, run.restart_backoff_s)
+        p.restart_at = now + delay
+        log.warning("worker_crashed", worker=p.worker_id, code=rc, restart_in_s=round(delay, 2))
+        return None
+
+    def _restart(self, p: WorkerProc, log: structlog.stdlib.BoundLogger) -> None:
+        fresh = self._spawn(p.name, p.index, self._env)
+        p.popen, p.restart_at = fresh.popen, None
+        p.restarts.append(time.monotonic())
+        log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
     def _shutdown(self, log: structlog.stdlib.BoundLogger) -> None:
         """SIGTERM every worker's process group, then SIGKILL what is left."""
@@ -278,6 +322,7 @@ class Launcher:
             "rewards_per_step": rewards,
             "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
             "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
+            "worker_restarts": {p.worker_id: len(p.restarts) for p in self.procs},
         }
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -286,6 +331,23 @@ class Launcher:
 
 
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
+MAX_BACKOFF_S = 60.0
+
+
+def restart_decision(
+    restarts: list[float], now: float, max_restarts: int, window_s: float
+) -> int | None:
+    """The number of this restart within the window (1, 2, ...), or None when the worker
+    has used up `max_restarts` in the last `window_s` seconds (or may never restart)."""
+    recent = [t for t in restarts if now - t <= window_s]
+    if len(recent) >= max_restarts:
+        return None
+    return len(recent) + 1
+
+
+def backoff_s(nth: int, base_s: float) -> float:
+    """Wait before the nth restart in a window: base, 2 x base, 4 x base, ... capped."""
+    return min(MAX_BACKOFF_S, base_s * 2 ** (nth - 1))
 
 
 def worker_command(

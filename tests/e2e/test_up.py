@@ -245,6 +245,35 @@ def test_bad_input_and_ctrl_c(
     assert_nothing_left(s)
 
 
+def test_crashed_workers_are_restarted_alone(
+    tmp_path: Path, warm_cache: str, redis_url: str, rclient: redis.Redis, keys: Keys
+) -> None:
+    """SIGKILL the grouper and a tool worker mid-run: each is restarted alone (after its
+    backoff), the run goes on to its steps, and the summary counts the restarts."""
+    run_dir = tmp_path / "run"
+    proc = up(run_dir, 4, f'model.cache_dir="{warm_cache}"', f"run.name={keys.ns}",
+              "run.restart_backoff_s=0.5", env={"REDIS_URL": redis_url})  # fmt: skip
+    deadline = time.monotonic() + 400
+    while int(rclient.hget(keys.stats, "trainer_steps") or 0) < 1:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    started = next(
+        json.loads(line)["pids"]
+        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
+        if '"workers_started"' in line
+    )
+    for name in ("grouper-0", "tools-1"):
+        os.killpg(started[name], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 4
+    assert s["worker_restarts"]["grouper-0"] == 1 and s["worker_restarts"]["tools-1"] == 1
+    assert s["worker_pids"]["grouper-0"] != started["grouper-0"]
+    assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
+    assert_nothing_left(s)
+
+
 def test_unknown_config_key_fails_fast(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(TINY.read_text().replace("[trainer]", "[trainer]\nlerning_rate = 1.0"))

@@ -7,6 +7,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from streamrl.errors import FatalError
+
 
 class RateLimiter:
     """A token bucket: `rate` calls per second on average, bursts up to `burst`."""
@@ -41,7 +43,7 @@ class RateLimiter:
             self._tokens -= 1.0
 
 
-class CircuitOpenError(RuntimeError):
+class CircuitOpenError(FatalError):
     """Too many consecutive tool infrastructure errors: the run stops (it is not the policy's
     fault, and every further episode would fail the same way)."""
 

@@ -26,6 +26,7 @@ import redis
 import structlog
 
 from streamrl.config import Config
+from streamrl.errors import FatalError
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
@@ -39,7 +40,7 @@ from streamrl.wire import Group, TrainMetrics
 TRAINER_CONSUMER = "trainer"
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(FatalError):
     pass
 
 
