@@ -274,6 +274,29 @@ def test_crashed_workers_are_restarted_alone(
     assert_nothing_left(s)
 
 
+def test_tripped_circuit_breaker_stops_the_run(tmp_path: Path, warm_cache: str) -> None:
+    """Tool workers that cannot start (their sandbox image is missing) keep crashing and are
+    restarted; the rollout's calls meet no worker, the first infrastructure error trips the
+    breaker (max 1), and the run stops at once with the breaker's reason: no restart of a
+    fatal error, no hang."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir, 5, f'model.cache_dir="{warm_cache}"', "tools.sandbox=container",
+        "tools.image=streamrl-missing:0", "tools.max_consecutive_tool_errors=1",
+        "tools.time_limit_s=1", "tools.result_margin_s=1", "tools.retries=0",
+        "rollout.env_step_timeout_s=5", "run.max_restarts=1000", "run.restart_backoff_s=0.5",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out
+    assert "worker rollout-0 stopped with a fatal error" in out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 0 and s["worker_restarts"]["rollout-0"] == 0
+    err = (run_dir / "logs" / "rollout-0.stderr").read_text()
+    assert "CircuitOpenError: 1 consecutive tool infrastructure errors" in err
+    assert s["worker_restarts"]["tools-0"] >= 1  # the crashing tool workers were restarted
+    assert_nothing_left(s)
+
+
 def test_unknown_config_key_fails_fast(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(TINY.read_text().replace("[trainer]", "[trainer]\nlerning_rate = 1.0"))
