@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import time
 from dataclasses import dataclass
 
 from streamrl.tools.sandbox import (
     ExecResult,
     SandboxUnavailableError,
-    _drive,
     portable_argv,
     prlimit_args,
+    run_process,
 )
 
 WORKDIR = "/work"
@@ -88,25 +86,8 @@ class BubblewrapSandbox:
     def exec(
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
     ) -> ExecResult:
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            self._command(portable_argv(argv, self.cfg.python), time_limit_s),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            start_new_session=True,
-        )
-        out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
-        return ExecResult(
-            exit_code=proc.returncode,
-            stdout=out,
-            stderr=err,
-            timed_out=timed_out,
-            truncated=truncated,
-            duration_s=time.monotonic() - start,
-        )
+        cmd = self._command(portable_argv(argv, self.cfg.python), time_limit_s)
+        return run_process(cmd, stdin, time_limit_s, output_cap, cwd="/")
 
     def close(self) -> None:
         """Nothing to release: a call's namespaces die with it."""

@@ -108,26 +108,36 @@ class SubprocessSandbox:
     def exec(
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
     ) -> ExecResult:
-        start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="streamrl-tool-") as cwd:
-            proc = subprocess.Popen(
-                self._limited(argv, time_limit_s),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                start_new_session=True,
+            return run_process(
+                self._limited(argv, time_limit_s), stdin, time_limit_s, output_cap, cwd
             )
-            out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
-        return ExecResult(
-            exit_code=proc.returncode,
-            stdout=out,
-            stderr=err,
-            timed_out=timed_out,
-            truncated=truncated,
-            duration_s=time.monotonic() - start,
-        )
+
+
+def run_process(
+    cmd: list[str], stdin: bytes, time_limit_s: float, output_cap: int, cwd: str
+) -> ExecResult:
+    """Run `cmd` in its own session with a bare environment: stdin fed, each output read up
+    to `output_cap`, the whole process group killed at the time limit or the cap."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        start_new_session=True,
+    )
+    out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
+    return ExecResult(
+        exit_code=proc.returncode,
+        stdout=out,
+        stderr=err,
+        timed_out=timed_out,
+        truncated=truncated,
+        duration_s=time.monotonic() - start,
+    )
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
