@@ -15,18 +15,11 @@ from streamrl.config import ConfigError, load_config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
 from streamrl_workers import generate, queuescli, toolexec
+from streamrl_workers.args import config_arguments
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="TOML run config (see configs/)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config field (repeatable)",
-    )
-    p.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>)")
+    config_arguments(p)
     p.add_argument("--steps", type=int, default=0, help="stop after N trainer steps")
 
 
@@ -50,16 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return generate.main(args)
-    if args.command == "tools":
-        return toolexec.main(args)
-    if args.command == "queues":
-        return queuescli.main(args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:
         print(f"streamrl: {err}", file=sys.stderr)
         return 2
+    if args.command == "tools":
+        return toolexec.main(args, cfg)
     run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
+    if args.command == "queues":
+        return queuescli.main(args, cfg, run_dir)
     if args.command == "up":
         from streamrl.launcher import Launcher
 

@@ -17,32 +17,27 @@ import json
 import sys
 from pathlib import Path
 
+from streamrl.config import Config
+from streamrl_workers.args import config_arguments
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     q = sub.add_parser("queues", help="inspect a run's queues; replay dead letters")
-    q.add_argument("--config", required=True, help="TOML run config (its run name)")
-    q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    q.add_argument("--run-dir", default=None, help="run directory (default runs/<run.name>)")
+    config_arguments(q)
     q.add_argument("--json", action="store_true", help="print the report as JSON")
     q.add_argument("--replay-dead", action="store_true", help="move dead letters back")
     q.add_argument("--source", default=None, help="replay only dead letters of this stream")
     q.add_argument("--limit", type=int, default=0, help="replay at most N (0: all)")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
+    """Report on (or replay the dead letters of) the run `cfg` names (loaded by `cli.main`)."""
     import redis
 
-    from streamrl.config import ConfigError, load_config
     from streamrl.names import Keys
     from streamrl.queues import format_report, inspect, replay_dead
     from streamrl.redis_server import url_from_conf
 
-    try:
-        cfg = load_config(args.config, overrides=args.set)
-    except ConfigError as err:
-        print(f"streamrl: {err}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
     url = cfg.redis_url() or url_from_conf(run_dir / "redis")
     if not url:
         print(

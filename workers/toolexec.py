@@ -14,31 +14,26 @@ import json
 import sys
 import time
 
+from streamrl.config import Config
+from streamrl_workers.args import config_arguments
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tools = sub.add_parser("tools", help="tool sandbox utilities")
     tsub = tools.add_subparsers(dest="tools_command", required=True)
     ex = tsub.add_parser("exec", help="run one tool call in the configured sandbox")
-    ex.add_argument("--config", required=True, help="TOML run config (its [tools] section)")
-    ex.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override"
-    )
+    config_arguments(ex, run_dir=False)
     ex.add_argument("--tool", required=True, help="tool name, e.g. calculator, python, shell")
     ex.add_argument("--args", required=True, help="the call's arguments as a JSON object")
 
 
-def main(args: argparse.Namespace) -> int:
-    from streamrl.config import ConfigError, load_config
+def main(args: argparse.Namespace, cfg: Config) -> int:
+    """One call through the sandbox `cfg.tools` configures (cfg: loaded by `cli.main`)."""
     from streamrl.logs import configure_logging
     from streamrl.tools.jobs import open_sandbox
     from streamrl.tools.registry import TOOLS, run_call
     from streamrl.tools.sandbox import SandboxUnavailableError
 
-    try:
-        cfg = load_config(args.config, overrides=args.set)
-    except ConfigError as err:
-        print(f"streamrl: {err}", file=sys.stderr)
-        return 2
     if args.tool not in TOOLS:
         print(
             f"streamrl tools exec: unknown tool {args.tool!r}; known: {sorted(TOOLS)}",
