@@ -13,15 +13,14 @@ import structlog
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult, ToolInfraError
 from streamrl.agents.flow import CircuitOpenError
-from streamrl.config import Config, parse_config
+from streamrl.config import Config
 from streamrl.hfchat import HFChat
-from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
-from streamrl.model.tiny import ensure_checkpoint
 from streamrl.rollout.engine_server import EngineServer, EngineServerError
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.wire import Task, Trajectory
+from streamrl.wire import Trajectory
+from tests.policies import always_eos, scripted_task, tiny_policy
 
 POISON = "POISON"
 GREEDY = SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
@@ -29,40 +28,8 @@ GREEDY = SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, HFChat, Any, Any]:
-    cfg = parse_config(
-        {
-            "model": {
-                "cache_dir": str(tmp_path_factory.mktemp("cache")),
-                "d_model": 32,
-                "num_layers": 1,
-                "num_heads": 2,
-                "num_kv_heads": 1,
-                "d_ff": 64,
-            },
-            "rollout": {"max_turn_tokens": 16, "max_steps": 2},
-        }
-    )
-    ckpt = ensure_checkpoint(cfg)
-    spec, params = load_checkpoint(ckpt)
-    return cfg, HFChat.from_dir(ckpt), spec, _always_eos(params)
-
-
-def _always_eos(params: Any) -> Any:
-    """A degenerate but real model whose greedy choice is always id 1 (<|endoftext|>, a
-    stop id), so each turn is one real stop token and every episode reaches its
-    environment steps: every token embeds to u (id 1 to 2u), attention and MLP outputs are
-    zeroed, so the final hidden state is u/rms(u) and, with tied embeddings, id 1 scores
-    twice what every other id does."""
-    import jax.numpy as jnp
-
-    emb = params["model"]["embed_tokens"]["embedding"]
-    u = jnp.linspace(0.5, 1.5, emb.shape[1], dtype=emb.dtype)
-    params["model"]["embed_tokens"]["embedding"] = jnp.tile(u, (emb.shape[0], 1)).at[1].set(2 * u)
-    for name, layer in params["model"].items():
-        if name.startswith("layers_"):
-            layer["self_attn"]["o_proj"]["kernel"] *= 0
-            layer["mlp"]["down_proj"]["kernel"] *= 0
-    return params
+    cfg, chat, spec, params = tiny_policy(tmp_path_factory.mktemp("cache"))
+    return cfg, chat, spec, always_eos(params)
 
 
 class PoisonEngine(Engine):
@@ -110,18 +77,6 @@ def _same(env: ScriptedEnv) -> tuple[Agent, Environment]:
     return ToolAgent(), env
 
 
-def _task(i: int) -> Task:
-    return Task(
-        task_id=f"t{i}",
-        group_id=f"g{i}",
-        kind="scripted",
-        prompt="",
-        answer="",
-        num_generations=1,
-        cursor=i,
-    )
-
-
 async def _run_all(
     setup: tuple[Config, HFChat, Any, Any],
     envs: list[ScriptedEnv],
@@ -153,7 +108,10 @@ async def _run_all(
     try:
         return list(
             await asyncio.gather(
-                *(runner.run(_task(i), 0, functools.partial(_same, e)) for i, e in enumerate(envs))
+                *(
+                    runner.run(scripted_task(i, "scripted"), 0, functools.partial(_same, e))
+                    for i, e in enumerate(envs)
+                )
             )
         )
     finally:

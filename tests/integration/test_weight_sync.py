@@ -28,13 +28,11 @@ from structlog.testing import capture_logs
 
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
-from streamrl.config import Config, parse_config
+from streamrl.config import Config
 from streamrl.hfchat import HFChat
-from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
-from streamrl.model.tiny import ensure_checkpoint
 from streamrl.model.weights import params_from_bytes, params_to_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
@@ -43,7 +41,8 @@ from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower, WeightL
 from streamrl.trainer.loop import PublishHook
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel, read_published
-from streamrl.wire import Task, Trajectory, Weights, decode
+from streamrl.wire import Trajectory, Weights, decode
+from tests.policies import always_eos, scripted_task, tiny_policy
 
 GREEDY = SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
 LOG = structlog.get_logger()
@@ -51,22 +50,7 @@ LOG = structlog.get_logger()
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, HFChat, Any, Any]:
-    cfg = parse_config(
-        {
-            "model": {
-                "cache_dir": str(tmp_path_factory.mktemp("cache")),
-                "d_model": 32,
-                "num_layers": 1,
-                "num_heads": 2,
-                "num_kv_heads": 1,
-                "d_ff": 64,
-            },
-            "rollout": {"max_turn_tokens": 16, "max_steps": 2},
-        }
-    )
-    ckpt = ensure_checkpoint(cfg)
-    spec, params = load_checkpoint(ckpt)
-    return cfg, HFChat.from_dir(ckpt), spec, params
+    return tiny_policy(tmp_path_factory.mktemp("cache"))
 
 
 def _engine(model: Any, params: Any) -> Engine:
@@ -367,22 +351,6 @@ def test_a_starting_worker_loads_the_latest_version_first(
 # -- sync modes ---------------------------------------------------------------------------
 
 
-def _always_eos(params: Any) -> Any:
-    """Every greedy turn is one stop token (see test_episodes.py): episodes reach their
-    environment steps whatever the weights, which only need to differ in version here."""
-    import jax.numpy as jnp
-
-    params = jax.tree.map(lambda x: x, params)
-    emb = params["model"]["embed_tokens"]["embedding"]
-    u = jnp.linspace(0.5, 1.5, emb.shape[1], dtype=emb.dtype)
-    params["model"]["embed_tokens"]["embedding"] = jnp.tile(u, (emb.shape[0], 1)).at[1].set(2 * u)
-    for name, layer in params["model"].items():
-        if name.startswith("layers_"):
-            layer["self_attn"]["o_proj"]["kernel"] = layer["self_attn"]["o_proj"]["kernel"] * 0
-            layer["mlp"]["down_proj"]["kernel"] = layer["mlp"]["down_proj"]["kernel"] * 0
-    return params
-
-
 class GatedEnv(Environment):
     """Two turns: the first step answers once `go` is set, the second ends the episode."""
 
@@ -408,18 +376,6 @@ class GatedEnv(Environment):
         return None
 
 
-def _task(i: int) -> Task:
-    return Task(
-        task_id=f"t{i}",
-        group_id=f"g{i}",
-        kind="gated",
-        prompt="",
-        answer="",
-        num_generations=1,
-        cursor=i,
-    )
-
-
 async def _start(
     lock: SyncLock, runner: EpisodeRunner, env: GatedEnv, i: int
 ) -> asyncio.Task[Trajectory]:
@@ -432,7 +388,7 @@ async def _start(
 
     async def run() -> Trajectory:
         try:
-            return await runner.run(_task(i), 0, pair)
+            return await runner.run(scripted_task(i, "gated"), 0, pair)
         finally:
             lock.leave()
 
@@ -464,7 +420,7 @@ def test_sync_modes_tag_each_turn_with_its_version(
     B starts after the swap in every mode: version 1 only.
     """
     cfg, chat, _, params = model
-    eos = _always_eos(params)
+    eos = always_eos(params)
     pub = WeightPublisher(rclient, keys, DirChannel(tmp_path / "weights"), LOG)
     loader = WeightLoader(rclient, keys, params, params)
     loading, proceed = threading.Event(), threading.Event()

@@ -8,9 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import redis
 import structlog
 
@@ -24,20 +21,7 @@ from streamrl.transport import publish
 from streamrl.weightsync import RedisChannel
 from streamrl.wire import Trajectory, decode
 from tests.helpers import TINY, spawn_worker, stop
-
-
-def _always_eos(params: Any, scale: float) -> Any:
-    """Each greedy turn is one stop token (see test_episodes.py), so an episode needs no
-    tool worker; `scale` makes versions differ without changing that."""
-    params = jax.tree.map(lambda x: x * np.asarray(scale, x.dtype), params)
-    emb = params["model"]["embed_tokens"]["embedding"]
-    u = jnp.linspace(0.5, 1.5, emb.shape[1], dtype=emb.dtype)
-    params["model"]["embed_tokens"]["embedding"] = jnp.tile(u, (emb.shape[0], 1)).at[1].set(2 * u)
-    for name, layer in params["model"].items():
-        if name.startswith("layers_"):
-            layer["self_attn"]["o_proj"]["kernel"] = layer["self_attn"]["o_proj"]["kernel"] * 0
-            layer["mlp"]["down_proj"]["kernel"] = layer["mlp"]["down_proj"]["kernel"] * 0
-    return params
+from tests.policies import always_eos
 
 
 def _trajectories(client: redis.Redis, keys: Keys, n: int, timeout_s: float) -> list[Trajectory]:
@@ -64,7 +48,7 @@ def test_rollout_worker_starts_on_the_latest_version(
     log = structlog.get_logger()
     pub = WeightPublisher(rclient, keys, RedisChannel(rclient, keys, 64 << 10), log, keep=2)
     for v in range(3):
-        pub.publish(_always_eos(params, 1 + v / 10), v, v)
+        pub.publish(always_eos(params, 1 + v / 10), v, v)
 
     def one_task(cursor: int, expect: int) -> list[Trajectory]:
         publish(rclient, keys.tasks, make_task(cfg.task, 0, cursor, 2))
@@ -77,7 +61,7 @@ def test_rollout_worker_starts_on_the_latest_version(
         assert stop(worker) == 0
     assert [t.versions for t in first] == [[2], [2]]
 
-    pub.publish(_always_eos(params, 1.3), 3, 3)
+    pub.publish(always_eos(params, 1.3), 3, 3)
     worker = spawn_worker("rollout", redis_url, keys.ns, tmp_path, *sets)
     try:
         again = one_task(1, 4)
