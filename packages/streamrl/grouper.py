@@ -19,7 +19,7 @@ import structlog
 
 from streamrl.config import Config
 from streamrl.names import Keys
-from streamrl.rl.advantages import ADVANTAGES
+from streamrl.rl.advantages import ADVANTAGES, is_zero_variance
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import SCHEMA_VERSION, Group, Trajectory, WireError, decode_body, encode_body
 
@@ -204,11 +204,11 @@ class Grouper:
         group = build_group(members, gcfg.advantage_epsilon, gcfg.advantage)
         if group is None:
             return self._drop_group(d, "every member of the group ended with status error")
-        rewards = {m.reward for m in group.members if m.status != "error"}
-        zero_variance = len(rewards) == 1
+        rewards = [m.reward for m in group.members if m.status != "error"]
+        zero_variance = is_zero_variance(rewards)
         if zero_variance and gcfg.zero_variance == "drop":
             return self._drop_group(
-                d, f"zero variance: every reward is {rewards.pop():g}", counter=ZERO_VARIANCE
+                d, f"zero variance: every reward is {rewards[0]:g}", counter=ZERO_VARIANCE
             )
         first = self._emit(
             keys=[
