@@ -246,6 +246,14 @@ def policy_loss(
     return loss, metrics
 
 
+# How each registered loss aggregates: the trainer weighs its micro-batches by the same rule.
+LOSS_AGGREGATION: dict[str, Aggregation] = {
+    "grpo": "sequence",
+    "dapo": "token",
+    "dr_grpo": "constant",
+}
+
+
 @register("grpo")
 def grpo_loss(
     logp: jax.Array,
@@ -264,7 +272,7 @@ def grpo_loss(
             f"loss 'grpo' clips symmetrically but epsilon_high = {cfg.epsilon_high} != "
             f"epsilon = {cfg.epsilon}; use loss 'dapo' for clip-higher"
         )
-    cfg = dataclasses.replace(cfg, aggregation="sequence")
+    cfg = dataclasses.replace(cfg, aggregation=LOSS_AGGREGATION["grpo"])
     return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp)
 
 
@@ -282,7 +290,7 @@ def dapo_loss(
     The paper uses epsilon = 0.2, epsilon_high = 0.28; with epsilon_high None the clip is
     symmetric and this is plain token-level GRPO.
     """
-    cfg = dataclasses.replace(cfg, aggregation="token")
+    cfg = dataclasses.replace(cfg, aggregation=LOSS_AGGREGATION["dapo"])
     return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp)
 
 
@@ -299,7 +307,7 @@ def dr_grpo_loss(
 
     Pair it with the "dr_grpo" advantages (no std normalisation), as the paper does.
     """
-    cfg = dataclasses.replace(cfg, aggregation="constant")
+    cfg = dataclasses.replace(cfg, aggregation=LOSS_AGGREGATION["dr_grpo"])
     return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp)
 
 

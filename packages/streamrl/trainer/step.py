@@ -33,7 +33,7 @@ from streamrl.config import TrainerConfig
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.spec import ModelSpec
-from streamrl.rl.losses import LOSSES, LossConfig
+from streamrl.rl.losses import LOSS_AGGREGATION, LOSSES, LossConfig
 
 __all__ = [
     "Batch",
@@ -386,9 +386,9 @@ class TrainStep:
     def _weights(self, mask: jax.Array) -> jax.Array:
         """Each micro-batch's share [M] of the loss's normaliser (mask [M, b, L]): its
         per-micro-batch mean loss times this sums to the whole batch's loss exactly."""
-        if self.cfg.loss == "dapo":  # token-level mean
+        if LOSS_AGGREGATION[self.cfg.loss] == "token":  # normalised by tokens
             count = jnp.sum(mask, axis=(1, 2))
-        else:  # grpo, dr_grpo: per sequence (rows with tokens), mean or constant normaliser
+        else:  # sequence, constant: normalised by the rows that have tokens
             count = jnp.sum(jnp.any(mask > 0, axis=2), axis=1).astype(jnp.float32)
         return count / jnp.maximum(jnp.sum(count), 1.0)
 
