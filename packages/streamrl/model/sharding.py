@@ -28,16 +28,20 @@ class MeshError(ValueError):
     pass
 
 
+def grid_mesh(axes: dict[str, int], devices: list[Any] | None = None, what: str = "mesh") -> Mesh:
+    """A mesh with these named axes and sizes over the first devices (all of them: local
+    and, under jax.distributed, remote); `what` names it in the error."""
+    devices = devices if devices is not None else jax.devices()
+    need = int(np.prod(list(axes.values())))
+    if need > len(devices):
+        sizes = " x ".join(f"{name}={n}" for name, n in axes.items())
+        raise MeshError(f"{what} {sizes} needs {need} devices; {len(devices)} available")
+    return Mesh(np.asarray(devices[:need]).reshape(*axes.values()), tuple(axes))
+
+
 def make_mesh(data: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
     """A (data, tensor) mesh over the first data x tensor devices."""
-    devices = devices if devices is not None else jax.devices()
-    if data * tensor > len(devices):
-        raise MeshError(
-            f"mesh data={data} x tensor={tensor} needs {data * tensor} devices; "
-            f"{len(devices)} available"
-        )
-    grid = np.asarray(devices[: data * tensor]).reshape(data, tensor)
-    return Mesh(grid, (DATA, TENSOR))
+    return grid_mesh({DATA: data, TENSOR: tensor}, devices)
 
 
 def check_spec(spec: ModelSpec, mesh: Mesh) -> None:

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl.config import TrainerConfig
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
+from streamrl.model.sharding import grid_mesh
 from streamrl.model.spec import ModelSpec
 from streamrl.rl.losses import LOSS_AGGREGATION, LOSSES, LossConfig
 
@@ -206,14 +207,9 @@ DATA, FSDP = "data", "fsdp"
 
 
 def make_train_mesh(data: int, fsdp: int, devices: list[Any] | None = None) -> Mesh:
-    """A (data, fsdp) mesh over the first data x fsdp devices."""
-    devices = devices if devices is not None else jax.devices()
-    if data * fsdp > len(devices):
-        raise ValueError(
-            f"trainer mesh data={data} x fsdp={fsdp} needs {data * fsdp} devices; "
-            f"{len(devices)} available"
-        )
-    return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), (DATA, FSDP))
+    """A (data, fsdp) mesh over the first data x fsdp devices (MeshError, a ValueError,
+    when there are fewer)."""
+    return grid_mesh({DATA: data, FSDP: fsdp}, devices, what="trainer mesh")
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
