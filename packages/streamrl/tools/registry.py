@@ -14,16 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamrl.agents.tools import ToolArgumentError, function_schema
-from streamrl.agents.tools import parse_arguments as check_arguments
+from streamrl.agents.tools import ToolArgumentError, function_schema, parse_arguments
 from streamrl.tools import harness
 from streamrl.tools.sandbox import TRUNCATED, ExecResult, Sandbox
 
 CALCULATOR_MAIN = str(Path(__file__).with_name("calculator_main.py"))
-
-
-class ToolInputError(ValueError):
-    """Arguments a tool cannot accept; the message goes back to the agent."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +45,6 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         return function_schema(self.name, self.description, self.parameters)
-
-
-def parse_arguments(tool: Tool, arguments: str) -> dict[str, Any]:
-    """Decode and check a call's JSON arguments against the tool's (flat) schema."""
-    try:
-        return check_arguments(tool.parameters, arguments)
-    except ToolArgumentError as err:
-        raise ToolInputError(str(err)) from None
 
 
 def _calculator_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
@@ -176,8 +163,8 @@ def run_call(
     if tool is None:
         return Outcome(False, "", f"unknown tool `{name}`; available: {sorted(TOOLS)}")
     try:
-        args = parse_arguments(tool, arguments)
-    except ToolInputError as err:
+        args = parse_arguments(tool.parameters, arguments)
+    except ToolArgumentError as err:
         return Outcome(False, "", str(err))
     argv, stdin = tool.command(args)
     report = tool.report or interpret
