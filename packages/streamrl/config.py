@@ -38,6 +38,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+# The dense layers LoRA adapters can attach to (streamrl.model.lora uses this list).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class RunConfig(_Section):
     name: str = Field(
         "streamrl",
@@ -531,10 +535,11 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _lora(self) -> TrainerConfig:
-        known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-        unknown = sorted(set(self.lora_targets) - known)
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
         if unknown or not self.lora_targets:
-            raise ValueError(f"trainer.lora_targets {unknown or '[]'} not among {sorted(known)}")
+            raise ValueError(
+                f"trainer.lora_targets {unknown or '[]'} not among {sorted(LORA_TARGETS)}"
+            )
         if self.publish == "lora" and self.lora_rank == 0:
             raise ValueError(
                 'trainer.publish = "lora" needs trainer.lora_rank > 0 (adapters to publish)'

@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from streamrl.config import LORA_TARGETS
+
 Params = Any
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LORA_TARGETS
 
 
 class LoraError(ValueError):
