@@ -92,9 +92,8 @@ def inspect(client: redis.Redis, keys: Keys) -> QueueReport:
     now_ms = time.time() * 1000
     streams = []
     for name in keys.streams():
-        length = int(client.xlen(name)) if client.exists(name) else 0
-        info = StreamInfo(name=name, length=length)
-        if length or client.exists(name):
+        info = StreamInfo(name=name, length=int(client.xlen(name)))  # 0 when missing
+        if client.exists(name):  # XINFO GROUPS fails on a stream that does not exist
             info.groups = _groups(client, name, now_ms)
         streams.append(info)
     dead: dict[str, int] = {}
