@@ -219,8 +219,6 @@ class Launcher:
     def _supervise(self, p: WorkerProc, rc: int, log: structlog.stdlib.BoundLogger) -> str | None:
         """A worker exited: schedule its restart, or say why the run must stop."""
         run = self.cfg.run
-        now = time.monotonic()
-        decision = restart_decision(p.restarts, now, run.max_restarts, run.restart_window_s)
         if rc == FATAL_EXIT_CODE:
             log.error("worker_fatal", worker=p.worker_id, code=rc)
             return f"worker {p.worker_id} stopped with a fatal error; see {p.stderr_path}"
@@ -229,6 +227,8 @@ class Launcher:
             # since its last checkpoint: it restarts only with resume (a later issue).
             log.error("worker_failed", worker=p.worker_id, code=rc)
             return f"worker {p.worker_id} exited with code {rc}; see {p.stderr_path}"
+        now = time.monotonic()
+        decision = restart_decision(p.restarts, now, run.max_restarts, run.restart_window_s)
         if decision is None:
             log.error("worker_failed", worker=p.worker_id, code=rc, restarts=len(p.restarts))
             return (
