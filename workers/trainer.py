@@ -71,7 +71,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
             optimizer,
             with_reference=tcfg.kl_beta > 0,
             mesh=mesh,
-            lora=lora_config(tcfg),
+            lora=step_fn.lora,
             seed=cfg.run.seed,
         ),
         train_step=step_fn,
@@ -87,7 +87,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
                 ctx.run_dir / "export",
                 spec,
                 ckpt,
-                lora=lora_config(tcfg),
+                lora=step_fn.lora,
             ),
         ],
     )
