@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start Redis and every worker; stop after --steps")
     _common(up)
+    up.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest complete checkpoint",
+    )
     w = sub.add_parser("worker", help="run one worker process (the form compose uses)")
     w.add_argument("name", choices=WORKER_NAMES)
     _common(w)
@@ -50,13 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "tools":
         return toolexec.main(args, cfg)
-    run_dir = Path(args.run_dir or Path("runs") / cfg.run.name)
+    resume = getattr(args, "resume", None)
+    if resume and args.run_dir and Path(args.run_dir).resolve() != Path(resume).resolve():
+        print("streamrl: --resume names the run directory; drop --run-dir", file=sys.stderr)
+        return 2
+    run_dir = Path(resume or args.run_dir or Path("runs") / cfg.run.name)
     if args.command == "queues":
         return queuescli.main(args, cfg, run_dir)
     if args.command == "up":
         from streamrl.launcher import Launcher
 
-        return Launcher(cfg, args.config, args.set, run_dir, args.steps).run()
+        return Launcher(cfg, args.config, args.set, run_dir, args.steps, resume=bool(resume)).run()
     try:
         ctx = make_context(
             args.name, args.index, cfg, run_dir, max_steps=args.steps, burst=args.burst

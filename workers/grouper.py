@@ -1,4 +1,5 @@
-"""Grouper worker: assembles groups and computes advantages; any number may run."""
+"""Grouper worker: assembles groups and computes advantages, and handles groups past
+`grouper.group_timeout_s` by the configured policy; any number may run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from streamrl.runtime import WorkerContext
 
 def run(ctx: WorkerContext) -> int:
     grouper = Grouper(ctx.client(), ctx.keys, ctx.cfg, ctx.consumer, ctx.log)
-    ctx.log.info("grouper_start", consumer=ctx.consumer)
+    g = ctx.cfg.grouper
+    ctx.log.info(
+        "grouper_start",
+        consumer=ctx.consumer,
+        group_timeout_s=g.group_timeout_s,
+        group_timeout_policy=g.group_timeout_policy if g.group_timeout_s else None,
+    )
     grouper.run(ctx.stop, burst=ctx.burst)
     ctx.log.info("grouper_stop")
     return 0

@@ -1,6 +1,7 @@
 """`streamrl queues`: each stream's length, lag, pending entries, oldest pending age, dead
-letters and half-filled groups; `--replay-dead` puts dead letters back into their source
-stream after a fix.
+letters, half-filled groups (`partial_groups`, `oldest_partial_group_s`) and the group
+policies' counters (timed out, rerun, released, backpressure pauses); `--replay-dead` puts
+dead letters back into their source stream after a fix.
 
     streamrl queues --config configs/tiny.toml --run-dir runs/demo [--json]
     streamrl queues --config configs/tiny.toml --run-dir runs/demo --replay-dead [--source S]

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Callable
 
 import jax.numpy as jnp
-import redis.asyncio as aioredis
 
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
@@ -21,6 +20,7 @@ from streamrl.rollout.worker import RolloutWorker
 from streamrl.runtime import WorkerContext
 from streamrl.tasks.registry import EpisodeContext, tool_limits
 from streamrl.tools.client import ToolClient
+from streamrl.transport import make_async_client
 
 
 def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
@@ -59,7 +59,7 @@ async def serve(
     server = EngineServer(engine, -1, ctx.log)
     if on_server is not None:
         on_server(server)
-    aclient = aioredis.Redis.from_url(ctx.redis_url)
+    aclient = make_async_client(ctx.redis_url)
     # The checkpoint's params: the structure versions decode into, and the base adapters
     # merge into until the trainer publishes a full version.
     loader = WeightLoader(ctx.client(), ctx.keys, engine.params, engine.params)

@@ -39,8 +39,9 @@ def publish_hook(ctx: WorkerContext) -> PublishHook:
     return PublishHook(t.publish_every, publisher)
 
 
-def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
-    """The trainer's loop with its hooks, and the checkpoint manager to close after it."""
+def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointer]:
+    """The trainer's loop with its hooks, resumed from the run's newest complete checkpoint
+    when there is one, and the checkpointer to close after it."""
     cfg = ctx.cfg
     publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     ckpt = ensure_checkpoint(cfg)
@@ -58,10 +59,8 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
     step_fn = make_train_step(
         spec, tcfg, cfg.rollout.temperature, optimizer, mesh, cfg.rollout.max_response_length
     )
-    manager = ocp.CheckpointManager(
-        (ctx.run_dir / "checkpoints").resolve(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.trainer.keep_checkpoints, create=True),
-    )
+    checkpointer = ocp.StandardCheckpointer()
+    root = (ctx.run_dir / "checkpoints").resolve()
     loop = TrainerLoop(
         client=ctx.client(),
         keys=ctx.keys,
@@ -81,7 +80,9 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
         max_steps=ctx.max_steps or cfg.trainer.max_steps,
         hooks=[
             publish,
-            CheckpointHook(cfg.trainer.checkpoint_every, manager),
+            CheckpointHook(
+                cfg.trainer.checkpoint_every, root, cfg.trainer.keep_checkpoints, checkpointer
+            ),
             ExportHook(
                 cfg.trainer.export_every,
                 ctx.run_dir / "export",
@@ -91,7 +92,8 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.CheckpointManager]:
             ),
         ],
     )
-    return loop, manager
+    loop.resume(root, checkpointer)
+    return loop, checkpointer
 
 
 def run(ctx: WorkerContext) -> int:

@@ -277,6 +277,16 @@ class RolloutConfig(_Section):
         le=1_000_000,
         description="Backpressure: no new episode starts while more groups wait for the trainer.",
     )
+    max_partial_groups: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Backpressure: no new task starts while this many groups are half filled "
+            "(members arrived, group not yet emitted or dropped); 0: no limit. Groups that "
+            "never complete count until grouper.group_timeout_s clears them."
+        ),
+    )
     sync_mode: Literal["continue", "finish", "pause"] = Field(
         "continue",
         description=(
@@ -371,6 +381,13 @@ class ToolsConfig(_Section):
     recycle_after: int = Field(
         200, ge=1, le=1_000_000, description="Calls a container serves before it is replaced."
     )
+    non_idempotent: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Tools whose calls have side effects that must not repeat: each call runs once per "
+            "idempotency key (call id + arguments); a replayed call gets the recorded result."
+        ),
+    )
 
     @field_validator("rate_limits")
     @classmethod
@@ -378,6 +395,17 @@ class ToolsConfig(_Section):
         for name, rate in v.items():
             if not rate > 0:
                 raise ValueError(f"rate of tool `{name}` must be > 0 calls per second")
+        return v
+
+    @field_validator("non_idempotent")
+    @classmethod
+    def _known_tools(cls, v: list[str]) -> list[str]:
+        # Imported here: the config module loads without the tool code until it is needed.
+        from streamrl.tools.registry import TOOLS
+
+        for name in v:
+            if name not in TOOLS:
+                raise ValueError(f"unknown tool `{name}`; tools: {sorted(TOOLS)}")
         return v
 
 
@@ -404,6 +432,32 @@ class GrouperConfig(_Section):
         description=(
             "A group whose rewards are all equal (advantages all 0): kept (it still counts "
             "for KL and the step's batch) or dropped; counted either way."
+        ),
+    )
+    group_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        le=86400,
+        description=(
+            "A group still incomplete this many seconds after its first member arrived is "
+            "handled by group_timeout_policy; 0: never (groups wait for ever)."
+        ),
+    )
+    group_timeout_policy: Literal["drop", "rerun", "release"] = Field(
+        "drop",
+        description=(
+            "What a timed-out group gets: `drop` (it and its late members are dropped), "
+            "`rerun` (a task re-runs only its missing members; the timeout starts again), "
+            "`release` (emitted with the members present, if at least 2)."
+        ),
+    )
+    max_reruns: int = Field(
+        2,
+        ge=0,
+        le=1000,
+        description=(
+            "Policy `rerun`: a group that times out again after this many reruns is dropped "
+            "(logged with the reason); 0: drop at the first timeout."
         ),
     )
 

@@ -2,13 +2,20 @@
 
 The run ends after the trainer's `--steps` (the trainer exits 0 when it has written its
 final checkpoint), on Ctrl-C or SIGTERM (exit code 0), or with exit code 1 naming the
-worker and its log when a worker fails for good: a worker that crashes (the trainer aside,
-until it can resume from its checkpoint) is restarted alone
+worker and its log when a worker fails for good: a worker that crashes is restarted alone
 after a backoff (1 s, doubling), up to `run.max_restarts` times within
-`run.restart_window_s`; a worker that exits with a fatal error (exit code 3: a tripped
-circuit breaker, a NaN loss) is not restarted. Every worker runs in its own session, so
-stopping one kills its whole process group (tool subprocesses included) and nothing is
-left behind.
+`run.restart_window_s` (a restarted trainer resumes from its newest complete checkpoint);
+a worker that exits with a fatal error (exit code 3: a tripped circuit breaker, a NaN
+loss) is not restarted. The embedded Redis is restarted from its AOF when it dies; the
+workers ride out the gap (`streamrl.transport.make_client`). Every worker runs in its own
+session, so stopping one kills its whole process group (tool subprocesses included) and
+nothing is left behind.
+
+`streamrl up --resume RUN_DIR` continues a stopped or crashed run: the embedded Redis
+comes back from the run directory's AOF; if Redis holds none of the run's data (an
+external one that was flushed, a lost AOF), the queues are restored from the newest
+complete checkpoint's snapshot. The policy floor is raised above every version published
+before, so the rollout workers wait for the trainer's restored policy before any episode.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, TextIO
 import redis
 import structlog
 
+from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.logs import configure_logging, redact_url
@@ -78,6 +86,7 @@ class Launcher:
         run_dir: Path,
         steps: int,
         out: TextIO | None = None,
+        resume: bool = False,
     ) -> None:
         self.cfg = cfg
         self.config_path = str(Path(config_path).resolve())
@@ -86,6 +95,8 @@ class Launcher:
         self.steps = steps or cfg.trainer.max_steps
         self.keys = Keys(cfg.run.name)
         self.out = out or sys.stderr
+        self.resume = resume
+        self.redis_restarts: list[float] = []
         self.procs: list[WorkerProc] = []
         self._env: dict[str, str] = {}
         self.redis: EmbeddedRedis | None = None
@@ -121,7 +132,10 @@ class Launcher:
                 url = self.redis.url
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
             client = make_client(url)
-            self._check_namespace(client)
+            if self.resume:
+                self._resume_queues(client, log)
+            else:
+                self._check_namespace(client)
             self._spawn_all(url)
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
             reason, code = self._monitor(client, log)
@@ -142,12 +156,36 @@ class Launcher:
         self._stop_signal = signal.Signals(signum).name
 
     def _prepare_dir(self) -> None:
+        if self.resume:
+            if not self.run_dir.is_dir() or not any(self.run_dir.iterdir()):
+                raise RunDirError(f"nothing to resume: {self.run_dir} holds no run")
+            return
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise RunDirError(
-                f"run directory {self.run_dir} already holds a run; choose a new --run-dir "
-                "(resuming a run is `--resume`, a later feature)"
+                f"run directory {self.run_dir} already holds a run; choose a new --run-dir, "
+                f"or continue it with `streamrl up --resume {self.run_dir}`"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _resume_queues(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
+        """Before any worker starts: queues back from the snapshot if Redis lost them, and
+        the policy floor above every version published so far."""
+        ck = ckpts.latest_complete(self.run_dir / "checkpoints", log)
+        kept = ckpts.namespace_present(client, self.keys)
+        if kept:
+            how = "Redis kept the queues"
+        elif ck is not None:
+            counts = ckpts.restore_queues(client, self.keys, ck.snapshot())
+            log.info("queues_restored", step=ck.step, path=str(ck.path), entries=counts)
+            how = f"queues restored from the snapshot ({sum(counts.values())} entries)"
+        else:
+            how = "no checkpoint and no queues: starting afresh"
+        published = client.get(self.keys.policy_version)
+        floor = int(published) + 1 if published is not None else 0
+        client.set(self.keys.policy_floor, floor)
+        where = f"checkpoint step {ck.step}" if ck is not None else "no checkpoint"
+        log.info("resume", checkpoint=None if ck is None else str(ck.path), kept=kept, floor=floor)
+        print(f"streamrl: resuming {self.run_dir} from {where}; {how}", file=self.out, flush=True)
 
     def _check_namespace(self, client: redis.Redis) -> None:
         if client.exists(self.keys.stats, self.keys.tasks):
@@ -197,6 +235,11 @@ class Launcher:
             if self._stop_signal:
                 log.info("stop_requested", signal=self._stop_signal)
                 return f"stopped by {self._stop_signal}", 0
+            if self.redis is not None and not self.redis.alive:
+                failed = self._restart_redis(log)
+                if failed is not None:
+                    print(f"\nstreamrl: {failed}", file=sys.stderr)
+                    return failed, 1
             for p in self.procs:
                 if p.restart_at is not None:
                     if time.monotonic() >= p.restart_at:
@@ -222,11 +265,6 @@ class Launcher:
         if rc == FATAL_EXIT_CODE:
             log.error("worker_fatal", worker=p.worker_id, code=rc)
             return f"worker {p.worker_id} stopped with a fatal error; see {p.stderr_path}"
-        if p.name in TRAINS:
-            # A trainer restarted from scratch would lose its step and the groups it trained
-            # since its last checkpoint: it restarts only with resume (a later issue).
-            log.error("worker_failed", worker=p.worker_id, code=rc)
-            return f"worker {p.worker_id} exited with code {rc}; see {p.stderr_path}"
         now = time.monotonic()
         decision = restart_decision(p.restarts, now, run.max_restarts, run.restart_window_s)
         if decision is None:
@@ -239,6 +277,34 @@ class Launcher:
         delay = backoff_s(decision, run.restart_backoff_s)
         p.restart_at = now + delay
         log.warning("worker_crashed", worker=p.worker_id, code=rc, restart_in_s=round(delay, 2))
+        return None
+
+    def _restart_redis(self, log: structlog.stdlib.BoundLogger) -> str | None:
+        """The embedded Redis died: start it again on its port, from its AOF."""
+        assert self.redis is not None and self.redis.proc is not None
+        code = self.redis.proc.returncode
+        run = self.cfg.run
+        now = time.monotonic()
+        if (
+            restart_decision(self.redis_restarts, now, run.max_restarts, run.restart_window_s)
+            is None
+        ):
+            log.error("redis_failed", code=code, restarts=len(self.redis_restarts))
+            where = self.run_dir / "redis" / "redis.log"
+            return f"the embedded Redis exited with code {code} too often; see {where}"
+        log.warning("redis_crashed", code=code)
+        try:
+            self.redis.start()
+        except Exception as err:
+            log.error("redis_restart_failed", error=str(err))
+            return f"the embedded Redis could not be restarted: {err}"
+        self.redis_restarts.append(time.monotonic())
+        log.info(
+            "redis_restarted",
+            pid=self.redis.proc.pid,
+            n=len(self.redis_restarts),
+            down_s=round(time.monotonic() - now, 3),
+        )
         return None
 
     def _restart(self, p: WorkerProc, log: structlog.stdlib.BoundLogger) -> None:
@@ -323,6 +389,8 @@ class Launcher:
             "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
             "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
             "worker_restarts": {p.worker_id: len(p.restarts) for p in self.procs},
+            "redis_restarts": len(self.redis_restarts),
+            "resumed": self.resume,
         }
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")

@@ -120,6 +120,22 @@ class Keys:
         return self._k("groups", "dropped")
 
     @property
+    def groups_reruns(self) -> str:
+        """Hash group id -> times its missing members were re-run after group_timeout."""
+        return self._k("groups", "reruns")
+
+    @property
+    def policy_floor(self) -> str:
+        """Lowest policy version a rollout worker may serve (set on resume: the versions
+        below it belong to a trainer lineage that a restored checkpoint discarded)."""
+        return self._k("policy", "floor")
+
+    @property
+    def tool_ledger(self) -> str:
+        """Hash idempotency key -> encoded result of non-idempotent tool calls already run."""
+        return self._k("tools", "ledger")
+
+    @property
     def tool_queue(self) -> str:
         """rq queue name of this run's tool calls."""
         return self._k("tools")

@@ -3,7 +3,8 @@
 `inspect` reads, per stream of a run: its length, and per consumer group the entries not
 yet delivered (lag), the delivered but unacknowledged ones (pending) and the age of the
 oldest pending entry; the dead letters by source stream; and the groups being assembled
-(half-filled groups) with the age of the oldest. `replay_dead` puts dead letters back
+(half-filled groups) with the age of the oldest, and the counters of the group-timeout
+and backpressure policies. `replay_dead` puts dead letters back
 into their source stream, unchanged, and removes them from the dead-letter stream, in one
 transaction each: after a fix, the work they carry is done once more, not twice.
 """
@@ -20,6 +21,16 @@ from streamrl.names import Keys
 from streamrl.wire import DeadLetter, WireError, decode
 
 LAG_COUNT_CAP = 100_000  # entries counted at most when Redis does not report the lag
+
+# Stats counters of the group policies (grouper timeout, rollout backpressure), shown in
+# the table when present (the JSON holds every counter under `stats`).
+POLICY_COUNTERS = (
+    "groups_timed_out",
+    "groups_dropped",
+    "groups_rerun",
+    "groups_released",
+    "backpressure_pauses",
+)
 
 
 @dataclass
@@ -154,4 +165,7 @@ def format_report(r: QueueReport) -> str:
     dead = ", ".join(f"{k}: {v}" for k, v in sorted(r.dead_by_source.items())) or "none"
     lines.append(f"dead letters: {dead}")
     lines.append(f"half-filled groups: {r.partial_groups} (oldest {age(r.oldest_partial_group_s)})")
+    counters = [f"{k} {r.stats[k]}" for k in POLICY_COUNTERS if k in r.stats]
+    if counters:
+        lines.append("group policies: " + ", ".join(counters))
     return "\n".join(lines)

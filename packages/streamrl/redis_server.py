@@ -87,6 +87,7 @@ class EmbeddedRedis:
             'save ""',
             "daemonize no",
             f'logfile "{self.data_dir / "redis.log"}"',
+            f'pidfile "{self.data_dir / "redis.pid"}"',
             "maxclients 2000",
         ]
         # The password lives in the config file: keep it readable by the owner only.
@@ -126,6 +127,10 @@ class EmbeddedRedis:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (the AOF keeps what was fsynced)."""

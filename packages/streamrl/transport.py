@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import redis
+import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from streamrl.config import TransportConfig
 from streamrl.names import Keys
@@ -248,6 +252,38 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+# A worker rides out a Redis restart (the launcher brings a crashed server back from its
+# AOF in about a second): each command is retried on connection errors with backoff,
+# for about RETRY_S seconds in all, before the error propagates and the worker restarts.
+RETRY_S = 20.0
+_RETRIES = 30
+
+
+def _retry() -> Retry:
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), _RETRIES)
+
+
 def make_client(url: str, **kwargs: Any) -> redis.Redis:
-    """A Redis client for `url` with timeouts that fit blocking stream reads."""
-    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, **kwargs)
+    """A Redis client for `url` with timeouts that fit blocking stream reads, retrying
+    commands across a short Redis outage. Every write the workers make is idempotent by
+    id, so a retried command whose first attempt did land does no harm."""
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry=_retry(),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **kwargs,
+    )
+
+
+def make_async_client(url: str, **kwargs: Any) -> aioredis.Redis:
+    """The asyncio twin of `make_client`."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=5,
+        health_check_interval=30,
+        retry=AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), _RETRIES),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        **kwargs,
+    )

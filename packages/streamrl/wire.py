@@ -29,7 +29,12 @@ class Message(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Task(Message, frozen=True, kw_only=True):
-    """One source prompt; its `num_generations` episodes form one group."""
+    """One source prompt; its `num_generations` episodes form one group.
+
+    `members`: the member indices to run, None for all of them. A grouper re-running the
+    missing members of a timed-out group sends the same task with only those indices, so a
+    re-run member keeps its member index and trajectory id.
+    """
 
     KIND: ClassVar[str] = "task"
     task_id: str
@@ -39,6 +44,24 @@ class Task(Message, frozen=True, kw_only=True):
     answer: str
     num_generations: int
     cursor: int
+    members: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        # Raised while decoding, this makes the entry a dead letter with the reason.
+        if self.members is None:
+            return
+        bad = [m for m in self.members if not 0 <= m < self.num_generations]
+        if bad or not self.members:
+            raise ValueError(
+                f"task members {self.members} must be one or more indices in "
+                f"[0, {self.num_generations})"
+            )
+
+    def member_indices(self) -> list[int]:
+        """The member indices this task runs, ascending and unique."""
+        if self.members is None:
+            return list(range(self.num_generations))
+        return sorted(set(self.members))
 
 
 class Trajectory(Message, frozen=True, kw_only=True):
@@ -67,6 +90,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     error: str = ""
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     worker: str = ""
+    cursor: int = -1  # the task's data-set cursor (what a re-run rebuilds it from); -1 unknown
 
     def token_array(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype="<i4")

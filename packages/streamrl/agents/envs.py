@@ -4,6 +4,7 @@ environment (tool calls, run in parallel, until `finish`, an answer or `max_step
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from streamrl.agents.tools import (
     parse_arguments,
 )
 from streamrl.chat import ToolCall, ToolCallError
+from streamrl.tools.ledger import AsyncToolLedger, ledger_key
+from streamrl.wire import ToolResult
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ class ToolEnvironment(Environment):
     that calls `finish` ends the episode with its answer; the turn's other calls are not run.
     A malformed call, an unknown tool or bad arguments is a tool error the agent sees; an
     infrastructure failure raises `ToolInfraError` (the episode ends with status error).
+
+    With a `ledger`, a call to a tool whose `idempotent` is False runs once per idempotency
+    key: a replayed episode's same call gets the recorded result, not a second side effect.
     """
 
     def __init__(
@@ -103,12 +109,14 @@ class ToolEnvironment(Environment):
         limits: ToolLimits,
         *,
         answer_ends: bool = True,
+        ledger: AsyncToolLedger | None = None,
     ) -> None:
         self.prompt = prompt
         self.tools = {t.name: t for t in tools}
         self.score = score
         self.limits = limits
         self.answer_ends = answer_ends
+        self.ledger = ledger
         self.records: list[ToolRecord] = []
         self.num_tool_calls = 0
 
@@ -161,6 +169,28 @@ class ToolEnvironment(Environment):
         except ToolArgumentError as err:
             return ToolOutput(False, "", f"{call.name}: {err}")
         self.num_tool_calls += 1
-        out = await self.limits.run(tool, args, ctx)
+        if self.ledger is not None and not tool.idempotent:
+            out = await self._once(self.ledger, tool, args, ctx)
+        else:
+            out = await self.limits.run(tool, args, ctx)
         self.records.append(ToolRecord(call.name, args, out))
         return out
+
+    async def _once(
+        self, ledger: AsyncToolLedger, tool: Tool, args: dict[str, Any], ctx: CallContext
+    ) -> ToolOutput:
+        """The call through the ledger: a ToolInfraError records nothing and propagates."""
+
+        async def run() -> ToolResult:
+            start = time.monotonic()
+            out = await self.limits.run(tool, args, ctx)
+            return ToolResult(
+                call_id=ctx.call_id,
+                ok=out.ok,
+                output=out.output,
+                error=out.error,
+                duration_s=time.monotonic() - start,
+            )
+
+        result = await ledger.run_once(ledger_key(ctx.call_id, tool.name, args), ctx.call_id, run)
+        return ToolOutput(result.ok, result.output, result.error)

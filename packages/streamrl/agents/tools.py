@@ -89,12 +89,17 @@ class Tool:
 
     `kind` picks the limit a call counts against: `local` (in-process, no limit),
     `sandbox` (the tool workers), `external` (a remote service).
+
+    `idempotent` False: a call has side effects that must not repeat. A tool environment
+    with a ledger (`streamrl.tools.ledger`) then runs each call once per idempotency key
+    (call id + arguments); a replayed episode gets the recorded result.
     """
 
     name: str
     description: str
     parameters: dict[str, Any]  # a JSON schema of type object
     kind: ToolKind = "local"
+    idempotent: bool = True
 
     def schema(self) -> dict[str, Any]:
         return function_schema(self.name, self.description, self.parameters)
@@ -116,6 +121,7 @@ class FunctionTool(Tool):
     parameters: dict[str, Any]
     fn: Callable[..., str]
     kind: ToolKind = "local"
+    idempotent: bool = True
 
     def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
         try:
@@ -133,7 +139,10 @@ class ToolCaller(Protocol):
 @dataclass
 class SandboxTool(Tool):
     """A tool whose call runs on a tool worker, in its sandbox. An infrastructure failure
-    (no worker answered, the sandbox is unavailable) raises `ToolInfraError`."""
+    (no worker answered, the sandbox is unavailable) raises `ToolInfraError`.
+
+    It stays `idempotent` here even when its calls have side effects: the tool worker keeps
+    their ledger (`tools.non_idempotent`), where a resent call is caught too."""
 
     name: str
     description: str

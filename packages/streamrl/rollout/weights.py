@@ -15,6 +15,10 @@ Loading (fetch, checksum, decode, LoRA merge) runs on threads, so the event loop
 free. A version that is missing, truncated, fails its checksum or does not decode is
 refused with a logged reason (`weights_refused`) and the worker keeps serving the last
 good version.
+
+Versions below the policy floor (`Keys.policy_floor`, set when a trainer resumes from a
+checkpoint) belong to a discarded trainer lineage: they are never loaded, and a worker
+that starts waits for a version at or above the floor before its first episode.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from streamrl.failpoints import WEIGHTS_LOAD, afailpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import adapters_template, lora_config, merge_lora, params_from_bytes
 from streamrl.names import Keys
@@ -158,11 +163,16 @@ class WeightFollower:
         self.refused = 0
 
     async def wait_initial(self, stop: Callable[[], bool]) -> bool:
-        """Load the latest published version before the first episode; False if stopped."""
+        """Load the latest published version (at or above the policy floor) before the
+        first episode; False if stopped."""
         while not stop():
             if await self.poll(block_ms=500):
                 return True
         return False
+
+    async def floor(self) -> int:
+        raw: Any = await self.aclient.get(self.keys.policy_floor)
+        return int(raw) if raw is not None else 0
 
     async def poll(self, block_ms: int) -> bool:
         """Load the newest good version published since the last one seen; True if one
@@ -184,6 +194,8 @@ class WeightFollower:
                 self._fulls[msg.version] = msg
         for old in sorted(self._fulls)[:-4]:
             del self._fulls[old]
+        floor = await self.floor()
+        msgs = [m for m in msgs if m.version >= floor]
         for msg in reversed(msgs):  # newest good one wins
             if msg.version <= self.loaded_version:
                 return False
@@ -199,6 +211,7 @@ class WeightFollower:
         start = time.monotonic()
         swapped = False
         try:
+            await afailpoint(WEIGHTS_LOAD, self.log)
             base = self._fulls.get(msg.base_version) if msg.kind == "lora" else None
             params = await asyncio.to_thread(self.load_params, msg, base)
             loaded_s = time.monotonic() - start

@@ -1,18 +1,21 @@
-"""The rollout worker's loop: read tasks, run `num_generations` episodes each, emit
-trajectories, acknowledge a task only with the write of its last trajectory.
+"""The rollout worker's loop: read tasks, run their members' episodes (all
+`num_generations`, or the members a re-run task names), emit trajectories, acknowledge a
+task only with the write of its last trajectory.
 
 Up to `max_concurrency` episodes run at once on one event loop. No new episode starts while
-weights sync (the follower's lock) or while too many groups wait for the trainer
-(backpressure). Entries still being worked on are touched regularly, so a long episode is
-not mistaken for the work of a dead consumer and claimed by another worker.
+weights sync (the follower's lock), or while too many groups wait for the trainer or are
+half filled (backpressure). Entries still being worked on are touched regularly, so a long
+episode is not mistaken for the work of a dead consumer and claimed by another worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
 import structlog
@@ -25,6 +28,57 @@ from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import EpisodeContext, make_episode
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import Task, Trajectory
+
+BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
+
+
+class Backpressure:
+    """Whether rollout may start a new task: not while `max_ready_groups` groups wait for
+    the trainer, nor while `max_partial_groups` groups are half filled (HLEN of the
+    groups-started hash). Each move into the paused state is counted once in stats
+    (`backpressure_pauses`) and logged with its reason, as is the resume."""
+
+    def __init__(
+        self,
+        aclient: aioredis.Redis,
+        keys: Keys,
+        cfg: Config,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.aclient = aclient
+        self.keys = keys
+        self.cfg = cfg
+        self.log = log
+        self.paused_since: float | None = None  # monotonic time of the pause, None: running
+
+    async def reason(self) -> str | None:
+        """Why no task may start now, or None."""
+        rcfg = self.cfg.rollout
+        pipe = self.aclient.pipeline(transaction=False)
+        pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
+        pipe.hlen(self.keys.groups_started)
+        raw, partial = await pipe.execute()
+        ready = int(raw[0] or 0) - int(raw[1] or 0)
+        if ready >= rcfg.max_ready_groups:
+            return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"
+        if rcfg.max_partial_groups and int(partial) >= rcfg.max_partial_groups:
+            return (
+                f"{partial} groups are half filled (max_partial_groups {rcfg.max_partial_groups})"
+            )
+        return None
+
+    async def check(self) -> bool:
+        """True while rollout must wait."""
+        why = await self.reason()
+        if why is not None and self.paused_since is None:
+            self.paused_since = time.monotonic()
+            await self.aclient.hincrby(self.keys.stats, BACKPRESSURE_PAUSES, 1)
+            self.log.info("backpressure_paused", reason=why)
+        elif why is None and self.paused_since is not None:
+            paused_s = time.monotonic() - self.paused_since
+            self.paused_since = None
+            self.log.info("backpressure_resumed", paused_s=round(paused_s, 3))
+        return why is not None
 
 
 class RolloutWorker:
@@ -55,6 +109,7 @@ class RolloutWorker:
         self.input = RedisStreamConsumer(
             client, keys, keys.tasks, keys.CG_ROLLOUT, consumer, Task, cfg.transport, log
         )
+        self.backpressure = Backpressure(aclient, keys, cfg, log)
         self.active = 0
         self.started = 0
         self._capacity = asyncio.Condition()
@@ -104,14 +159,14 @@ class RolloutWorker:
                 self._start(d)
 
     async def _backpressured(self) -> bool:
-        raw: Any = await self.aclient.hmget(self.keys.stats, ["groups", "groups_trained"])
-        ready = int(raw[0] or 0) - int(raw[1] or 0)
-        return ready >= self.cfg.rollout.max_ready_groups
+        return await self.backpressure.check()
 
     def _start(self, d: Delivery[Task]) -> None:
+        """Start the task's episodes: every member, or those a re-run task names."""
         task = d.msg
-        self._remaining[d.entry_id] = task.num_generations
-        for member in range(task.num_generations):
+        members = task.member_indices()
+        self._remaining[d.entry_id] = len(members)
+        for member in members:
             self.follower.lock.enter()
             self.active += 1
             self.started += 1
@@ -127,7 +182,8 @@ class RolloutWorker:
     async def _episode(self, d: Delivery[Task], member: int) -> None:
         try:
             traj = await self.runner.run(d.msg, member, lambda: make_episode(d.msg, self.episodes))
-            await self._emit(d, traj)
+            # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
+            await self._emit(d, msgspec.structs.replace(traj, cursor=d.msg.cursor))
         finally:
             self.active -= 1
             self.follower.lock.leave()
@@ -139,11 +195,14 @@ class RolloutWorker:
         last = self._remaining[d.entry_id] == 0
         stats = self.keys.stats
 
+        # The feeder's backlog counts its own tasks done; a re-run task is not one of them.
+        done = "tasks_done" if d.msg.members is None else "rerun_tasks_done"
+
         def counters(p: Any) -> None:
             p.hincrby(stats, "trajectories", 1)
             p.hincrby(stats, f"episodes_{traj.status}", 1)
             if last:
-                p.hincrby(stats, "tasks_done", 1)
+                p.hincrby(stats, done, 1)
 
         await asyncio.to_thread(
             self.input.commit,

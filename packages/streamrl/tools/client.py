@@ -3,6 +3,10 @@
 A call that gets no result within `time_limit_s + result_margin_s` (its tool worker was
 killed, say) is sent again up to `retries` times, then reported to the agent as a tool
 error. rq itself would notice a killed worker's job only at its next maintenance pass.
+
+A call to a tool named in `tools.non_idempotent` carries its idempotency key (call id plus a
+hash of name and arguments); the tool worker runs it once per key (`streamrl.tools.ledger`),
+so neither a resend nor a replayed episode repeats its side effect.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from rq.serializers import JSONSerializer
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.jobs import JOB_PATH
+from streamrl.tools.ledger import ledger_key
 from streamrl.wire import ToolResult, WireError, decode_body
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -60,8 +65,9 @@ class ToolClient:
     async def _call(self, name: str, arguments: str, call_id: str) -> ToolResult:
         wait_s = self.cfg.time_limit_s + self.cfg.result_margin_s
         start = time.monotonic()
+        key = ledger_key(call_id, name, arguments) if name in self.cfg.non_idempotent else ""
         for attempt in range(self.cfg.retries + 1):
-            await asyncio.to_thread(self._enqueue, name, arguments, call_id, attempt, wait_s)
+            await asyncio.to_thread(self._enqueue, name, arguments, call_id, attempt, wait_s, key)
             got = await self.aclient.blpop([self.keys.tool_result(call_id)], timeout=wait_s)
             if got is not None:
                 data = got[1] if isinstance(got[1], bytes) else str(got[1]).encode()
@@ -83,7 +89,7 @@ class ToolClient:
         )
 
     def _enqueue(
-        self, name: str, arguments: str, call_id: str, attempt: int, wait_s: float
+        self, name: str, arguments: str, call_id: str, attempt: int, wait_s: float, key: str
     ) -> None:
         self.queue.enqueue_call(
             JOB_PATH,
@@ -95,6 +101,7 @@ class ToolClient:
                 "time_limit_s": self.cfg.time_limit_s,
                 "output_cap": self.cfg.output_cap_bytes,
                 "deadline": time.time() + wait_s,
+                "ledger_key": key,  # "": the tool is idempotent, run every call
             },
             job_id=_JOB_ID_UNSAFE.sub("_", f"{self.keys.ns}-{call_id}-a{attempt}"),
             timeout=math.ceil(self.cfg.time_limit_s) + 5,

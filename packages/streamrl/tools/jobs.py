@@ -9,11 +9,15 @@ A tool worker process holds one sandbox for all its jobs (`install_sandbox` at s
 the sandbox itself (engine down, image missing, an API error) comes back as a ToolResult
 with `infra` set: the rollout side ends that episode with status error and counts it for
 its circuit breaker.
+
+A call with a `ledger_key` (a tool in `tools.non_idempotent`) runs at most once per key: a
+replay gets the result recorded in the run's tool ledger (`streamrl.tools.ledger`).
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import time
 
@@ -25,11 +29,15 @@ from streamrl.names import Keys
 from streamrl.tools.backends import ClosableSandbox, make_sandbox
 from streamrl.tools.bwrap import BubblewrapConfig
 from streamrl.tools.containers import ContainerConfig
+from streamrl.tools.ledger import ToolLedger
 from streamrl.tools.registry import Outcome, run_call
 from streamrl.tools.sandbox import SandboxUnavailableError
 from streamrl.wire import ToolResult, encode_body
 
 RESULT_TTL_S = 120
+# A ledger claim outlives rq's job timeout (time limit + 5 s, set by the client), so only a
+# worker that died hard leaves a claim behind for its TTL to clear.
+CLAIM_MARGIN_S = 10
 
 JOB_PATH = "streamrl.tools.jobs.run_tool_call"
 
@@ -83,6 +91,22 @@ def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tup
         return Outcome(False, "", f"sandbox failed: {type(err).__name__}: {err}"), True
 
 
+def _execute(
+    call_id: str, name: str, arguments: str, time_limit_s: float, output_cap: int, worker: str
+) -> ToolResult:
+    start = time.monotonic()
+    out, infra = _run(name, arguments, time_limit_s, output_cap)
+    return ToolResult(
+        call_id=call_id,
+        ok=out.ok,
+        output=out.output,
+        error=out.error,
+        duration_s=time.monotonic() - start,
+        worker=worker,
+        infra=infra,
+    )
+
+
 def run_tool_call(
     *,
     ns: str,
@@ -92,25 +116,32 @@ def run_tool_call(
     time_limit_s: float,
     output_cap: int,
     deadline: float,
+    ledger_key: str = "",
 ) -> dict[str, object]:
-    """Run one tool call and publish its ToolResult; returns it as a dict for rq's record."""
-    start = time.monotonic()
+    """Run one call and publish its ToolResult; returns it as a dict for rq's record.
+
+    With a `ledger_key` the call runs once per key (a job run outside a tool worker has no
+    connection, so no ledger: it just runs)."""
     worker = f"tools-{os.getpid()}"
+    job = rq.get_current_job()
     if time.time() > deadline:
         # The caller has given up on this attempt (and may have sent another): skip it.
         result = ToolResult(call_id=call_id, ok=False, output="", error="expired", worker=worker)
-    else:
-        out, infra = _run(name, arguments, time_limit_s, output_cap)
-        result = ToolResult(
-            call_id=call_id,
-            ok=out.ok,
-            output=out.output,
-            error=out.error,
-            duration_s=time.monotonic() - start,
-            worker=worker,
-            infra=infra,
+    elif ledger_key and job is not None:
+        ledger = ToolLedger(
+            job.connection,
+            Keys(ns),
+            structlog.get_logger().bind(worker=worker, run=ns, call_id=call_id),
+            claim_ttl_s=math.ceil(time_limit_s) + CLAIM_MARGIN_S,
+            wait_s=deadline - time.time(),  # the caller stops listening then
         )
-    job = rq.get_current_job()
+        result = ledger.run_once(
+            ledger_key,
+            call_id,
+            lambda: _execute(call_id, name, arguments, time_limit_s, output_cap, worker),
+        )
+    else:
+        result = _execute(call_id, name, arguments, time_limit_s, output_cap, worker)
     if job is not None:
         key = Keys(ns).tool_result(call_id)
         pipe = job.connection.pipeline(transaction=True)

@@ -6,6 +6,13 @@ Groups are acknowledged only by the checkpoint hook, once the checkpoint that ho
 update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending on
 the trainer's fixed consumer name, and the ids already trained are skipped if delivered
 again.
+
+A trainer that starts where a run already went on (`resume`) restores the newest complete
+checkpoint (`streamrl.checkpoints`): its state, the lineage of group ids it trained, and
+the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
+restored policy as a new version above every version published before, and sets the
+policy floor to it, so that no rollout worker serves the discarded lineage's weights to a
+new episode once it has synced.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import redis
 import structlog
 
+from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FatalError
+from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
@@ -70,6 +80,8 @@ class TrainerLoop:
     version: int = 0
     unacked: list[str] = field(default_factory=list)
     trained_ids: set[str] = field(default_factory=set)
+    # (step, group ids trained at it) for every step of the current state's history
+    lineage: list[tuple[int, list[str]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.input = RedisStreamConsumer(
@@ -132,6 +144,7 @@ class TrainerLoop:
         for d in groups:
             self.trained_ids.add(d.msg.group_id)
             self.unacked.append(d.entry_id)
+        self.lineage.append((self.step, [d.msg.group_id for d in groups]))
         return TrainMetrics(
             step=self.step,
             version=self.version,
@@ -152,7 +165,77 @@ class TrainerLoop:
         pipe.hset(self.keys.stats, "trainer_steps", metrics.step)
         pipe.hincrby(self.keys.stats, "groups_trained", metrics.num_groups)
         pipe.execute()
-        self.log.info("train_step", **{k: getattr(metrics, k) for k in metrics.__struct_fields__})
+        self.log.info(
+            "train_step",
+            group_ids=self.lineage[-1][1] if self.lineage else [],
+            **{k: getattr(metrics, k) for k in metrics.__struct_fields__},
+        )
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "seed": self.cfg.run.seed,
+            "lineage": [[step, ids] for step, ids in self.lineage],
+        }
+
+    def resume(self, root: Path, checkpointer: ocp.AbstractCheckpointer) -> int | None:
+        """Continue a run that already went on: restore the newest usable checkpoint under
+        `root` (None: there is none, the state stays fresh), rewind the trainer's consumer
+        group to its cut, and take a policy version above every one published before.
+        A fresh run (nothing published, no checkpoint) is left as it is."""
+        ckpts.remove_incomplete(root, self.log)
+        restored = None
+        for step, path in ckpts.step_dirs(root):
+            try:
+                ck = ckpts.verify(path)
+                meta = ck.meta()
+                snap = ck.snapshot()
+                target = {
+                    "params": self.state.params,
+                    "opt_state": self.state.opt_state,
+                    "step": self.state.step,
+                }
+                abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+                tree = checkpointer.restore(ck.state_dir.resolve(), abstract)
+            except Exception as err:  # any unreadable part: the next older one
+                self.log.error("checkpoint_unusable", path=str(path), step=step, error=str(err))
+                continue
+            restored = (ck, meta, snap, tree)
+            break
+        published = self.client.get(self.keys.policy_version)
+        if restored is None and published is None:
+            return None  # a fresh run
+        groups = ckpts.StreamSnapshot(self.keys.groups, self.keys.CG_TRAINER, "", [], [])
+        meta_version = -1
+        if restored is not None:
+            ck, meta, snap, tree = restored
+            self.state = self.state.replace(
+                params=tree["params"], opt_state=tree["opt_state"], step=tree["step"]
+            )
+            self.lineage = [(int(s), [str(g) for g in ids]) for s, ids in meta["lineage"]]
+            self.trained_ids = {g for _, ids in self.lineage for g in ids}
+            meta_version = int(meta["version"])
+            groups = snap.stream(self.keys.groups) or groups
+        start = ckpts.rewind_group(self.client, groups)
+        floor = self.client.get(self.keys.policy_floor)
+        version = max(
+            int(published) + 1 if published is not None else 0,
+            meta_version + 1,
+            int(floor) if floor is not None else 0,
+        )
+        self.client.set(self.keys.policy_floor, version)
+        self.version = version
+        self.unacked.clear()
+        self.log.info(
+            "trainer_resumed",
+            step=self.step,
+            checkpoint=None if restored is None else str(restored[0].path),
+            version=version,
+            groups_rewound_to=start,
+            trained_groups=len(self.trained_ids),
+        )
+        return self.step
 
     def run(self) -> None:
         for hook in self.hooks:  # version 0: what rollout starts from
@@ -202,36 +285,50 @@ class PublishHook:
 
 @dataclass
 class CheckpointHook:
-    """Writes an Orbax checkpoint, then acknowledges the groups it holds."""
+    """Writes checkpoint N (`streamrl.checkpoints`: the Orbax state, the queue snapshot,
+    the commit marker), then acknowledges the groups it holds and prunes old ones."""
 
     every: int
-    manager: ocp.CheckpointManager
+    root: Path
+    keep: int
+    checkpointer: ocp.AbstractCheckpointer
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
+        if loop.step == 0:
+            return  # nothing trained: the starting point needs no checkpoint
         start = time.monotonic()
-        meta = {"version": loop.version, "trained_group_ids": sorted(loop.trained_ids)}
+        # The cut: the trainer is between steps, so its state is that of step N.
+        snapshot = ckpts.take_snapshot(loop.client, loop.keys)
         state = {
             "params": loop.state.params,
             "opt_state": loop.state.opt_state,
             "step": loop.state.step,
         }
-        self.manager.save(
+
+        def write_state(path: Path) -> None:
+            self.checkpointer.save(path.resolve(), state)
+            self.checkpointer.wait_until_finished()
+
+        ck = ckpts.write_checkpoint(
+            self.root,
             loop.step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=final,
+            write_state,
+            loop.checkpoint_meta(),
+            snapshot,
+            before_commit=lambda: failpoint(CHECKPOINT_COMMIT, loop.log),
         )
-        self.manager.wait_until_finished()
         if loop.unacked:
             loop.client.xack(loop.keys.groups, loop.keys.CG_TRAINER, *loop.unacked)
         loop.log.info(
             "checkpoint_written",
             step=loop.step,
+            path=str(ck.path),
             acked=len(loop.unacked),
+            pending_groups=sum(len(s.entries) for s in snapshot.streams),
             write_s=round(time.monotonic() - start, 4),
         )
         loop.unacked.clear()
+        ckpts.prune(self.root, self.keep, loop.log)
 
 
 # Files of a checkpoint directory that are not weights: the tokenizer (fast or slow), its

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 import structlog
 
+from streamrl.failpoints import WEIGHTS_PUBLISH, failpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import lora_info, params_to_pieces
 from streamrl.names import Keys
@@ -50,6 +51,7 @@ class WeightPublisher:
         hashing = self._hasher.submit(sha256_hex, *pieces)
         where = self.channel.write(version, pieces)
         digest = hashing.result()
+        failpoint(WEIGHTS_PUBLISH, self.log)  # written, not yet signalled
         msg = Weights(
             version=version,
             step=step,

@@ -1,0 +1,476 @@
+"""Crash-consistent checkpoints: the trainer's state and a snapshot of the queues, one
+directory per step, made visible by one commit marker.
+
+Layout of `<run_dir>/checkpoints`::
+
+    step_00000012/
+      state/           the trainer's Orbax state (written through a callback: this module
+                       imports no JAX, so the launcher can use it)
+      meta.json        step, policy version, seed, and the lineage: group ids per step
+      queues.msgpack   the queue snapshot (`QueueSnapshot`), msgpack, no pickle
+      COMMIT           written last, atomically (temp file, fsync, rename): the size of
+                       every file of the checkpoint and the sha256 of meta and queues
+
+A directory without a COMMIT, or whose files no longer match it, is not a checkpoint:
+`latest_complete` skips it with a logged reason in favour of the newest complete one.
+
+The queue snapshot is one atomic read of Redis (a Lua script): for each stream read by a
+consumer group, the group's last-delivered id, its pending ids and every entry still to
+be processed (pending or not yet delivered); the dead letters; the groups being assembled;
+the emitted and dropped group ids; counters, the feeder cursor, the policy version, the
+tool ledger. Taken while the trainer's state is that of step N, it is a consistent cut
+with it.
+
+Restart (DESIGN.md, "Checkpoint and restart"):
+- Redis kept its data: everything the other workers did since the cut is still there and
+  stays; only the trainer's consumer group is rewound to the cut (`rewind_group`: the group
+  is re-created there, so no stale pending entry survives), which re-delivers exactly the
+  groups consumed after it; those the restored lineage already holds are skipped by id.
+- Redis lost the run's data: `restore_queues` writes the snapshot back (entries keep their
+  ids; each consumer group starts before them, so all are delivered again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import redis
+import structlog
+
+from streamrl.names import Keys
+
+COMMIT = "COMMIT"
+META = "meta.json"
+QUEUES = "queues.msgpack"
+STATE = "state"
+_PREFIX = "step_"
+SNAPSHOT_VERSION = 1
+
+Entry = tuple[str, list[bytes]]  # stream entry id, flat field/value list
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint directory that must not be used; the message says why."""
+
+
+class StreamSnapshot(msgspec.Struct, frozen=True):
+    stream: str
+    group: str
+    last_delivered: str  # "" when the consumer group did not exist yet
+    pending: list[str]
+    entries: list[Entry]  # pending and undelivered entries, ascending ids
+
+
+class QueueSnapshot(msgspec.Struct, frozen=True):
+    version: int
+    namespace: str
+    taken_ms: int
+    streams: list[StreamSnapshot]
+    dead: list[Entry]
+    groups_started: dict[str, bytes]
+    partial_groups: dict[str, dict[str, bytes]]  # group id -> member index -> trajectory
+    emitted: list[str]
+    dropped: list[str]
+    hashes: dict[str, dict[str, bytes]]  # full key -> field -> value
+    strings: dict[str, bytes]  # full key -> value
+
+    def stream(self, name: str) -> StreamSnapshot | None:
+        return next((s for s in self.streams if s.stream == name), None)
+
+
+# KEYS: n streams, then dead, started, emitted, dropped, h hashes, s strings
+# ARGV: n, group names (n), h, s, members-key prefix, members-key suffix
+_SNAPSHOT = """
+local n = tonumber(ARGV[1])
+local h = tonumber(ARGV[n + 2])
+local s = tonumber(ARGV[n + 3])
+local prefix, suffix = ARGV[n + 4], ARGV[n + 5]
+local streams = {}
+for i = 1, n do
+  local key, cg = KEYS[i], ARGV[1 + i]
+  local last, pend, entries = '', {}, {}
+  if redis.call('EXISTS', key) == 1 then
+    for _, info in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+      local name, ld = nil, nil
+      for j = 1, #info, 2 do
+        if info[j] == 'name' then name = info[j + 1] end
+        if info[j] == 'last-delivered-id' then ld = info[j + 1] end
+      end
+      if name == cg then last = ld end
+    end
+    if last ~= '' then
+      for _, p in ipairs(redis.call('XPENDING', key, cg, '-', '+', 1000000000)) do
+        pend[#pend + 1] = p[1]
+        local e = redis.call('XRANGE', key, p[1], p[1])
+        if #e == 1 then entries[#entries + 1] = e[1] end
+      end
+      for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+')) do
+        entries[#entries + 1] = e
+      end
+    else
+      entries = redis.call('XRANGE', key, '-', '+')
+    end
+  end
+  streams[i] = {last, pend, entries}
+end
+local dead = redis.call('XRANGE', KEYS[n + 1], '-', '+')
+local started = redis.call('HGETALL', KEYS[n + 2])
+local partial = {}
+for j = 1, #started, 2 do
+  partial[#partial + 1] = {started[j], redis.call('HGETALL', prefix .. started[j] .. suffix)}
+end
+local emitted = redis.call('SMEMBERS', KEYS[n + 3])
+local dropped = redis.call('SMEMBERS', KEYS[n + 4])
+local hashes = {}
+for j = 1, h do hashes[j] = redis.call('HGETALL', KEYS[n + 4 + j]) end
+local strings = {}
+for j = 1, s do strings[j] = redis.call('GET', KEYS[n + 4 + h + j]) or false end
+local t = redis.call('TIME')
+return {streams, dead, started, partial, emitted, dropped, hashes, strings,
+        t[1] * 1000 + math.floor(t[2] / 1000)}
+"""
+
+# KEYS: stream. ARGV: group, start id. Re-creates the group at `start`: its old pending
+# entries go with the old group.
+_REWIND = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    for j = 1, #info, 2 do
+      if info[j] == 'name' and info[j + 1] == ARGV[1] then
+        redis.call('XGROUP', 'DESTROY', KEYS[1], ARGV[1])
+      end
+    end
+  end
+end
+redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], ARGV[2], 'MKSTREAM')
+return 1
+"""
+
+
+def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
+    """(stream, consumer group) of every stream a worker type consumes."""
+    return [
+        (keys.tasks, keys.CG_ROLLOUT),
+        (keys.trajectories, keys.CG_GROUPER),
+        (keys.groups, keys.CG_TRAINER),
+    ]
+
+
+def _hash_keys(keys: Keys) -> list[str]:
+    return [keys.stats, keys.groups_reruns, keys.tool_ledger]
+
+
+def _string_keys(keys: Keys) -> list[str]:
+    return [keys.feeder_cursor, keys.policy_version, keys.policy_floor]
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _pairs(flat: list[Any]) -> dict[str, bytes]:
+    return {_s(flat[i]): bytes(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _entries(raw: list[Any]) -> list[Entry]:
+    return [(_s(eid), [bytes(x) for x in fields]) for eid, fields in raw]
+
+
+def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
+    """One atomic read of every queue of the run (see the module docstring)."""
+    pairs = consumed_streams(keys)
+    hkeys, skeys = _hash_keys(keys), _string_keys(keys)
+    members = keys.group_members("\x00")
+    prefix, _, suffix = members.partition("\x00")
+    script_keys = [s for s, _ in pairs]
+    script_keys += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
+    script_keys += [*hkeys, *skeys]
+    args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys), prefix, suffix]
+    raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
+    streams_raw, dead, started, partial, emitted, dropped, hashes, strings, now_ms = raw
+    streams = [
+        StreamSnapshot(
+            stream=stream,
+            group=group,
+            last_delivered=_s(last),
+            pending=[_s(p) for p in pend],
+            entries=_entries(entries),
+        )
+        for (stream, group), (last, pend, entries) in zip(pairs, streams_raw, strict=True)
+    ]
+    return QueueSnapshot(
+        version=SNAPSHOT_VERSION,
+        namespace=keys.ns,
+        taken_ms=int(now_ms),
+        streams=streams,
+        dead=_entries(dead),
+        groups_started=_pairs(started),
+        partial_groups={_s(gid): _pairs(m) for gid, m in partial},
+        emitted=sorted(_s(x) for x in emitted),
+        dropped=sorted(_s(x) for x in dropped),
+        hashes={k: _pairs(v) for k, v in zip(hkeys, hashes, strict=True) if v},
+        strings={k: bytes(v) for k, v in zip(skeys, strings, strict=True) if v},
+    )
+
+
+def encode_snapshot(snap: QueueSnapshot) -> bytes:
+    return msgspec.msgpack.encode(snap)
+
+
+def decode_snapshot(data: bytes) -> QueueSnapshot:
+    try:
+        snap = msgspec.msgpack.decode(data, type=QueueSnapshot)
+    except msgspec.DecodeError as err:
+        raise CheckpointCorrupt(f"queue snapshot does not decode: {err}") from None
+    if snap.version != SNAPSHOT_VERSION:
+        raise CheckpointCorrupt(
+            f"queue snapshot version {snap.version}, this code reads {SNAPSHOT_VERSION}"
+        )
+    return snap
+
+
+def namespace_present(client: redis.Redis, keys: Keys) -> bool:
+    """Whether Redis holds this run's data (else it lost it, or never had it)."""
+    return bool(client.exists(keys.stats, keys.tasks, keys.groups, keys.feeder_cursor))
+
+
+def restore_queues(client: redis.Redis, keys: Keys, snap: QueueSnapshot) -> dict[str, int]:
+    """Write the snapshot into a Redis that holds none of this run's data; returns counts.
+
+    Entries keep their ids; every consumer group is created before its first entry, so
+    what was pending at the cut is delivered again like what was not yet delivered.
+    """
+    if snap.namespace != keys.ns:
+        raise CheckpointCorrupt(f"snapshot of run {snap.namespace!r}, not {keys.ns!r}")
+    if namespace_present(client, keys):
+        raise RuntimeError(f"Redis already holds run {keys.ns!r}: not overwriting it")
+    pipe = client.pipeline(transaction=True)
+    counts: dict[str, int] = {}
+    for s in snap.streams:
+        for eid, fields in s.entries:
+            pipe.execute_command("XADD", s.stream, eid, *fields)
+        pipe.execute_command("XGROUP", "CREATE", s.stream, s.group, "0", "MKSTREAM")
+        counts[s.stream] = len(s.entries)
+    for eid, fields in snap.dead:
+        pipe.execute_command("XADD", keys.dead, eid, *fields)
+    counts[keys.dead] = len(snap.dead)
+    counts["partial_groups"] = len(snap.partial_groups)
+    hashes = {keys.groups_started: snap.groups_started, **snap.hashes}
+    hashes.update({keys.group_members(g): m for g, m in snap.partial_groups.items()})
+    for key, mapping in hashes.items():
+        if mapping:
+            pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
+    for key, members in ((keys.groups_emitted, snap.emitted), (keys.groups_dropped, snap.dropped)):
+        if members:
+            pipe.sadd(key, *members)
+    for key, value in snap.strings.items():
+        pipe.set(key, value)
+    pipe.execute()
+    return counts
+
+
+def rewind_start(s: StreamSnapshot) -> str:
+    """Where the group restarts so that it re-delivers its pending entries at the cut and
+    everything after: just before the oldest pending id, else its last-delivered id."""
+    if s.pending:
+        ms, _, seq = min(s.pending, key=_id_key).partition("-")
+        m, q = int(ms), int(seq or 0)
+        return f"{m}-{q - 1}" if q > 0 else (f"{m - 1}-18446744073709551615" if m > 0 else "0")
+    return s.last_delivered or "0"
+
+
+def rewind_group(client: redis.Redis, s: StreamSnapshot) -> str:
+    """Re-create the consumer group of `s` at the cut (`rewind_start`); returns the id."""
+    start = rewind_start(s)
+    client.eval(_REWIND, 1, s.stream, s.group, start)
+    return start
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Directories and the commit marker.
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.path / STATE
+
+    def meta(self) -> dict[str, Any]:
+        return dict(json.loads((self.path / META).read_text()))
+
+    def snapshot(self) -> QueueSnapshot:
+        return decode_snapshot((self.path / QUEUES).read_bytes())
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{_PREFIX}{step:08d}"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _inventory(path: Path) -> dict[str, dict[str, Any]]:
+    files = {}
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name != COMMIT:
+            rel = str(p.relative_to(path))
+            entry: dict[str, Any] = {"size": p.stat().st_size}
+            if rel in (META, QUEUES):
+                entry["sha256"] = _sha256(p)
+            files[rel] = entry
+    return files
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    write_state: Callable[[Path], None],
+    meta: dict[str, Any],
+    snapshot: QueueSnapshot,
+    before_commit: Callable[[], None] | None = None,
+) -> Checkpoint:
+    """Write checkpoint `step` under `root` and commit it; returns it once durable.
+
+    `write_state(dir)` writes the trainer state into `dir` (which must not exist yet) and
+    returns when it is on disk. A leftover directory of the same step (an earlier attempt
+    cut off) is removed first. `before_commit` runs just before the marker (a failpoint).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    path = step_dir(root, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir()
+    write_state(path / STATE)
+    _fsync_write(path / META, json.dumps(meta, sort_keys=True).encode())
+    _fsync_write(path / QUEUES, encode_snapshot(snapshot))
+    if before_commit is not None:
+        before_commit()
+    marker = {"step": step, "written_ms": int(time.time() * 1000), "files": _inventory(path)}
+    tmp = path / f".{COMMIT}.tmp"
+    _fsync_write(tmp, json.dumps(marker, sort_keys=True).encode())
+    os.replace(tmp, path / COMMIT)
+    _fsync_dir(path)
+    _fsync_dir(root)
+    return Checkpoint(step, path)
+
+
+def verify(path: Path) -> Checkpoint:
+    """The checkpoint in `path`, or CheckpointCorrupt saying why it is not one."""
+    marker_path = path / COMMIT
+    if not marker_path.is_file():
+        raise CheckpointCorrupt("no commit marker: the write was cut off")
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+        step = int(marker["step"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointCorrupt(f"unreadable commit marker: {err}") from None
+    for rel in (META, QUEUES):
+        if rel not in files:
+            raise CheckpointCorrupt(f"commit marker does not list {rel}")
+    for rel, want in files.items():
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointCorrupt(f"{rel} is missing")
+        if p.stat().st_size != want["size"]:
+            raise CheckpointCorrupt(f"{rel} has {p.stat().st_size} bytes, not {want['size']}")
+        if "sha256" in want and _sha256(p) != want["sha256"]:
+            raise CheckpointCorrupt(f"{rel} does not match its sha256")
+    if not (path / STATE).is_dir():
+        raise CheckpointCorrupt("the state directory is missing")
+    return Checkpoint(step, path)
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
+                out.append((int(p.name[len(_PREFIX) :]), p))
+    return sorted(out, reverse=True)
+
+
+def latest_complete(
+    root: Path, log: structlog.stdlib.BoundLogger | None = None
+) -> Checkpoint | None:
+    """The newest complete checkpoint under `root`; newer incomplete ones are logged
+    (`checkpoint_skipped` with the reason) and passed over."""
+    for _step, path in step_dirs(root):
+        try:
+            return verify(path)
+        except CheckpointCorrupt as err:
+            if log is not None:
+                log.warning("checkpoint_skipped", path=str(path), reason=str(err))
+    return None
+
+
+def prune(root: Path, keep: int, log: structlog.stdlib.BoundLogger | None = None) -> list[Path]:
+    """Keep the `keep` newest complete checkpoints; remove older ones and every incomplete
+    one older than the newest complete (a newer incomplete one may be being written)."""
+    removed, complete = [], 0
+    for _step, path in step_dirs(root):
+        try:
+            verify(path)
+            ok = True
+        except CheckpointCorrupt:
+            ok = False
+        if ok:
+            complete += 1
+            if complete <= keep:
+                continue
+        elif complete == 0:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed and log is not None:
+        log.info("checkpoints_pruned", removed=[p.name for p in removed])
+    return removed
+
+
+def remove_incomplete(root: Path, log: structlog.stdlib.BoundLogger | None = None) -> None:
+    """At a trainer's start nothing is being written: every incomplete directory goes."""
+    for _step, path in step_dirs(root):
+        try:
+            verify(path)
+        except CheckpointCorrupt as err:
+            if log is not None:
+                log.warning("checkpoint_removed", path=str(path), reason=str(err))
+            shutil.rmtree(path, ignore_errors=True)

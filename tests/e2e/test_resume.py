@@ -1,0 +1,114 @@
+"""`streamrl up --resume`: a stopped run continues from its newest complete checkpoint, with
+Redis's data kept (the embedded server's AOF) or lost (restored from the snapshot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from streamrl import checkpoints as ckpts
+from streamrl.names import Keys
+from tests.e2e.test_up import assert_nothing_left, summary_of, up, warm_cache  # noqa: F401
+from tests.helpers import REPO, TINY
+
+pytestmark = pytest.mark.e2e
+
+
+def resume(run_dir: Path, steps: int, *sets: str, env: dict[str, str] | None = None) -> str:
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(TINY),
+           "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def events(run_dir: Path, worker: str, name: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "logs" / f"{worker}.log").read_text().splitlines()
+    return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e["event"] == name]
+
+
+def check_lineage(run_dir: Path, steps: int) -> list[str]:
+    """The final checkpoint's history: steps 1..N without a gap, no group trained twice."""
+    ck = ckpts.latest_complete(run_dir / "checkpoints")
+    assert ck is not None and ck.step == steps
+    lineage = ck.meta()["lineage"]
+    assert [s for s, _ in lineage] == list(range(1, steps + 1))
+    ids = [g for _, gs in lineage for g in gs]
+    assert len(ids) == len(set(ids)), "a group was trained twice"
+    return ids
+
+
+def test_resume_with_redis_kept_continues_without_gap(tmp_path: Path, warm_cache: str) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    sets = (f'model.cache_dir="{warm_cache}"', "trainer.checkpoint_every=2")
+    proc = up(run_dir, 3, *sets)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    first = summary_of(run_dir)
+    assert first["trainer_steps"] == 3 and first["policy_version"] == 3
+
+    out = resume(run_dir, 5, *sets)
+    assert "resuming" in out and "checkpoint step 3" in out and "Redis kept" in out
+    s = summary_of(run_dir)
+    assert s["resumed"] and s["trainer_steps"] == 5
+    resumed = events(run_dir, "trainer-0", "trainer_resumed")
+    assert [e["step"] for e in resumed] == [3]
+    assert resumed[0]["version"] == 4  # above every version of the first run
+    steps = [e["step"] for e in events(run_dir, "trainer-0", "train_step")]
+    assert steps == [1, 2, 3, 4, 5]  # the second run went on from 3
+    # The rollout worker of the second run served the restored policy, not older ones.
+    loaded = [e["version"] for e in events(run_dir, "rollout-0", "weights_loaded")]
+    second = loaded[loaded.index(3) + 1 :] if 3 in loaded else loaded
+    assert second and min(second) >= 4, loaded
+    check_lineage(run_dir, 5)
+    assert_nothing_left(s)
+
+
+def test_resume_after_redis_lost_restores_the_queues(
+    tmp_path: Path,
+    warm_cache: str,  # noqa: F811
+    redis_url: str,
+    rclient: redis.Redis,
+    keys: Keys,
+) -> None:
+    run_dir = tmp_path / "run"
+    sets = (f'model.cache_dir="{warm_cache}"', f"run.name={keys.ns}", "trainer.checkpoint_every=2")
+    env = {"REDIS_URL": redis_url}
+    proc = up(run_dir, 2, *sets, env=env)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    ck = ckpts.latest_complete(run_dir / "checkpoints")
+    assert ck is not None and ck.step == 2
+    snap = ck.snapshot()
+    in_flight = sum(len(s.entries) for s in snap.streams)
+    assert in_flight > 0  # the backlog the first run left
+    cursor = int(rclient.get(keys.feeder_cursor) or 0)
+    rclient.delete(*rclient.keys(f"{keys.ns}:*"))  # Redis lost the run
+
+    out = resume(run_dir, 4, *sets, env=env)
+    assert "queues restored from the snapshot" in out, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 4
+    ids = check_lineage(run_dir, 4)
+    # The feeder went on from the snapshot's cursor: no task id was issued twice.
+    assert int(rclient.get(keys.feeder_cursor) or 0) >= cursor
+    tasks: Any = rclient.xrange(keys.tasks)
+    assert len(ids) == 4 * 4 and tasks is not None
+    assert_nothing_left(s)

@@ -1,0 +1,150 @@
+"""Backpressure on half-filled groups against a real redis-server: rollout pauses while
+`max_partial_groups` groups are being assembled (counted once per pause), and a slow
+environment shows in `streamrl queues` as more half-filled groups, growing older."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+import structlog
+from structlog.testing import capture_logs
+
+from streamrl.config import Config, parse_config
+from streamrl.grouper import Grouper
+from streamrl.names import Keys
+from streamrl.queues import format_report, inspect
+from streamrl.rollout.worker import Backpressure
+from streamrl.transport import publish
+from streamrl.wire import Trajectory, pack_arrays
+from tests.helpers import REPO
+
+CFG = parse_config(
+    {
+        "transport": {"block_ms": 5},
+        "rollout": {"max_partial_groups": 2, "max_ready_groups": 3},
+    }
+)
+
+
+def member(group: int, m: int, reward: float = 0.0) -> Trajectory:
+    return Trajectory(
+        traj_id=f"g{group}-m{m}", group_id=f"g{group}", task_id=f"t{group}", member=m,
+        num_generations=4, **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
+        prompt_len=1, reward=reward, status="ok", versions=[0],
+    )  # fmt: skip
+
+
+def add(rclient: redis.Redis, g: Grouper, *members: Trajectory) -> None:
+    for t in members:
+        publish(rclient, g.keys.trajectories, t)
+    g.step()
+
+
+def pauses(rclient: redis.Redis, keys: Keys) -> int:
+    return int(rclient.hget(keys.stats, "backpressure_pauses") or 0)
+
+
+def test_rollout_pauses_on_half_filled_groups(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    g = Grouper(rclient, keys, CFG, "g0", structlog.get_logger())
+
+    async def go() -> list[MutableMapping[str, Any]]:
+        aclient = aioredis.Redis.from_url(redis_url)
+        bp = Backpressure(aclient, keys, CFG, structlog.get_logger())
+        with capture_logs() as logs:
+            assert not await bp.check()
+            add(rclient, g, member(1, 0))
+            assert not await bp.check()  # one half-filled group, limit 2
+            add(rclient, g, member(2, 0))
+            assert await bp.check()
+            assert await bp.check()  # still paused: one pause, counted once
+            assert pauses(rclient, keys) == 1
+            add(rclient, g, *(member(1, m, float(m)) for m in range(1, 4)))  # g1 completes
+            assert not await bp.check()
+            add(rclient, g, member(3, 0))
+            assert await bp.check()
+            assert pauses(rclient, keys) == 2
+            # The existing limit stays: 3 groups wait for the trainer (g1 and two below).
+            add(rclient, g, *(member(2, m, float(m)) for m in range(1, 4)))
+            add(rclient, g, *(member(3, m, float(m)) for m in range(1, 4)))
+            assert rclient.hlen(keys.groups_started) == 0
+            assert await bp.check()
+            assert pauses(rclient, keys) == 2  # the pause goes on, with another reason
+            rclient.hset(keys.stats, "groups_trained", 1)
+            assert not await bp.check()
+        await aclient.aclose()
+        return logs
+
+    logs = asyncio.run(go())
+    events = [(e["event"], e.get("reason", "")) for e in logs if "backpressure" in e["event"]]
+    assert [e for e, _ in events] == [
+        "backpressure_paused",
+        "backpressure_resumed",
+        "backpressure_paused",
+        "backpressure_resumed",
+    ]
+    assert "2 groups are half filled (max_partial_groups 2)" in events[0][1]
+
+
+def test_off_by_default(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    cfg = parse_config({"transport": {"block_ms": 5}})
+    assert cfg.rollout.max_partial_groups == 0
+    g = Grouper(rclient, keys, cfg, "g0", structlog.get_logger())
+    add(rclient, g, *(member(i, 0) for i in range(20)))
+
+    async def go() -> bool:
+        aclient = aioredis.Redis.from_url(redis_url)
+        paused = await Backpressure(aclient, keys, cfg, structlog.get_logger()).check()
+        await aclient.aclose()
+        return paused
+
+    assert not asyncio.run(go())
+    assert pauses(rclient, keys) == 0
+
+
+def queues_json(redis_url: str, keys: Keys) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, "-m", "streamrl_workers.cli", "queues", "--config",
+         "configs/tiny.toml", "--set", f"run.name={keys.ns}", "--json"],
+        cwd=REPO, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out: dict[str, Any] = json.loads(p.stdout)
+    return out
+
+
+def test_slow_environment_shows_in_queues(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    """Episodes of a slow environment finish one at a time: groups stay half filled longer,
+    more of them are open at once, and the oldest one ages."""
+    cfg: Config = CFG
+    g = Grouper(rclient, keys, cfg, "g0", structlog.get_logger())
+    seen = []
+    for group in range(3):
+        add(rclient, g, member(group, 0))
+        time.sleep(0.3)  # the other members' episodes are still running
+        report = queues_json(redis_url, keys)
+        seen.append((report["partial_groups"], report["oldest_partial_group_s"]))
+    assert [n for n, _ in seen] == [1, 2, 3]
+    ages = [a for _, a in seen]
+    assert ages[0] >= 0.3 and ages[0] < ages[1] < ages[2]
+
+    async def pause() -> None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        assert await Backpressure(aclient, keys, cfg, structlog.get_logger()).check()
+        await aclient.aclose()
+
+    asyncio.run(pause())
+    report = queues_json(redis_url, keys)
+    assert report["stats"]["backpressure_pauses"] == "1"
+    text = format_report(inspect(rclient, keys))
+    assert "half-filled groups: 3 (oldest" in text
+    assert "backpressure_pauses 1" in text

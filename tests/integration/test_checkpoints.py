@@ -1,0 +1,193 @@
+"""Checkpoints: the queue snapshot is a consistent cut, restores into an empty Redis, rewinds
+a consumer group without stale pending entries; the commit marker decides what counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from streamrl import checkpoints as ck
+from streamrl.names import Keys
+from streamrl.transport import ensure_group
+
+
+def _add(client: redis.Redis, stream: str, n: int, tag: str) -> list[str]:
+    out = []
+    for i in range(n):
+        eid: Any = client.xadd(stream, {"v": b"1", "data": f"{tag}{i}".encode()})
+        out.append(eid.decode())
+    return out
+
+
+def _read(client: redis.Redis, stream: str, group: str, consumer: str, n: int) -> list[str]:
+    resp: Any = client.xreadgroup(group, consumer, {stream: ">"}, count=n)
+    return [eid.decode() for _s, es in resp or [] for eid, _f in es]
+
+
+def _populate(client: redis.Redis, keys: Keys) -> dict[str, list[str]]:
+    """A run in progress: tasks acked, pending and new; a partial group; trained groups."""
+    for stream, group in ck.consumed_streams(keys):
+        ensure_group(client, stream, group)
+    tasks = _add(client, keys.tasks, 5, "task")
+    got = _read(client, keys.tasks, keys.CG_ROLLOUT, "rollout-1", 3)
+    client.xack(keys.tasks, keys.CG_ROLLOUT, got[0])  # task0 done, task1-2 pending
+    trajs = _add(client, keys.trajectories, 2, "traj")
+    groups = _add(client, keys.groups, 4, "group")
+    _read(client, keys.groups, keys.CG_TRAINER, "trainer", 3)
+    client.xack(keys.groups, keys.CG_TRAINER, groups[0])  # group0 in an earlier checkpoint
+    client.hset(keys.group_members("g7"), mapping={"0": b"m0", "2": b"m2"})
+    client.hset(keys.groups_started, "g7", 12345)
+    client.sadd(keys.groups_emitted, "g1", "g2")
+    client.sadd(keys.groups_dropped, "g3")
+    client.hset(keys.stats, mapping={"groups": 2, "trainer_steps": 1})
+    client.set(keys.feeder_cursor, 5)
+    client.set(keys.policy_version, 3)
+    client.xadd(keys.dead, {"v": b"1", "data": b"bad"})
+    return {"tasks": tasks, "trajs": trajs, "groups": groups}
+
+
+def test_snapshot_holds_exactly_the_unfinished_work(rclient: redis.Redis, keys: Keys) -> None:
+    ids = _populate(rclient, keys)
+    snap = ck.take_snapshot(rclient, keys)
+    tasks = snap.stream(keys.tasks)
+    assert tasks is not None
+    assert tasks.pending == ids["tasks"][1:3]
+    assert [e for e, _ in tasks.entries] == ids["tasks"][1:]  # task0 was acked
+    assert tasks.last_delivered == ids["tasks"][2]
+    trajs = snap.stream(keys.trajectories)
+    assert trajs is not None and [e for e, _ in trajs.entries] == ids["trajs"]
+    groups = snap.stream(keys.groups)
+    assert groups is not None
+    assert groups.pending == ids["groups"][1:3]
+    assert [e for e, _ in groups.entries] == ids["groups"][1:]
+    assert snap.partial_groups == {"g7": {"0": b"m0", "2": b"m2"}}
+    assert snap.groups_started == {"g7": b"12345"}
+    assert snap.emitted == ["g1", "g2"] and snap.dropped == ["g3"]
+    assert snap.strings[keys.feeder_cursor] == b"5"
+    assert snap.hashes[keys.stats]["trainer_steps"] == b"1"
+    assert len(snap.dead) == 1
+    assert ck.decode_snapshot(ck.encode_snapshot(snap)) == snap
+
+
+def test_restore_into_an_empty_redis_delivers_the_unfinished_work_again(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    ids = _populate(rclient, keys)
+    snap = ck.take_snapshot(rclient, keys)
+    rclient.delete(*rclient.keys(f"{keys.ns}:*"))  # Redis lost the run
+    assert not ck.namespace_present(rclient, keys)
+    counts = ck.restore_queues(rclient, keys, snap)
+    assert counts[keys.tasks] == 4 and counts[keys.groups] == 3
+    # Everything still to do is delivered to a fresh consumer, with its original id.
+    assert _read(rclient, keys.tasks, keys.CG_ROLLOUT, "rollout-2", 10) == ids["tasks"][1:]
+    assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10) == ids["groups"][1:]
+    assert rclient.hgetall(keys.group_members("g7")) == {b"0": b"m0", b"2": b"m2"}
+    assert rclient.get(keys.feeder_cursor) == b"5"
+    assert rclient.sismember(keys.groups_emitted, "g2")
+    assert rclient.xlen(keys.dead) == 1
+    # New entries get ids after the restored ones.
+    new = _add(rclient, keys.tasks, 1, "later")[0]
+    assert ck._id_key(new) > ck._id_key(ids["tasks"][-1])
+
+
+def test_restore_refuses_to_overwrite_a_live_run(rclient: redis.Redis, keys: Keys) -> None:
+    _populate(rclient, keys)
+    snap = ck.take_snapshot(rclient, keys)
+    with pytest.raises(RuntimeError, match="already holds"):
+        ck.restore_queues(rclient, keys, snap)
+
+
+def test_rewind_redelivers_from_the_cut_and_leaves_no_stale_pending(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    ids = _populate(rclient, keys)
+    snap = ck.take_snapshot(rclient, keys)
+    # After the cut the trainer read and acked the rest (a newer checkpoint that is lost).
+    _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10)
+    rclient.xack(keys.groups, keys.CG_TRAINER, *ids["groups"][1:3])
+    later = _add(rclient, keys.groups, 1, "later")
+    s = snap.stream(keys.groups)
+    assert s is not None
+    start = ck.rewind_group(rclient, s)
+    assert ck._id_key(start) < ck._id_key(ids["groups"][1])
+    info: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
+    assert info["pending"] == 0  # the old group's pending entries are gone with it
+    got = _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10)
+    assert got == ids["groups"][1:] + later
+    # Other groups are untouched.
+    pend: Any = rclient.xpending(keys.tasks, keys.CG_ROLLOUT)
+    assert pend["pending"] == 2
+
+
+def test_rewind_start_just_before_the_oldest_pending() -> None:
+    s = ck.StreamSnapshot("s", "g", "9-0", ["5-3", "7-0"], [])
+    assert ck.rewind_start(s) == "5-2"
+    assert ck.rewind_start(ck.StreamSnapshot("s", "g", "9-0", ["5-0"], [])) == (
+        "4-18446744073709551615"
+    )
+    assert ck.rewind_start(ck.StreamSnapshot("s", "g", "9-0", [], [])) == "9-0"
+    assert ck.rewind_start(ck.StreamSnapshot("s", "g", "", [], [])) == "0"
+
+
+def _write(root: Path, step: int, snap: ck.QueueSnapshot, **kw: Any) -> ck.Checkpoint:
+    def state(d: Path) -> None:
+        d.mkdir()
+        (d / "params.bin").write_bytes(bytes(range(200)))
+
+    return ck.write_checkpoint(root, step, state, {"step": step}, snap, **kw)
+
+
+def test_commit_marker_decides_and_prune_keeps_the_newest(
+    tmp_path: Path, rclient: redis.Redis, keys: Keys
+) -> None:
+    snap = ck.take_snapshot(rclient, keys)
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        _write(root, step, snap)
+    latest = ck.latest_complete(root)
+    assert latest is not None and latest.step == 6 and latest.meta() == {"step": 6}
+    assert latest.snapshot() == snap
+
+    # Cut off before the marker: ignored in favour of the newest complete one.
+    class Killed(Exception):
+        pass
+
+    def die() -> None:
+        raise Killed
+
+    with pytest.raises(Killed):
+        _write(root, 8, snap, before_commit=die)
+    assert (root / "step_00000008" / ck.QUEUES).is_file()
+    skipped: list[dict[str, Any]] = []
+
+    class Log:
+        def warning(self, event: str, **kw: Any) -> None:
+            skipped.append({"event": event, **kw})
+
+    latest = ck.latest_complete(root, Log())  # type: ignore[arg-type]
+    assert latest is not None and latest.step == 6
+    assert skipped[0]["event"] == "checkpoint_skipped"
+    assert "commit marker" in skipped[0]["reason"]
+
+    # Truncated state file, damaged snapshot: refused, named.
+    (root / "step_00000006" / "state" / "params.bin").write_bytes(b"short")
+    with pytest.raises(ck.CheckpointCorrupt, match=r"params\.bin"):
+        ck.verify(root / "step_00000006")
+    latest = ck.latest_complete(root)
+    assert latest is not None and latest.step == 4
+    q = root / "step_00000004" / ck.QUEUES
+    q.write_bytes(q.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(ck.CheckpointCorrupt, match="sha256"):
+        ck.verify(root / "step_00000004")
+
+    _write(root, 10, snap)
+    _write(root, 12, snap)
+    removed = ck.prune(root, keep=2)
+    left = sorted(p.name for p in root.iterdir())
+    assert left == ["step_00000010", "step_00000012"], (left, removed)
+    marker = json.loads((root / "step_00000012" / ck.COMMIT).read_text())
+    assert marker["step"] == 12 and "state/params.bin" in marker["files"]
