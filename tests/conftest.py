@@ -31,6 +31,12 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
         yield server
 
 
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One warm-start cache for the session: the warm start runs once, later runs reuse it."""
+    return str(tmp_path_factory.mktemp("warmstart"))
+
+
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
     return redis_server.url

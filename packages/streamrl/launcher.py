@@ -131,7 +131,8 @@ class Launcher:
                 ).start()
                 url = self.redis.url
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
-            client = make_client(url)
+            # Few retries: the monitor loop must stay free to restart a Redis that died.
+            client = make_client(url, retries=1)
             if self.resume:
                 self._resume_queues(client, log)
             else:
@@ -255,7 +256,8 @@ class Launcher:
                     print(f"\nstreamrl: {failed}", file=sys.stderr)
                     return failed, 1
             if time.monotonic() >= next_progress:
-                self._progress(client)
+                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                    self._progress(client)
                 next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
             time.sleep(0.2)
 

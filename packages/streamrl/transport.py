@@ -259,19 +259,16 @@ RETRY_S = 20.0
 _RETRIES = 30
 
 
-def _retry() -> Retry:
-    return Retry(ExponentialBackoff(cap=1.0, base=0.05), _RETRIES)
-
-
-def make_client(url: str, **kwargs: Any) -> redis.Redis:
+def make_client(url: str, retries: int = _RETRIES, **kwargs: Any) -> redis.Redis:
     """A Redis client for `url` with timeouts that fit blocking stream reads, retrying
-    commands across a short Redis outage. Every write the workers make is idempotent by
-    id, so a retried command whose first attempt did land does no harm."""
+    commands across a short Redis outage (`retries` times, backoff up to 1 s). Every write
+    the workers make is idempotent by id, so a retried command whose first attempt did land
+    does no harm."""
     return redis.Redis.from_url(
         url,
         socket_connect_timeout=5,
         health_check_interval=30,
-        retry=_retry(),
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         **kwargs,
     )

@@ -15,7 +15,7 @@ import redis
 
 from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
-from tests.e2e.test_up import assert_nothing_left, summary_of, up, warm_cache  # noqa: F401
+from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.helpers import REPO, TINY
 
 pytestmark = pytest.mark.e2e
@@ -55,7 +55,7 @@ def check_lineage(run_dir: Path, steps: int) -> list[str]:
     return ids
 
 
-def test_resume_with_redis_kept_continues_without_gap(tmp_path: Path, warm_cache: str) -> None:  # noqa: F811
+def test_resume_with_redis_kept_continues_without_gap(tmp_path: Path, warm_cache: str) -> None:
     run_dir = tmp_path / "run"
     sets = (f'model.cache_dir="{warm_cache}"', "trainer.checkpoint_every=2")
     proc = up(run_dir, 3, *sets)
@@ -83,7 +83,7 @@ def test_resume_with_redis_kept_continues_without_gap(tmp_path: Path, warm_cache
 
 def test_resume_after_redis_lost_restores_the_queues(
     tmp_path: Path,
-    warm_cache: str,  # noqa: F811
+    warm_cache: str,
     redis_url: str,
     rclient: redis.Redis,
     keys: Keys,

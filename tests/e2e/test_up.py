@@ -18,12 +18,6 @@ from tests.helpers import REPO, TINY, live_in_group
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="session")
-def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One warm-start cache for the session: the warm start runs once, later runs reuse it."""
-    return str(tmp_path_factory.mktemp("warmstart"))
-
-
 def up(
     run_dir: Path,
     steps: int,

@@ -107,7 +107,11 @@ class TrainerLoop:
         out: list[Delivery[Group]] = []
         while len(out) < want and not self.stop():
             for d in self.input.read(count=want - len(out)):
-                if d.msg.group_id in self.trained_ids:
+                # Trained before, or twice in this batch (a group emitted again after Redis
+                # lost the record of its first emission): acked with the next checkpoint.
+                if d.msg.group_id in self.trained_ids or any(
+                    o.msg.group_id == d.msg.group_id for o in out
+                ):
                     self.log.warning(
                         "group_already_trained", group_id=d.msg.group_id, entry_id=d.entry_id
                     )
