@@ -316,3 +316,45 @@ def test_unknown_config_key_fails_fast(tmp_path: Path) -> None:
     assert "unknown key `trainer.lerning_rate`" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing started
     assert time.monotonic() - start < 10
+
+
+def test_stalled_trainer_pauses_rollout(
+    tmp_path: Path, warm_cache: str, redis_url: str, rclient: redis.Redis, keys: Keys
+) -> None:
+    """Backpressure: while the trainer is stopped (SIGSTOP), rollout pauses at its bound
+    instead of filling the queues; the pause is counted; the run goes on when the trainer
+    does."""
+    run_dir = tmp_path / "run"
+    bound = 3
+    proc = up(run_dir, 3, f'model.cache_dir="{warm_cache}"', f"run.name={keys.ns}",
+              f"rollout.max_ready_groups={bound}", "trainer.groups_per_step=2",
+              env={"REDIS_URL": redis_url})  # fmt: skip
+
+    def stat(name: str) -> int:
+        return int(rclient.hget(keys.stats, name) or 0)
+
+    deadline = time.monotonic() + 400
+    while stat("trainer_steps") < 1:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    pid = next(
+        json.loads(line)["pids"]["trainer-0"]
+        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
+        if '"workers_started"' in line
+    )
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        samples = []
+        for _ in range(30):
+            samples.append((stat("groups") - stat("groups_trained"), stat("trajectories")))
+            time.sleep(1.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Tasks already running when the pause began still finish: max_concurrency / group size.
+    in_flight = 16 // 4
+    assert max(ready for ready, _ in samples) <= bound + in_flight, samples
+    assert len({traj for _, traj in samples[-8:]}) == 1, samples  # rollout stopped producing
+    assert stat("backpressure_pauses") >= 1
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert summary_of(run_dir)["trainer_steps"] == 3
