@@ -6,7 +6,7 @@ RUN_DIR ?= runs/demo
 CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit integration e2e slow bench fmt clean sandbox-host
+.PHONY: demo test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,9 @@ integration: $(VENV)/.installed
 
 e2e: $(VENV)/.installed
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+faults: $(VENV)/.installed
+	$(PY) -m pytest -s tests/faults $(PYTEST_ARGS)
 
 slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
