@@ -10,6 +10,7 @@ from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.runtime import WorkerContext
+from streamrl.trainer.cluster import init_distributed
 from streamrl.trainer.loop import CheckpointHook, ExportHook, PublishHook, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import (
@@ -43,6 +44,9 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
     """The trainer's loop with its hooks, resumed from the run's newest complete checkpoint
     when there is one, and the checkpointer to close after it."""
     cfg = ctx.cfg
+    init_distributed(cfg.trainer.num_processes, ctx.index)  # before JAX touches a device
+    if cfg.trainer.num_processes > 1:
+        ctx.log.info("trainer_process", index=ctx.index, count=cfg.trainer.num_processes)
     publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     ckpt = ensure_checkpoint(cfg)
     chat = HFChat.from_dir(ckpt)

@@ -359,6 +359,39 @@ def _inventory(path: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
+def prepare_dir(root: Path, step: int) -> Path:
+    """A fresh directory for checkpoint `step` (a leftover of a cut-off attempt at the same
+    step is removed first)."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = step_dir(root, step)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir()
+    return path
+
+
+def commit(
+    path: Path,
+    step: int,
+    meta: dict[str, Any],
+    snapshot: QueueSnapshot,
+    before_commit: Callable[[], None] | None = None,
+) -> Checkpoint:
+    """Write meta and the queue snapshot beside the state already in `path`, then the
+    commit marker; returns the checkpoint once durable."""
+    _fsync_write(path / META, json.dumps(meta, sort_keys=True).encode())
+    _fsync_write(path / QUEUES, encode_snapshot(snapshot))
+    if before_commit is not None:
+        before_commit()
+    marker = {"step": step, "written_ms": int(time.time() * 1000), "files": _inventory(path)}
+    tmp = path / f".{COMMIT}.tmp"
+    _fsync_write(tmp, json.dumps(marker, sort_keys=True).encode())
+    os.replace(tmp, path / COMMIT)
+    _fsync_dir(path)
+    _fsync_dir(path.parent)
+    return Checkpoint(step, path)
+
+
 def write_checkpoint(
     root: Path,
     step: int,
@@ -370,26 +403,11 @@ def write_checkpoint(
     """Write checkpoint `step` under `root` and commit it; returns it once durable.
 
     `write_state(dir)` writes the trainer state into `dir` (which must not exist yet) and
-    returns when it is on disk. A leftover directory of the same step (an earlier attempt
-    cut off) is removed first. `before_commit` runs just before the marker (a failpoint).
+    returns when it is on disk. `before_commit` runs just before the marker (a failpoint).
     """
-    root.mkdir(parents=True, exist_ok=True)
-    path = step_dir(root, step)
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir()
+    path = prepare_dir(root, step)
     write_state(path / STATE)
-    _fsync_write(path / META, json.dumps(meta, sort_keys=True).encode())
-    _fsync_write(path / QUEUES, encode_snapshot(snapshot))
-    if before_commit is not None:
-        before_commit()
-    marker = {"step": step, "written_ms": int(time.time() * 1000), "files": _inventory(path)}
-    tmp = path / f".{COMMIT}.tmp"
-    _fsync_write(tmp, json.dumps(marker, sort_keys=True).encode())
-    os.replace(tmp, path / COMMIT)
-    _fsync_dir(path)
-    _fsync_dir(root)
-    return Checkpoint(step, path)
+    return commit(path, step, meta, snapshot, before_commit)
 
 
 def verify(path: Path) -> Checkpoint:

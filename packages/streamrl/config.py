@@ -528,6 +528,16 @@ class TrainerConfig(_Section):
         le=4096,
         description="Trainer mesh: devices on the fsdp axis (batch rows and parameter shards).",
     )
+    num_processes: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Processes of the one logical trainer (jax.distributed; `streamrl up` starts "
+            "them as trainer-0..N-1 and passes STREAMRL_COORDINATOR). Process 0 reads groups "
+            "and broadcasts each batch; the mesh spans every process's devices."
+        ),
+    )
     publish_every: int = Field(
         1, ge=1, le=1_000_000, description="Publish a new policy version every N steps."
     )
@@ -641,6 +651,21 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.kv_cache_size ({self.rollout.kv_cache_size}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len}) of the built-in model"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _trainer_processes(self) -> Config:
+        if self.trainer.num_processes > 1 and self.run.colocated:
+            raise ValueError(
+                f"trainer.num_processes ({self.trainer.num_processes}) needs a trainer of its "
+                "own: run.colocated runs one process"
+            )
+        t = self.trainer
+        if t.num_processes > 1 and (t.mesh_data * t.mesh_fsdp) % t.num_processes:
+            raise ValueError(
+                f"trainer.mesh_data x trainer.mesh_fsdp ({t.mesh_data * t.mesh_fsdp} devices) "
+                f"must span all trainer.num_processes ({t.num_processes}): a multiple of it"
             )
         return self
 

@@ -40,7 +40,8 @@ from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.logs import configure_logging, redact_url
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.redis_server import EmbeddedRedis, free_port
+from streamrl.runtime import COORDINATOR_ENV
 from streamrl.transport import make_client
 from streamrl.wire import TrainMetrics, WireError, decode
 
@@ -204,14 +205,21 @@ class Launcher:
         if c.run.colocated:  # rollout and training in one process, alternating
             plan += [("colocated", 0)]
         else:
-            plan += [("trainer", 0)]
+            plan += [("trainer", i) for i in range(c.trainer.num_processes)]
             plan += [("rollout", i) for i in range(c.rollout.num_workers)]
         return [*plan, ("feeder", 0)]
 
     def _spawn_all(self, url: str) -> None:
         self._env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+        self._new_coordinator()
         for name, index in self._plan():
             self.procs.append(self._spawn(name, index, self._env))
+
+    def _new_coordinator(self) -> None:
+        """A fresh address for the trainer processes' coordination service (process 0
+        serves it); each start of the trainer group gets its own."""
+        if self.cfg.trainer.num_processes > 1:
+            self._env[COORDINATOR_ENV] = f"127.0.0.1:{free_port()}"
 
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
@@ -241,25 +249,35 @@ class Launcher:
                 if failed is not None:
                     print(f"\nstreamrl: {failed}", file=sys.stderr)
                     return failed, 1
-            for p in self.procs:
-                if p.restart_at is not None:
-                    if time.monotonic() >= p.restart_at:
-                        self._restart(p, log)
-                    continue
-                rc = p.popen.poll()
-                if rc is None:
-                    continue
-                if p.name in TRAINS and rc == 0:
-                    return f"trainer finished {self.steps} steps", 0
-                failed = self._supervise(p, rc, log)
-                if failed is not None:
-                    print(f"\nstreamrl: {failed}", file=sys.stderr)
-                    return failed, 1
+            ended = self._check_workers(log)
+            if ended is not None:
+                return ended
             if time.monotonic() >= next_progress:
                 with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                     self._progress(client)
                 next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
             time.sleep(0.2)
+
+    def _check_workers(self, log: structlog.stdlib.BoundLogger) -> tuple[str, int] | None:
+        """Restarts that are due; the run's end when the trainer finished or a worker
+        failed for good."""
+        for p in self.procs:
+            if p.restart_at is not None:
+                if time.monotonic() >= p.restart_at:
+                    self._restart(p, log)
+                continue
+            rc = p.popen.poll()
+            if rc is None:
+                continue
+            if p.name in TRAINS and rc == 0:
+                if p.index > 0:
+                    continue  # a trainer process other than 0: the leader says when
+                return f"trainer finished {self.steps} steps", 0
+            failed = self._supervise(p, rc, log)
+            if failed is not None:
+                print(f"\nstreamrl: {failed}", file=sys.stderr)
+                return failed, 1
+        return None
 
     def _supervise(self, p: WorkerProc, rc: int, log: structlog.stdlib.BoundLogger) -> str | None:
         """A worker exited: schedule its restart, or say why the run must stop."""
@@ -279,6 +297,16 @@ class Launcher:
         delay = backoff_s(decision, run.restart_backoff_s)
         p.restart_at = now + delay
         log.warning("worker_crashed", worker=p.worker_id, code=rc, restart_in_s=round(delay, 2))
+        if p.name == "trainer" and self.cfg.trainer.num_processes > 1:
+            # One logical trainer: the others would wait in a collective for ever. All of
+            # its processes restart together (and resume from the checkpoint).
+            for q in self.procs:
+                if q.name == "trainer" and q is not p and q.restart_at is None:
+                    _signal_group(q.popen, signal.SIGKILL)
+                    q.popen.wait()
+                    q.restart_at = p.restart_at
+                    log.warning("worker_stopped_with_group", worker=q.worker_id)
+            self._new_coordinator()
         return None
 
     def _restart_redis(self, log: structlog.stdlib.BoundLogger) -> str | None:

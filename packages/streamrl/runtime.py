@@ -17,6 +17,9 @@ from streamrl.logs import configure_logging
 from streamrl.names import Keys
 from streamrl.transport import make_client
 
+# host:port of trainer process 0's coordination service (trainer.num_processes > 1)
+COORDINATOR_ENV = "STREAMRL_COORDINATOR"
+
 WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated")
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ from streamrl.names import Keys
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.helpers import REPO, TINY
 
-pytestmark = pytest.mark.e2e
+# Two `streamrl up` runs each (the first of the session also trains the warm start).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def resume(run_dir: Path, steps: int, *sets: str, env: dict[str, str] | None = None) -> str:
@@ -112,3 +115,37 @@ def test_resume_after_redis_lost_restores_the_queues(
     tasks: Any = rclient.xrange(keys.tasks)
     assert len(ids) == 4 * 4 and tasks is not None
     assert_nothing_left(s)
+
+
+def test_trainer_of_two_processes_trains_and_restarts_as_one(
+    tmp_path: Path, warm_cache: str
+) -> None:
+    """trainer.num_processes = 2 (jax.distributed, gloo, one CPU device each, one 2-device
+    mesh): process 0 reads groups and broadcasts each batch, both run the step. SIGKILL
+    process 1 after the first checkpoint: both restart together, resume from it, and the
+    run reaches its steps with one lineage."""
+    run_dir = tmp_path / "run"
+    proc = up(run_dir, 5, f'model.cache_dir="{warm_cache}"', "trainer.num_processes=2",
+              "trainer.mesh_data=2", "trainer.checkpoint_every=2", "trainer.groups_per_step=2",
+              "run.restart_backoff_s=0.2")  # fmt: skip
+    deadline = time.monotonic() + 500
+    while ckpts.latest_complete(run_dir / "checkpoints") is None:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    started = next(
+        json.loads(line)["pids"]
+        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
+        if '"workers_started"' in line
+    )
+    os.killpg(started["trainer-1"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 5
+    assert s["worker_restarts"]["trainer-0"] == 1 and s["worker_restarts"]["trainer-1"] == 1
+    check_lineage(run_dir, 5)
+    resumed = events(run_dir, "trainer-0", "trainer_resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] >= 2
+    joined = events(run_dir, "trainer-1", "trainer_process")
+    assert [e["index"] for e in joined] == [1, 1] and joined[0]["count"] == 2
+    assert_nothing_left(s, workers=7)

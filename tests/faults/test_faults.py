@@ -44,7 +44,7 @@ from streamrl.tasks.registry import make_task
 from streamrl.wire import Group, Task, Trajectory, WireError, decode
 from tests.helpers import REPO, TINY
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 SEED = 20261130
 MIN_STEPS = 30

@@ -43,6 +43,13 @@ def test_cross_field_check() -> None:
         parse_config({"rollout": {"max_response_length": 200, "kv_cache_size": 256}})
     with pytest.raises(ConfigError, match=r"kv_cache_size \(512\) exceeds model.max_seq_len"):
         parse_config({"rollout": {"kv_cache_size": 512}, "model": {"max_seq_len": 256}})
+    with pytest.raises(ConfigError, match=r"trainer.num_processes \(2\) needs a trainer"):
+        parse_config({"trainer": {"num_processes": 2, "mesh_data": 2}, "run": {"colocated": True}})
+    with pytest.raises(ConfigError, match=r"\(3 devices\) must span all trainer.num_processes"):
+        parse_config({"trainer": {"num_processes": 2, "mesh_data": 3}})
+    assert (
+        parse_config({"trainer": {"num_processes": 2, "mesh_fsdp": 4}}).trainer.num_processes == 2
+    )
 
 
 def test_overrides() -> None:

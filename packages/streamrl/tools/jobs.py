@@ -125,9 +125,11 @@ def run_tool_call(
     worker = f"tools-{os.getpid()}"
     job = rq.get_current_job()
     if time.time() > deadline:
-        # The caller has given up on this attempt (and may have sent another): skip it.
-        result = ToolResult(call_id=call_id, ok=False, output="", error="expired", worker=worker)
-    elif ledger_key and job is not None:
+        # The caller has given up on this attempt and sent another, which waits on the same
+        # result list: answering this one would hand it a stale "expired". Skip it.
+        structlog.get_logger().warning("tool_call_expired", call_id=call_id, worker=worker)
+        return {"ok": False, "error": "expired", "duration_s": 0.0}
+    if ledger_key and job is not None:
         ledger = ToolLedger(
             job.connection,
             Keys(ns),

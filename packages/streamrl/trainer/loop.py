@@ -42,8 +42,9 @@ from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
 from streamrl.names import Keys
 from streamrl.rl.losses import check_rollout_logps
+from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.publish import WeightPublisher
-from streamrl.trainer.step import TrainState, build_batch
+from streamrl.trainer.step import Batch, TrainState, build_batch
 from streamrl.transport import Delivery, RedisStreamConsumer, publish
 from streamrl.wire import Group, TrainMetrics
 
@@ -82,8 +83,11 @@ class TrainerLoop:
     trained_ids: set[str] = field(default_factory=set)
     # (step, group ids trained at it) for every step of the current state's history
     lineage: list[tuple[int, list[str]]] = field(default_factory=list)
+    cluster: Cluster = field(default_factory=Cluster)
 
     def __post_init__(self) -> None:
+        if not self.cluster.leader:
+            return  # only the leader reads groups
         self.input = RedisStreamConsumer(
             self.client,
             self.keys,
@@ -120,8 +124,8 @@ class TrainerLoop:
                 out.append(d)
         return out
 
-    def train_once(self, groups: list[Delivery[Group]]) -> TrainMetrics:
-        start = time.monotonic()
+    def _batch(self, groups: list[Delivery[Group]]) -> tuple[Batch, list[float], list[int]]:
+        """The step's batch (rows padded to the step's multiple), rewards, min versions."""
         items, advantages, rewards, min_versions = [], [], [], []
         for d in groups:
             for traj, adv in zip(d.msg.members, d.msg.advantages, strict=True):
@@ -140,11 +144,24 @@ class TrainerLoop:
             for _, mask, logps in items:
                 check_rollout_logps(logps, mask)
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
-        batch = build_batch(items, advantages, self.pad_id, row_multiple)
+        return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
+
+    def train_once(self, groups: list[Delivery[Group]] | None) -> TrainMetrics | None:
+        """One step on `groups` (the leader's; None on the other processes, which get the
+        batch from the leader); the step's metrics on the leader, None elsewhere."""
+        start = time.monotonic()
+        fields = ("tokens", "mask", "old_logp", "advantages")
+        if groups is not None:
+            batch, rewards, min_versions = self._batch(groups)
+            arrays = [np.asarray(getattr(batch, f)) for f in fields]
+        shared = self.cluster.broadcast_arrays(arrays if groups is not None else None)
+        batch = Batch(**dict(zip(fields, shared, strict=True)))
         self.state, m = self.train_step(self.state, batch)
-        loss = float(m["loss"])
+        loss = scalar(m["loss"])
         if not math.isfinite(loss):
             raise NonFiniteLossError(f"loss is {loss} at step {self.step}: stopping the run")
+        if groups is None:
+            return None
         for d in groups:
             self.trained_ids.add(d.msg.group_id)
             self.unacked.append(d.entry_id)
@@ -155,10 +172,10 @@ class TrainerLoop:
             loss=loss,
             reward_mean=float(np.mean(rewards)),
             num_groups=len(groups),
-            num_sequences=len(items),
-            num_tokens=int(m["num_tokens"]),
-            clip_fraction=float(m["clip_fraction"]),
-            grad_norm=float(m["grad_norm"]),
+            num_sequences=len(rewards),
+            num_tokens=int(scalar(m["num_tokens"])),
+            clip_fraction=scalar(m["clip_fraction"]),
+            grad_norm=scalar(m["grad_norm"]),
             max_policy_lag=self.version - min(min_versions),
             step_time_s=time.monotonic() - start,
         )
@@ -187,14 +204,17 @@ class TrainerLoop:
         """Continue a run that already went on: restore the newest usable checkpoint under
         `root` (None: there is none, the state stays fresh), rewind the trainer's consumer
         group to its cut, and take a policy version above every one published before.
-        A fresh run (nothing published, no checkpoint) is left as it is."""
-        ckpts.remove_incomplete(root, self.log)
+        A fresh run (nothing published, no checkpoint) is left as it is. Every process
+        restores the same checkpoint; the leader alone does the Redis part."""
+        c = self.cluster
+        if c.leader:
+            ckpts.remove_incomplete(root, self.log)
+        c.barrier("resume-clean")
         restored = None
         for step, path in ckpts.step_dirs(root):
             try:
                 ck = ckpts.verify(path)
-                meta = ck.meta()
-                snap = ck.snapshot()
+                meta, snap = ck.meta(), ck.snapshot()
                 target = {
                     "params": self.state.params,
                     "opt_state": self.state.opt_state,
@@ -202,16 +222,13 @@ class TrainerLoop:
                 }
                 abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
                 tree = checkpointer.restore(ck.state_dir.resolve(), abstract)
+                ok = True
             except Exception as err:  # any unreadable part: the next older one
                 self.log.error("checkpoint_unusable", path=str(path), step=step, error=str(err))
-                continue
-            restored = (ck, meta, snap, tree)
-            break
-        published = self.client.get(self.keys.policy_version)
-        if restored is None and published is None:
-            return None  # a fresh run
-        groups = ckpts.StreamSnapshot(self.keys.groups, self.keys.CG_TRAINER, "", [], [])
-        meta_version = -1
+                ok = False
+            if all(np.asarray(c.gather(np.array([ok]))).ravel()):
+                restored = (ck, meta, snap, tree)
+                break
         if restored is not None:
             ck, meta, snap, tree = restored
             self.state = self.state.replace(
@@ -219,8 +236,16 @@ class TrainerLoop:
             )
             self.lineage = [(int(s), [str(g) for g in ids]) for s, ids in meta["lineage"]]
             self.trained_ids = {g for _, ids in self.lineage for g in ids}
-            meta_version = int(meta["version"])
-            groups = snap.stream(self.keys.groups) or groups
+        if not c.leader:
+            return self.step if restored is not None else None
+        published = self.client.get(self.keys.policy_version)
+        if restored is None and published is None:
+            return None  # a fresh run
+        groups = ckpts.StreamSnapshot(self.keys.groups, self.keys.CG_TRAINER, "", [], [])
+        meta_version = -1
+        if restored is not None:
+            meta_version = int(restored[1]["version"])
+            groups = restored[2].stream(self.keys.groups) or groups
         start = ckpts.rewind_group(self.client, groups)
         floor = self.client.get(self.keys.policy_floor)
         version = max(
@@ -241,15 +266,31 @@ class TrainerLoop:
         )
         return self.step
 
+    def _next_groups(self) -> list[Delivery[Group]] | None:
+        """The leader's groups for the next step; None when the run stops there. Every
+        process learns the leader's decision, so all stop at the same step."""
+        groups = None
+        if self.cluster.leader:
+            done = self.stop() or (self.max_steps != 0 and self.step >= self.max_steps)
+            groups = [] if done else self.collect()
+            if len(groups) < self.cfg.trainer.groups_per_step:
+                groups = None  # stopped while waiting
+        go = self.cluster.broadcast(np.array([groups is not None]))
+        if not bool(go[0]):
+            return None
+        return groups if self.cluster.leader else []
+
     def run(self) -> None:
         for hook in self.hooks:  # version 0: what rollout starts from
             if isinstance(hook, PublishHook):
                 hook(self, final=True)
-        while not self.stop() and (self.max_steps == 0 or self.step < self.max_steps):
-            groups = self.collect()
-            if len(groups) < self.cfg.trainer.groups_per_step:
-                break  # stopped while waiting
-            self.record(self.train_once(groups))
+        while True:
+            groups = self._next_groups()
+            if groups is None:
+                break
+            metrics = self.train_once(groups if self.cluster.leader else None)
+            if metrics is not None:
+                self.record(metrics)
             for hook in self.hooks:
                 if hook.every and self.step % hook.every == 0:
                     hook(self, final=False)
@@ -276,13 +317,18 @@ class PublishHook:
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         version = loop.version + 1 if self.published else loop.version
-        if self.adapters is None or self.publisher.base_version < 0:
+        gather, leader = loop.cluster.gather, loop.cluster.leader
+        if self.adapters is None or not self.published:
             # Under LoRA training the full version is the frozen base the adapters apply to.
             base = loop.state.base_params if self.adapters is not None else None
-            self.publisher.publish(loop.state.params if base is None else base, version, loop.step)
+            tree = gather(loop.state.params if base is None else base)
+            if leader:
+                self.publisher.publish(tree, version, loop.step)
         else:
             tree, lora = self.adapters(loop.state)
-            self.publisher.publish(tree, version, loop.step, lora)
+            tree = gather(tree)
+            if leader:
+                self.publisher.publish(tree, version, loop.step, lora)
         loop.version = version
         self.published += 1
 
@@ -301,22 +347,25 @@ class CheckpointHook:
         if loop.step == 0:
             return  # nothing trained: the starting point needs no checkpoint
         start = time.monotonic()
-        # The cut: the trainer is between steps, so its state is that of step N.
-        snapshot = ckpts.take_snapshot(loop.client, loop.keys)
+        c = loop.cluster
+        if c.leader:  # the cut: the trainer is between steps, its state is that of step N
+            snapshot = ckpts.take_snapshot(loop.client, loop.keys)
+            ckpts.prepare_dir(self.root, loop.step)
+        c.barrier(f"checkpoint-{loop.step}-dir")
+        path = ckpts.step_dir(self.root, loop.step)
         state = {
             "params": loop.state.params,
             "opt_state": loop.state.opt_state,
             "step": loop.state.step,
         }
-
-        def write_state(path: Path) -> None:
-            self.checkpointer.save(path.resolve(), state)
-            self.checkpointer.wait_until_finished()
-
-        ck = ckpts.write_checkpoint(
-            self.root,
+        self.checkpointer.save((path / ckpts.STATE).resolve(), state)  # each its own shards
+        self.checkpointer.wait_until_finished()
+        c.barrier(f"checkpoint-{loop.step}-state")
+        if not c.leader:
+            return
+        ck = ckpts.commit(
+            path,
             loop.step,
-            write_state,
             loop.checkpoint_meta(),
             snapshot,
             before_commit=lambda: failpoint(CHECKPOINT_COMMIT, loop.log),
@@ -372,13 +421,15 @@ class ExportHook:
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         start = time.monotonic()
+        params = loop.cluster.gather(loop.state.policy_params(self.lora))
+        if not loop.cluster.leader:
+            return
         parent = self.export_dir.parent
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.export_dir.name}-", dir=parent))
         old = parent / f"{tmp.name}-old"
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         try:
-            params = loop.state.policy_params(self.lora)
             export_checkpoint(tmp, self.spec, params, self.max_shard_bytes)
             for name in TOKENIZER_FILES:
                 if (self.source_dir / name).is_file():
