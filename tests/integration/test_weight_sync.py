@@ -38,6 +38,7 @@ from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower, WeightLoader
+from streamrl.trainer.cluster import Cluster
 from streamrl.trainer.loop import PublishHook
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel, read_published
@@ -263,7 +264,7 @@ def test_lora_publish_serves_exactly_the_merged_model(
     pub = WeightPublisher(rclient, keys, channel, LOG, keep=1)
     # A train state that holds adapters beside the frozen base (what LoRA training keeps).
     state = SimpleNamespace(params=adapters, base_params=base)
-    loop: Any = SimpleNamespace(version=0, step=0, state=state)
+    loop: Any = SimpleNamespace(version=0, step=0, state=state, cluster=Cluster())
     hook = PublishHook(1, pub, adapters=lambda st: (st.params, lora))
     follower = _follower(model, rclient, redis_url, keys)
 
