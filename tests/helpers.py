@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 from rq import Worker
 
 from streamrl.launcher import worker_command
+from streamrl.names import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.toml"
@@ -71,3 +75,16 @@ def live_in_group(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(d))
     return pids
+
+
+def queues_json(redis_url: str, keys: Keys) -> dict[str, Any]:
+    """`streamrl queues --json` for the run `keys`, as an operator runs it."""
+    p = subprocess.run(
+        [sys.executable, "-m", "streamrl_workers.cli", "queues", "--config",
+         "configs/tiny.toml", "--set", f"run.name={keys.ns}", "--json"],
+        cwd=REPO, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out: dict[str, Any] = json.loads(p.stdout)
+    return out

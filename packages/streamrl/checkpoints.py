@@ -47,6 +47,7 @@ import redis
 import structlog
 
 from streamrl.names import Keys
+from streamrl.transport import as_str, entry_id_key
 
 COMMIT = "COMMIT"
 META = "meta.json"
@@ -173,16 +174,12 @@ def _string_keys(keys: Keys) -> list[str]:
     return [keys.feeder_cursor, keys.policy_version, keys.policy_floor]
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
 def _pairs(flat: list[Any]) -> dict[str, bytes]:
-    return {_s(flat[i]): bytes(flat[i + 1]) for i in range(0, len(flat), 2)}
+    return {as_str(flat[i]): bytes(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def _entries(raw: list[Any]) -> list[Entry]:
-    return [(_s(eid), [bytes(x) for x in fields]) for eid, fields in raw]
+    return [(as_str(eid), [bytes(x) for x in fields]) for eid, fields in raw]
 
 
 def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
@@ -201,8 +198,8 @@ def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
         StreamSnapshot(
             stream=stream,
             group=group,
-            last_delivered=_s(last),
-            pending=[_s(p) for p in pend],
+            last_delivered=as_str(last),
+            pending=[as_str(p) for p in pend],
             entries=_entries(entries),
         )
         for (stream, group), (last, pend, entries) in zip(pairs, streams_raw, strict=True)
@@ -214,9 +211,9 @@ def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
         streams=streams,
         dead=_entries(dead),
         groups_started=_pairs(started),
-        partial_groups={_s(gid): _pairs(m) for gid, m in partial},
-        emitted=sorted(_s(x) for x in emitted),
-        dropped=sorted(_s(x) for x in dropped),
+        partial_groups={as_str(gid): _pairs(m) for gid, m in partial},
+        emitted=sorted(as_str(x) for x in emitted),
+        dropped=sorted(as_str(x) for x in dropped),
         hashes={k: _pairs(v) for k, v in zip(hkeys, hashes, strict=True) if v},
         strings={k: bytes(v) for k, v in zip(skeys, strings, strict=True) if v},
     )
@@ -282,7 +279,7 @@ def rewind_start(s: StreamSnapshot) -> str:
     """Where the group restarts so that it re-delivers its pending entries at the cut and
     everything after: just before the oldest pending id, else its last-delivered id."""
     if s.pending:
-        ms, _, seq = min(s.pending, key=_id_key).partition("-")
+        ms, _, seq = min(s.pending, key=entry_id_key).partition("-")
         m, q = int(ms), int(seq or 0)
         return f"{m}-{q - 1}" if q > 0 else (f"{m - 1}-18446744073709551615" if m > 0 else "0")
     return s.last_delivered or "0"
@@ -293,11 +290,6 @@ def rewind_group(client: redis.Redis, s: StreamSnapshot) -> str:
     start = rewind_start(s)
     client.eval(_REWIND, 1, s.stream, s.group, start)
     return start
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 # ---------------------------------------------------------------------------------------

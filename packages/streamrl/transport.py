@@ -69,7 +69,7 @@ def publish(client: redis.Redis | Pipeline, stream: str, msg: Message) -> Any:
     return client.xadd(stream, fields)
 
 
-def _sid(x: bytes | str) -> str:
+def as_str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
@@ -131,12 +131,12 @@ class RedisStreamConsumer(Generic[M]):
             if not entries:
                 self._read_from = ">"
                 return self.read(count, block_ms)
-            self._read_from = _sid(entries[-1][0])
+            self._read_from = as_str(entries[-1][0])
         for entry_id, fields in entries:
             if fields is None:  # 6.2 answers a deleted-but-pending entry with no fields
                 self.client.xack(self.stream, self.group, entry_id)
                 continue
-            d = self._decode(_sid(entry_id), fields, deliveries=1 if not history else 2)
+            d = self._decode(as_str(entry_id), fields, deliveries=1 if not history else 2)
             if d is not None:
                 out.append(d)
         return out
@@ -150,8 +150,8 @@ class RedisStreamConsumer(Generic[M]):
             start_id=self._claim_cursor,
             count=count,
         )
-        self._claim_cursor = _sid(resp[0])
-        entries = [(_sid(eid), fields) for eid, fields in resp[1]]
+        self._claim_cursor = as_str(resp[0])
+        entries = [(as_str(eid), fields) for eid, fields in resp[1]]
         if not entries:
             return []
         counts = self._delivery_counts([eid for eid, _ in entries])
@@ -180,12 +180,12 @@ class RedisStreamConsumer(Generic[M]):
         rows: Any = self.client.xpending_range(
             self.stream,
             self.group,
-            min=min(ids, key=_id_key),
-            max=max(ids, key=_id_key),
+            min=min(ids, key=entry_id_key),
+            max=max(ids, key=entry_id_key),
             count=len(ids) + 16,
             consumername=self.name,
         )
-        return {_sid(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     def _decode(self, entry_id: str, fields: dict[Any, Any], deliveries: int) -> Delivery[M] | None:
         try:
@@ -247,16 +247,28 @@ class RedisStreamConsumer(Generic[M]):
         self.log.error("dead_letter", entry_id=entry_id, reason=reason, deliveries=deliveries)
 
 
-def _id_key(entry_id: str) -> tuple[int, int]:
+def entry_id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as (ms, seq), for ordering ids."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
 
 
 # A worker rides out a Redis restart (the launcher brings a crashed server back from its
-# AOF in about a second): each command is retried on connection errors with backoff,
-# for about RETRY_S seconds in all, before the error propagates and the worker restarts.
-RETRY_S = 20.0
+# AOF in about a second): each command is retried on connection errors with backoff (up
+# to 1 s apart), about 20 s in all, before the error propagates and the worker restarts.
 _RETRIES = 30
+_BACKOFF = ExponentialBackoff(cap=1.0, base=0.05)
+
+
+def _options(retry: Retry | AsyncRetry) -> dict[str, Any]:
+    """Connection options both clients share: timeouts that fit blocking stream reads,
+    and `retry` on connection errors."""
+    return {
+        "socket_connect_timeout": 5,
+        "health_check_interval": 30,
+        "retry": retry,
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+    }
 
 
 def make_client(url: str, retries: int = _RETRIES, **kwargs: Any) -> redis.Redis:
@@ -264,23 +276,9 @@ def make_client(url: str, retries: int = _RETRIES, **kwargs: Any) -> redis.Redis
     commands across a short Redis outage (`retries` times, backoff up to 1 s). Every write
     the workers make is idempotent by id, so a retried command whose first attempt did land
     does no harm."""
-    return redis.Redis.from_url(
-        url,
-        socket_connect_timeout=5,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **kwargs,
-    )
+    return redis.Redis.from_url(url, **_options(Retry(_BACKOFF, retries)), **kwargs)
 
 
 def make_async_client(url: str, **kwargs: Any) -> aioredis.Redis:
     """The asyncio twin of `make_client`."""
-    return aioredis.Redis.from_url(
-        url,
-        socket_connect_timeout=5,
-        health_check_interval=30,
-        retry=AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), _RETRIES),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        **kwargs,
-    )
+    return aioredis.Redis.from_url(url, **_options(AsyncRetry(_BACKOFF, _RETRIES)), **kwargs)

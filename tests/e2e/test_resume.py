@@ -17,7 +17,7 @@ import redis
 
 from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
-from tests.e2e.test_up import assert_nothing_left, summary_of, up
+from tests.e2e.test_up import assert_nothing_left, started_pids, summary_of, up
 from tests.helpers import REPO, TINY
 
 # Two `streamrl up` runs each (the first of the session also trains the warm start).
@@ -132,11 +132,7 @@ def test_trainer_of_two_processes_trains_and_restarts_as_one(
     while ckpts.latest_complete(run_dir / "checkpoints") is None:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-    started = next(
-        json.loads(line)["pids"]
-        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
-        if '"workers_started"' in line
-    )
+    started = started_pids(run_dir)
     os.killpg(started["trainer-1"], signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out

@@ -55,6 +55,16 @@ def summary_of(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+def started_pids(run_dir: Path) -> dict[str, int]:
+    """Worker id -> pid of the workers as the launcher first started them."""
+    pids: dict[str, int] = next(
+        json.loads(line)["pids"]
+        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
+        if '"workers_started"' in line
+    )
+    return pids
+
+
 def assert_nothing_left(summary: dict[str, Any], workers: int = 6) -> None:
     pids = list(summary["worker_pids"].values())
     assert len(set(pids)) == len(pids) == workers  # tools x2, grouper, trainer, rollout, feeder
@@ -251,11 +261,7 @@ def test_crashed_workers_are_restarted_alone(
     while int(rclient.hget(keys.stats, "trainer_steps") or 0) < 1:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-    started = next(
-        json.loads(line)["pids"]
-        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
-        if '"workers_started"' in line
-    )
+    started = started_pids(run_dir)
     for name in ("grouper-0", "tools-1"):
         os.killpg(started[name], signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
@@ -337,11 +343,7 @@ def test_stalled_trainer_pauses_rollout(
     while stat("trainer_steps") < 1:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-    pid = next(
-        json.loads(line)["pids"]["trainer-0"]
-        for line in (run_dir / "logs" / "launcher.log").read_text().splitlines()
-        if '"workers_started"' in line
-    )
+    pid = started_pids(run_dir)["trainer-0"]
     os.kill(pid, signal.SIGSTOP)
     try:
         samples = []

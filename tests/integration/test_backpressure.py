@@ -3,10 +3,6 @@
 environment shows in `streamrl queues` as more half-filled groups, growing older."""
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import MutableMapping
 from typing import Any
@@ -23,7 +19,7 @@ from streamrl.queues import format_report, inspect
 from streamrl.rollout.worker import Backpressure
 from streamrl.transport import publish
 from streamrl.wire import Trajectory, pack_arrays
-from tests.helpers import REPO
+from tests.helpers import queues_json
 
 CFG = parse_config(
     {
@@ -108,18 +104,6 @@ def test_off_by_default(rclient: redis.Redis, redis_url: str, keys: Keys) -> Non
 
     assert not asyncio.run(go())
     assert pauses(rclient, keys) == 0
-
-
-def queues_json(redis_url: str, keys: Keys) -> dict[str, Any]:
-    p = subprocess.run(
-        [sys.executable, "-m", "streamrl_workers.cli", "queues", "--config",
-         "configs/tiny.toml", "--set", f"run.name={keys.ns}", "--json"],
-        cwd=REPO, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    out: dict[str, Any] = json.loads(p.stdout)
-    return out
 
 
 def test_slow_environment_shows_in_queues(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:

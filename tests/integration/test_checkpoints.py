@@ -12,7 +12,7 @@ import redis
 
 from streamrl import checkpoints as ck
 from streamrl.names import Keys
-from streamrl.transport import ensure_group
+from streamrl.transport import ensure_group, entry_id_key
 
 
 def _add(client: redis.Redis, stream: str, n: int, tag: str) -> list[str]:
@@ -91,7 +91,7 @@ def test_restore_into_an_empty_redis_delivers_the_unfinished_work_again(
     assert rclient.xlen(keys.dead) == 1
     # New entries get ids after the restored ones.
     new = _add(rclient, keys.tasks, 1, "later")[0]
-    assert ck._id_key(new) > ck._id_key(ids["tasks"][-1])
+    assert entry_id_key(new) > entry_id_key(ids["tasks"][-1])
 
 
 def test_restore_refuses_to_overwrite_a_live_run(rclient: redis.Redis, keys: Keys) -> None:
@@ -113,7 +113,7 @@ def test_rewind_redelivers_from_the_cut_and_leaves_no_stale_pending(
     s = snap.stream(keys.groups)
     assert s is not None
     start = ck.rewind_group(rclient, s)
-    assert ck._id_key(start) < ck._id_key(ids["groups"][1])
+    assert entry_id_key(start) < entry_id_key(ids["groups"][1])
     info: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
     assert info["pending"] == 0  # the old group's pending entries are gone with it
     got = _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10)

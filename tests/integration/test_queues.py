@@ -1,7 +1,6 @@
 """`streamrl queues` against a real redis-server: lengths, lag, pending, oldest pending age,
 dead letters by source, half-filled groups; dead letters replayed into their stream."""
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from streamrl.queues import format_report, inspect, replay_dead
 from streamrl.tasks.arithmetic import make_task
 from streamrl.transport import RedisStreamConsumer, publish
 from streamrl.wire import Task, Trajectory, pack_arrays
-from tests.helpers import REPO
+from tests.helpers import REPO, queues_json
 
 CFG = parse_config({"transport": {"block_ms": 5}})
 
@@ -65,14 +64,7 @@ def test_inspect_and_replay(rclient: redis.Redis, redis_url: str, keys: Keys) ->
     assert last[b"data"] == b"\xc1 broken"  # back in its stream, unchanged
 
     # The command line, as an operator runs it.
-    p = subprocess.run(
-        [sys.executable, "-m", "streamrl_workers.cli", "queues", "--config",
-         "configs/tiny.toml", "--set", f"run.name={keys.ns}", "--json"],
-        cwd=REPO, env={**os.environ, "REDIS_URL": redis_url}, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+    out = queues_json(redis_url, keys)
     assert out["partial_groups"] == 1 and {s["name"] for s in out["streams"]} >= {keys.tasks}
 
 

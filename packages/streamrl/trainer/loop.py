@@ -317,18 +317,17 @@ class PublishHook:
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         version = loop.version + 1 if self.published else loop.version
-        gather, leader = loop.cluster.gather, loop.cluster.leader
-        if self.adapters is None or not self.published:
+        lora: LoraConfig | None = None
+        if self.adapters is None:
+            tree = loop.state.params
+        elif not self.published:
             # Under LoRA training the full version is the frozen base the adapters apply to.
-            base = loop.state.base_params if self.adapters is not None else None
-            tree = gather(loop.state.params if base is None else base)
-            if leader:
-                self.publisher.publish(tree, version, loop.step)
+            tree = loop.state.base_params
         else:
             tree, lora = self.adapters(loop.state)
-            tree = gather(tree)
-            if leader:
-                self.publisher.publish(tree, version, loop.step, lora)
+        tree = loop.cluster.gather(tree)  # every process takes part; the leader publishes
+        if loop.cluster.leader:
+            self.publisher.publish(tree, version, loop.step, lora)
         loop.version = version
         self.published += 1
 
