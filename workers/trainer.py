@@ -33,7 +33,9 @@ def publish_hook(ctx: WorkerContext) -> PublishHook:
         channel = RedisChannel(client, ctx.keys, t.weights_chunk_mb << 20)
     else:
         channel = DirChannel(ctx.run_dir / "weights")
-    publisher = WeightPublisher(client, ctx.keys, channel, ctx.log, t.weights_keep)
+    publisher = WeightPublisher(
+        client, ctx.keys, channel, ctx.log, t.weights_keep, checksum=t.weights_checksum
+    )
     lora = lora_config(t)
     if t.publish == "lora" and lora is not None:
         return PublishHook(t.publish_every, publisher, adapters=lambda st: (st.params, lora))

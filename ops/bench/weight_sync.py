@@ -240,7 +240,7 @@ def nonzero_adapters(params: Any) -> Any:
 
 
 def sync_rows(
-    url: str, tmp: str, name: str, ckpt: str, followers: int, repeats: int
+    url: str, tmp: str, name: str, ckpt: str, followers: int, repeats: int, checksums: list[str]
 ) -> list[dict[str, Any]]:
     log = quiet_log()
     client = redis.Redis.from_url(url)
@@ -258,7 +258,9 @@ def sync_rows(
         for channel in ("dir", "redis"):
             pub = WeightPublisher(client, keys, channel_for(channel, client, keys, tmp), log)
             raw_channel = channel_for(channel, client, raw_keys, tmp)
-            for kind in ("full", "lora"):
+            runs = [("full", c) for c in checksums] + [("lora", checksums[0])]
+            for kind, algorithm in runs:
+                pub.checksum = algorithm  # type: ignore[assignment]
                 if kind == "lora" and pub.base_version < 0:
                     pub.publish(params, version, version)
                     wait_served(client, served_key(ns, False), followers, version)
@@ -284,7 +286,7 @@ def sync_rows(
                             step=0,
                             path=where.path,
                             nbytes=nbytes,
-                            sha256="",
+                            checksum="",
                             channel=channel,
                             chunks=where.chunks,
                         ),
@@ -301,6 +303,7 @@ def sync_rows(
                         model=name,
                         channel=channel,
                         kind=kind,
+                        checksum=algorithm,
                         followers=followers,
                         nbytes=nbytes,
                         sync=statistics.median(syncs),
@@ -317,7 +320,7 @@ def sync_rows(
 
 def print_sync_row(r: dict[str, Any]) -> None:
     print(
-        f"| {r['model']} | {r['channel']} | {r['kind']} | {r['followers']} | "
+        f"| {r['model']} | {r['channel']} | {r['kind']} | {r['checksum']} | {r['followers']} | "
         f"{r['nbytes'] / 2**20:.2f} | {r['sync'] * 1e3:.1f} | {r['move'] * 1e3:.1f} | "
         f"{r['sync'] / r['move']:.2f} |",
         flush=True,
@@ -481,6 +484,14 @@ def main() -> None:
     parser.add_argument("--stall-repeats", type=int, default=3)
     parser.add_argument("--stall-s", type=float, default=6.0, help="measured seconds per run")
     parser.add_argument("--every-ms", type=int, nargs="+", default=[500])
+    parser.add_argument("--followers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--checksum",
+        nargs="+",
+        default=["xxh3_128"],
+        choices=["xxh3_128", "sha256"],
+        help="checksums of full syncs (LoRA syncs use the first)",
+    )
     parser.add_argument("--skip-sync", action="store_true")
     parser.add_argument("--skip-stall", action="store_true")
     parser.add_argument("--follower", nargs=4, metavar=("URL", "NS", "CKPT", "INDEX"))
@@ -502,11 +513,14 @@ def main() -> None:
         for name, ckpt in models.items():
             print(describe(name, ckpt))
         if not args.skip_sync:
-            print("\n| model | channel | kind | followers | MiB | sync ms | bytes ms | ratio |")
-            print("|---|---|---|---:|---:|---:|---:|---:|")
+            print(
+                "\n| model | channel | kind | checksum | followers | MiB | sync ms | bytes ms "
+                "| ratio |"
+            )
+            print("|---|---|---|---|---:|---:|---:|---:|---:|")
             for name, ckpt in models.items():
-                for n in (1, 2):
-                    sync_rows(server.url, tmp, name, ckpt, n, args.repeats)
+                for n in args.followers:
+                    sync_rows(server.url, tmp, name, ckpt, n, args.repeats, args.checksum)
         if not args.skip_stall:
             stall_rows(
                 server.url, tmp, models["tiny"], args.every_ms, args.stall_s, args.stall_repeats

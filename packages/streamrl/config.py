@@ -552,6 +552,14 @@ class TrainerConfig(_Section):
     weights_chunk_mb: int = Field(
         4, ge=1, le=256, description="Size of one Redis key of published weights (MiB)."
     )
+    weights_checksum: Literal["xxh3_128", "sha256"] = Field(
+        "xxh3_128",
+        description=(
+            "Checksum of published weights, verified by every rollout worker before use: "
+            "`xxh3_128` (~10x faster; detects corruption and truncation) or `sha256` "
+            "(cryptographic: for a weights store that others can write to)."
+        ),
+    )
     weights_keep: int = Field(
         2,
         ge=1,

@@ -155,7 +155,8 @@ class Weights(Message, frozen=True, kw_only=True):
 
     `channel` "dir": the bytes are the file at `path`; "redis": they are split over
     `chunks` keys (`Keys.weights_chunk(version, i)`, whose common prefix is `path`).
-    `nbytes` and `sha256` are those of the whole byte string (Flax msgpack). `kind` "lora":
+    `nbytes` and `checksum` (`<algorithm>:<hex digest>`, see `streamrl.weightsync`) are
+    those of the whole byte string (`streamrl.model.weights`' format). `kind` "lora":
     the bytes are adapters only (`lora` gives rank, alpha, targets), merged into the full
     version `base_version`.
     """
@@ -165,7 +166,7 @@ class Weights(Message, frozen=True, kw_only=True):
     step: int
     path: str
     nbytes: int
-    sha256: str
+    checksum: str
     kind: Literal["full", "lora"] = "full"
     channel: Literal["dir", "redis"] = "dir"
     chunks: int = 0

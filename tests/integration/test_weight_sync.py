@@ -142,10 +142,10 @@ def _damage(kind: str, how: str, msg: Weights, client: redis.Redis, keys: Keys) 
 
 
 REASONS = {
-    ("dir", "flip"): r"weights file .*v000001\.msgpack has sha256 [0-9a-f]{64}, expected",
-    ("dir", "truncate"): r"weights file .*v000002\.msgpack has \d+ bytes, expected \d+",
-    ("dir", "delete"): r"weights file .*v000003\.msgpack is missing",
-    ("redis", "flip"): r"weights t\w+:weights:v000001:0\.\.\d+ in Redis has sha256 [0-9a-f]{64}",
+    ("dir", "flip"): r"weights file .*v000001\.weights has checksum xxh3_128:[0-9a-f]{32}, exp",
+    ("dir", "truncate"): r"weights file .*v000002\.weights has \d+ bytes, expected \d+",
+    ("dir", "delete"): r"weights file .*v000003\.weights is missing",
+    ("redis", "flip"): r"weights t\w+:weights:v000001:0\.\.\d+ in Redis has checksum xxh3_1",
     ("redis", "truncate"): r"weights t\w+:weights:v000002:0\.\.\d+ in Redis has \d+ bytes, exp",
     ("redis", "delete"): r"in Redis: chunks \[\d+\] are missing \(deleted or never written\)",
 }
@@ -212,7 +212,7 @@ def test_chunked_redis_round_trip_and_clean_up(
     assert msg.path == f"{keys.ns}:weights:v000000"
     sizes = [rclient.strlen(keys.weights_chunk(0, i)) for i in range(msg.chunks)]
     assert sizes[:-1] == [4096] * (msg.chunks - 1) and 0 < sizes[-1] <= 4096
-    assert read_published(msg, rclient, keys) == data
+    assert read_published(msg, rclient, keys).tobytes() == data
     assert _equal(params_from_bytes(params, read_published(msg, rclient, keys)), params)
     # Publishing goes on: only the last two versions stay in Redis.
     for v in range(1, 5):
@@ -300,8 +300,8 @@ def test_lora_publish_serves_exactly_the_merged_model(
         assert {int(k) for k in held} == {0, 2}
     else:
         assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [
-            "v000000.msgpack",
-            "v000002.msgpack",
+            "v000000.weights",
+            "v000002.weights",
         ]
 
 

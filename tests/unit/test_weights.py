@@ -1,4 +1,4 @@
-"""Weight files: round trip, and every kind of damage is a clear WeightsError."""
+"""Weights through a file: round trip, and every kind of damage is a clear WeightsError."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import msgspec
 import numpy as np
 import pytest
 
@@ -15,10 +16,11 @@ from streamrl.model.weights import (
     WeightsError,
     params_from_bytes,
     params_to_bytes,
-    read_weights,
-    sha256_hex,
-    write_weights,
+    params_to_pieces,
 )
+from streamrl.names import Keys
+from streamrl.weightsync import DirChannel, checksum, read_published
+from streamrl.wire import Weights
 
 SPEC = ModelSpec.from_config(
     {
@@ -45,42 +47,64 @@ def _equal(a: Params, b: Params) -> bool:
     return same_tree and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
 
 
-def test_round_trip(params: Params, tmp_path: Path) -> None:
+def _publish(path: Path, params: Params, algorithm: str = "xxh3_128") -> Weights:
+    """params written through a `dir` channel, announced as the trainer announces them."""
+    pieces = params_to_pieces(params)
+    where = DirChannel(path).write(1, pieces)
+    nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
+    return Weights(
+        version=1, step=1, path=where.path, nbytes=nbytes, checksum=checksum(algorithm, *pieces)
+    )
+
+
+def _read(msg: Weights, template: Params) -> Params:
+    return params_from_bytes(template, read_published(msg, None, Keys("t")))
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_round_trip(params: Params, tmp_path: Path, algorithm: str) -> None:
     assert _equal(params_from_bytes(params, params_to_bytes(params)), params)
-    path = tmp_path / "v1" / "weights.msgpack"
-    nbytes, digest = write_weights(path, params)
-    assert nbytes == path.stat().st_size
-    assert digest == sha256_hex(path.read_bytes())
+    msg = _publish(tmp_path / "w", params, algorithm)
+    path = Path(msg.path)
+    assert msg.nbytes == path.stat().st_size and path.name == "v000001.weights"
+    assert msg.checksum == checksum(algorithm, path.read_bytes())
+    assert msg.checksum.startswith(f"{algorithm}:")
     assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
     template = jax.eval_shape(lambda: params)  # shapes only, as a reader that has no params
-    assert _equal(read_weights(path, template, digest, nbytes), params)
+    assert _equal(_read(msg, template), params)
 
 
 def test_truncated_file(params: Params, tmp_path: Path) -> None:
-    path = tmp_path / "w.msgpack"
-    nbytes, digest = write_weights(path, params)
+    msg = _publish(tmp_path, params)
+    path = Path(msg.path)
     path.write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(WeightsError, match=rf"has {nbytes - 10} bytes, expected {nbytes}"):
-        read_weights(path, params, digest, nbytes)
+    with pytest.raises(WeightsError, match=rf"has {msg.nbytes - 10} bytes, expected {msg.nbytes}"):
+        _read(msg, params)
     # Even announced with its own size and checksum, a truncated body does not decode.
     data = path.read_bytes()
-    with pytest.raises(WeightsError, match="cannot decode weights"):
-        read_weights(path, params, sha256_hex(data), len(data))
+    cut = msgspec.structs.replace(msg, nbytes=len(data), checksum=checksum("xxh3_128", data))
+    with pytest.raises(WeightsError, match=r"cannot decode weights: .* past the end"):
+        _read(cut, params)
 
 
-def test_flipped_byte(params: Params, tmp_path: Path) -> None:
-    path = tmp_path / "w.msgpack"
-    nbytes, digest = write_weights(path, params)
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_flipped_byte(params: Params, tmp_path: Path, algorithm: str) -> None:
+    msg = _publish(tmp_path, params, algorithm)
+    path = Path(msg.path)
     data = bytearray(path.read_bytes())
-    data[nbytes // 2] ^= 0xFF
+    data[msg.nbytes // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(WeightsError, match=rf"sha256 [0-9a-f]{{64}}, expected {digest}"):
-        read_weights(path, params, digest, nbytes)
+    with pytest.raises(
+        WeightsError, match=rf"has checksum {algorithm}:[0-9a-f]+, expected {msg.checksum}"
+    ):
+        _read(msg, params)
 
 
 def test_missing_file_and_wrong_shapes(params: Params, tmp_path: Path) -> None:
-    with pytest.raises(WeightsError, match="is missing"):
-        read_weights(tmp_path / "nope", params, "0" * 64, 1)
+    msg = _publish(tmp_path, params)
+    Path(msg.path).unlink()
+    with pytest.raises(WeightsError, match=r"weights file .*v000001\.weights is missing"):
+        _read(msg, params)
     other = init_params(dataclasses.replace(SPEC, intermediate_size=64), seed=1)
     with pytest.raises(
         WeightsError,

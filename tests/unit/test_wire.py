@@ -48,7 +48,7 @@ MESSAGES: list[Message] = [
     ),
     _traj(),
     Group(group_id="g1", task_id="t1", members=[_traj(0), _traj(1)], advantages=[1.0, -1.0]),
-    Weights(version=2, step=2, path="/x/v2.msgpack", nbytes=10, sha256="ab" * 32),
+    Weights(version=2, step=2, path="/x/v2.weights", nbytes=10, checksum="xxh3_128:" + "ab" * 16),
     DeadLetter(
         source="s",
         entry_id="1-0",

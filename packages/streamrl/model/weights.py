@@ -1,144 +1,163 @@
-"""Parameter bytes for weight sync and caches: Flax msgpack, never pickle.
+"""Parameter bytes for weight sync: a flat, aligned layout of raw arrays, never pickle.
 
 The trainer serializes a version's parameters (or LoRA adapters only), writes the bytes
-through a channel (`streamrl.weightsync`) and announces byte count and sha256 on the
+through a channel (`streamrl.weightsync`) and announces byte count and checksum on the
 `weights` stream; a reader checks size and checksum before decoding, so a torn, truncated
-or tampered version is a clear `WeightsError`, never a half-loaded policy.
+or damaged version is a clear `WeightsError`, never a half-loaded policy.
 
-`params_to_bytes` writes exactly the bytes `flax.serialization.to_bytes` writes, with one
-copy of the array data instead of four (host copy, `tobytes`, inner and outer msgpack
-buffers): at 20 M parameters that is most of a publish's time on a CPU host.
+Layout (little-endian):
+
+    0   magic b"SRLWTS01"
+    8   u64 H, the header's length
+    16  header: msgpack array of [path, dtype, shape, offset, nbytes] per leaf, in the
+        order `jax.tree_util.tree_flatten_with_path` gives (path: `keystr`)
+    D   data, D = 16 + H rounded up to ALIGN (64); each array's C-order bytes at
+        D + offset, offsets multiples of ALIGN, zero padding between
+
+Writing costs no copy of the arrays (the pieces are views of host arrays); reading costs
+none either: decoded arrays are views of the reader's aligned buffer, which the CPU backend
+serves from in place (`jax.device_put` copies nothing at 64-byte alignment), and which
+accelerators copy to device memory once. A reader decodes only into the structure it
+expects (`template`): every path, dtype and shape must match it, and only the template's
+dtypes are ever constructed.
 """
 
 from __future__ import annotations
 
+import math
 import struct
-from pathlib import Path
 from typing import Any
 
-import flax.serialization
 import jax
 import msgspec
 import numpy as np
 
 from streamrl.model.lora import LoraConfig, LoraError, apply_lora, init_lora
-from streamrl.weightsync import Buffer, WeightsError, sha256_hex, verify, write_bytes_atomic
+from streamrl.weightsync import ALIGN, Buffer, WeightsError, as_aligned
 from streamrl.wire import LoraInfo
 
 __all__ = [
+    "MAGIC",
     "WeightsError",
     "adapters_template",
-    "decode_adapters",
     "lora_config",
     "lora_info",
     "merge_lora",
     "params_from_bytes",
     "params_to_bytes",
     "params_to_pieces",
-    "read_weights",
-    "sha256_hex",
-    "write_weights",
 ]
 
-_EXT_NDARRAY = 1  # flax.serialization._MsgpackExtType.ndarray
-_FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+MAGIC = b"SRLWTS01"
+_PREFIX = struct.Struct("<8sQ")
 
 
-class _Unsupported(Exception):
-    """A tree the fast writer does not handle: flax writes it instead."""
+class _Leaf(msgspec.Struct, array_like=True, frozen=True):
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+_HEADER = msgspec.msgpack.Decoder(list[_Leaf])
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def params_to_bytes(params: Any) -> bytes:
-    """Msgpack bytes of a parameter pytree (arrays as raw little-endian buffers), exactly
-    those of `flax.serialization.to_bytes(params)`."""
+    """The bytes of a parameter pytree in this module's layout."""
     return b"".join(params_to_pieces(params))
 
 
 def params_to_pieces(params: Any) -> list[Buffer]:
-    """`params_to_bytes(params)` as consecutive pieces: msgpack headers and views of the
-    arrays themselves (host arrays are not copied), for a writer that needs no single
-    buffer (a file: one copy fewer)."""
-    state = flax.serialization.to_state_dict(params)
-    pieces: list[Buffer] = []
-    try:
-        _pack(state, pieces)
-    except _Unsupported:
-        return [flax.serialization.to_bytes(params)]
+    """`params_to_bytes(params)` as consecutive pieces: prefix, header, padding, and views
+    of the arrays themselves (host arrays are not copied), for a writer that needs no
+    single buffer. Leaves must be arrays (or array-likes) of a plain numeric dtype."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    leaves: list[_Leaf] = []
+    arrays: list[np.ndarray] = []
+    offset = 0
+    for path, leaf in flat:
+        arr = np.asarray(leaf)  # a view of a host array, not a copy
+        if arr.dtype.hasobject or arr.dtype.fields is not None:
+            raise TypeError(f"{jax.tree_util.keystr(path)}: cannot publish dtype {arr.dtype}")
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # (np.ascontiguousarray makes a scalar 1-d)
+        offset = _aligned(offset)
+        leaves.append(
+            _Leaf(jax.tree_util.keystr(path), arr.dtype.name, arr.shape, offset, arr.nbytes)
+        )
+        arrays.append(arr)
+        offset += arr.nbytes
+    header = msgspec.msgpack.encode(leaves)
+    data_at = _aligned(_PREFIX.size + len(header))
+    pieces: list[Buffer] = [
+        _PREFIX.pack(MAGIC, len(header)),
+        header,
+        bytes(data_at - _PREFIX.size - len(header)),
+    ]
+    at = 0
+    for leaf, arr in zip(leaves, arrays, strict=True):
+        if leaf.offset > at:
+            pieces.append(bytes(leaf.offset - at))
+        pieces.append(arr.reshape(-1).view(np.uint8).data)
+        at = leaf.offset + leaf.nbytes
     return pieces
 
 
-def _pack(obj: Any, out: list[Buffer]) -> None:
-    if isinstance(obj, dict):
-        n = len(obj)
-        if n < 16:
-            out.append(bytes([0x80 | n]))
-        elif n < 2**16:
-            out.append(struct.pack(">BH", 0xDE, n))
-        else:
-            out.append(struct.pack(">BI", 0xDF, n))
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise _Unsupported
-            out.append(msgspec.msgpack.encode(k))
-            _pack(v, out)
-    elif isinstance(obj, np.ndarray | jax.Array):
-        _pack_array(np.asarray(obj), out)  # a view of a host array, not a copy
-    else:
-        raise _Unsupported
-
-
-def _pack_array(arr: np.ndarray, out: list[Buffer]) -> None:
-    """flax's ext 1: msgpack of (shape, dtype name, C-order bytes), the bytes as `bin`."""
-    dt = arr.dtype
-    if dt.hasobject or dt.isalignedstruct or dt.byteorder == ">" or arr.nbytes >= 2**30:
-        raise _Unsupported  # flax refuses, or chunks these (> its MAX_CHUNK_SIZE)
-    body = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    head = bytearray(msgspec.msgpack.encode((arr.shape, dt.name)))
-    head[0] = 0x93  # (shape, name) is a fixarray of 2; the bytes make it 3
-    n = body.nbytes
-    if n < 2**8:
-        head += struct.pack(">BB", 0xC4, n)
-    elif n < 2**16:
-        head += struct.pack(">BH", 0xC5, n)
-    else:
-        head += struct.pack(">BI", 0xC6, n)
-    size = len(head) + n
-    if size in _FIXEXT:
-        out.append(struct.pack(">BB", _FIXEXT[size], _EXT_NDARRAY))
-    elif size < 2**8:
-        out.append(struct.pack(">BBB", 0xC7, size, _EXT_NDARRAY))
-    elif size < 2**16:
-        out.append(struct.pack(">BHB", 0xC8, size, _EXT_NDARRAY))
-    else:
-        out.append(struct.pack(">BIB", 0xC9, size, _EXT_NDARRAY))
-    out.append(bytes(head))
-    out.append(body.data)  # a memoryview of the array's own bytes
-
-
-def params_from_bytes(template: Any, data: bytes) -> Any:
+def params_from_bytes(template: Any, data: Buffer | np.ndarray) -> Any:
     """Parameters decoded from `data` in the structure of `template`, as jax arrays.
 
     `template` may hold arrays or jax.ShapeDtypeStruct leaves; every decoded leaf must
-    match its template leaf's shape and dtype. Raises WeightsError otherwise.
+    match its template leaf's path, shape and dtype. Raises WeightsError otherwise. An
+    aligned uint8 buffer (`weightsync.fetch_published`) is used in place, and must not be
+    written to afterwards; any other `data` is copied once into one.
     """
+    buf = as_aligned(data)
+    if buf.size < _PREFIX.size:
+        raise WeightsError(f"cannot decode weights: {buf.size} bytes, not even a header")
+    view = memoryview(buf.data)
+    magic, hlen = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise WeightsError(f"cannot decode weights: magic {magic!r}, expected {MAGIC!r}")
+    if _PREFIX.size + hlen > buf.size:
+        raise WeightsError(f"cannot decode weights: header of {hlen} bytes in {buf.size}")
     try:
-        state = flax.serialization.msgpack_restore(data)
-        restored = flax.serialization.from_state_dict(template, state)
-    # msgpack reports bad bytes through a zoo of exception types (ExtraData, ValueError,
-    # TypeError, KeyError on a structure mismatch...): all mean "not these weights".
-    except Exception as err:
-        raise WeightsError(f"cannot decode weights: {type(err).__name__}: {err}") from None
-    want = jax.tree_util.tree_leaves_with_path(template)
-    got = jax.tree.leaves(restored)
-    if len(want) != len(got):
-        raise WeightsError(f"weights have {len(got)} arrays, expected {len(want)}")
-    for (path, w), g in zip(want, got, strict=True):
-        if tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
+        leaves = _HEADER.decode(view[_PREFIX.size : _PREFIX.size + hlen])
+    except msgspec.MsgspecError as err:
+        raise WeightsError(f"cannot decode weights: bad header: {err}") from None
+    data_at = _aligned(_PREFIX.size + hlen)
+    want, treedef = jax.tree_util.tree_flatten_with_path(template)
+    if len(want) != len(leaves):
+        raise WeightsError(f"weights have {len(leaves)} arrays, expected {len(want)}")
+    arrays = []
+    for (path, w), leaf in zip(want, leaves, strict=True):
+        name = jax.tree_util.keystr(path)
+        dtype, shape = np.dtype(w.dtype), tuple(w.shape)
+        if leaf.path != name:
+            raise WeightsError(f"weights hold {leaf.path} where {name} was expected")
+        if leaf.dtype != dtype.name or leaf.shape != shape:
             raise WeightsError(
-                f"weights {jax.tree_util.keystr(path)} are {g.dtype}{list(g.shape)}, "
-                f"expected {w.dtype}{list(w.shape)}"
+                f"weights {name} are {leaf.dtype}{list(leaf.shape)}, "
+                f"expected {dtype.name}{list(shape)}"
             )
-    return jax.device_put(restored)  # one call for the tree: faster than leaf by leaf
+        count = math.prod(shape)
+        end = data_at + leaf.offset + leaf.nbytes
+        if leaf.nbytes != count * dtype.itemsize or leaf.offset % ALIGN or leaf.offset < 0:
+            raise WeightsError(f"cannot decode weights: {name} has a bad offset or size")
+        if end > buf.size:
+            raise WeightsError(
+                f"cannot decode weights: {name} ends at byte {end}, past the end ({buf.size})"
+            )
+        at = data_at + leaf.offset
+        arrays.append(np.frombuffer(buf, dtype, count, at).reshape(shape))
+    # One call for the tree; on the CPU backend the arrays stay where they are.
+    return jax.device_put(jax.tree_util.tree_unflatten(treedef, arrays))
 
 
 # -- LoRA adapters ------------------------------------------------------------------------
@@ -169,36 +188,3 @@ def adapters_template(base: Any, cfg: LoraConfig) -> Any:
 # One XLA program for every kernel's `W + scale * A @ B` (compiled once per model and
 # config): 2x faster than op by op, and bit for bit the same.
 merge_lora = jax.jit(apply_lora, static_argnums=2)
-
-
-def decode_adapters(template: Any, data: bytes) -> Any:
-    """Adapters decoded from `data` (`template`: see adapters_template)."""
-    return params_from_bytes(template, data)
-
-
-# -- files (caches, tests) ----------------------------------------------------------------
-
-
-def write_weights(path: str | Path, params: Any) -> tuple[int, str]:
-    """Write params atomically to path; returns (byte count, sha256 hex) to announce."""
-    data = params_to_bytes(params)
-    write_bytes_atomic(path, data)
-    return len(data), sha256_hex(data)
-
-
-def read_weights(path: str | Path, template: Any, sha256: str, nbytes: int) -> Any:
-    """Parameters from a file written by write_weights, checked against size and sha256.
-
-    Raises WeightsError on a missing file, a size or checksum mismatch, or bytes that do
-    not decode into `template`'s structure.
-    """
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise WeightsError(f"weights file {p} is missing") from None
-    verify(data, nbytes, sha256, f"weights file {p}")
-    try:
-        return params_from_bytes(template, data)
-    except WeightsError as err:
-        raise WeightsError(f"weights file {p}: {err}") from None

@@ -38,10 +38,13 @@ from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import adapters_template, lora_config, merge_lora, params_from_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
-from streamrl.weightsync import WeightsError, check_sha256, describe, fetch_published
+from streamrl.weightsync import WeightsError, check_checksum, describe, fetch_published
 from streamrl.wire import Weights, WireError, decode
 
 SyncMode = Literal["continue", "finish", "pause"]
+
+# Versions at least this big are checksummed on a second thread while they decode.
+HASH_ON_THREAD_BYTES = 8 << 20
 
 
 class SyncLock:
@@ -88,9 +91,9 @@ class WeightLoader:
     """Published version -> serving params (runs on a thread).
 
     Full versions decode into `template`'s structure and become the base that later
-    adapter-only versions are merged into (`apply_lora`, merged). The sha256 is checked
-    while the bytes decode, on a second thread; decoded params are used only once it
-    matched.
+    adapter-only versions are merged into (`apply_lora`, merged). The checksum of a big
+    version is checked while the bytes decode, on a second thread; decoded params are used
+    only once it matched.
     """
 
     def __init__(self, client: redis.Redis | None, keys: Keys, template: Any, base: Any) -> None:
@@ -122,7 +125,13 @@ class WeightLoader:
 
     def _fetch_decode(self, msg: Weights, template: Any) -> Any:
         data = fetch_published(msg, self.client, self.keys)
-        checked = self._hasher.submit(check_sha256, data, msg.sha256, describe(msg))
+        if msg.nbytes < HASH_ON_THREAD_BYTES:  # a hand-off would cost more than hashing
+            check_checksum(data, msg.checksum, describe(msg))
+            try:
+                return params_from_bytes(template, data)
+            except WeightsError as err:
+                raise WeightsError(f"{describe(msg)}: {err}") from None
+        checked = self._hasher.submit(check_checksum, data, msg.checksum, describe(msg))
         try:
             params = params_from_bytes(template, data)
         except WeightsError as err:

@@ -23,7 +23,7 @@ from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import lora_info, params_to_pieces
 from streamrl.names import Keys
 from streamrl.transport import publish
-from streamrl.weightsync import WeightsChannel, sha256_hex
+from streamrl.weightsync import Checksum, WeightsChannel, checksum
 from streamrl.wire import Weights
 
 
@@ -34,6 +34,7 @@ class WeightPublisher:
     channel: WeightsChannel
     log: structlog.stdlib.BoundLogger
     keep: int = 2
+    checksum: Checksum = "xxh3_128"
     base_version: int = -1  # the last full version published
     _bases: dict[int, int] = field(default_factory=dict)  # version -> full version it needs
     _hasher: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
@@ -48,7 +49,7 @@ class WeightPublisher:
         pieces = params_to_pieces(tree)
         serialized_s = time.monotonic() - start
         # The checksum is computed while the channel writes (both leave the GIL).
-        hashing = self._hasher.submit(sha256_hex, *pieces)
+        hashing = self._hasher.submit(checksum, self.checksum, *pieces)
         where = self.channel.write(version, pieces)
         digest = hashing.result()
         failpoint(WEIGHTS_PUBLISH, self.log)  # written, not yet signalled
@@ -57,7 +58,7 @@ class WeightPublisher:
             step=step,
             path=where.path,
             nbytes=sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces),
-            sha256=digest,
+            checksum=digest,
             kind="full" if lora is None else "lora",
             channel=self.channel.name,
             chunks=where.chunks,
