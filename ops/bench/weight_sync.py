@@ -16,7 +16,11 @@ EngineServer), it measures side by side:
 - bytes: the same number of raw bytes written through the same channel, signalled the
          same way and read back by every follower (no serialization, no checksum, no
          decoding): the floor a sync through that channel can reach;
-- ratio: sync / bytes.
+- ratio: sync / bytes, the median of each repeat's ratio (a sync and its byte move run
+         back to back, so slow spells of the machine hit both).
+
+publish ms and write ms: the trainer side's part of each (until `publish` returns, until
+the raw bytes are written and signalled).
 
 Part 2, rollout stall. One engine (tiny model, 16 slots) decodes 16 concurrent episodes of
 3 turns x 24 tokens without pause, gated by the real SyncLock, while a simulated trainer
@@ -265,13 +269,14 @@ def sync_rows(
                     pub.publish(params, version, version)
                     wait_served(client, served_key(ns, False), followers, version)
                     version += 1
-                syncs, moves, nbytes = [], [], 0
+                syncs, moves, pubs, writes, nbytes = [], [], [], [], 0
                 for rep in range(repeats + 1):  # the first: a warm-up
                     start = time.time()
                     if kind == "full":
                         msg = pub.publish(params, version, version)
                     else:
                         msg = pub.publish(adapters, version, version, LORA)
+                    published = time.time() - start
                     sync = wait_served(client, served_key(ns, False), followers, version) - start
                     version += 1
                     nbytes = msg.nbytes
@@ -291,6 +296,7 @@ def sync_rows(
                             chunks=where.chunks,
                         ),
                     )
+                    written = time.time() - start
                     move = wait_served(client, served_key(ns, True), followers, raw_version)
                     move -= start
                     raw_channel.prune({raw_version})
@@ -298,6 +304,8 @@ def sync_rows(
                     if rep:
                         syncs.append(sync)
                         moves.append(move)
+                        pubs.append(published)
+                        writes.append(written)
                 rows.append(
                     dict(
                         model=name,
@@ -308,6 +316,9 @@ def sync_rows(
                         nbytes=nbytes,
                         sync=statistics.median(syncs),
                         move=statistics.median(moves),
+                        publish=statistics.median(pubs),
+                        write=statistics.median(writes),
+                        ratio=statistics.median(a / b for a, b in zip(syncs, moves, strict=True)),
                     )
                 )
                 print_sync_row(rows[-1])
@@ -321,8 +332,8 @@ def sync_rows(
 def print_sync_row(r: dict[str, Any]) -> None:
     print(
         f"| {r['model']} | {r['channel']} | {r['kind']} | {r['checksum']} | {r['followers']} | "
-        f"{r['nbytes'] / 2**20:.2f} | {r['sync'] * 1e3:.1f} | {r['move'] * 1e3:.1f} | "
-        f"{r['sync'] / r['move']:.2f} |",
+        f"{r['nbytes'] / 2**20:.2f} | {r['publish'] * 1e3:.1f} | {r['sync'] * 1e3:.1f} | "
+        f"{r['write'] * 1e3:.1f} | {r['move'] * 1e3:.1f} | {r['ratio']:.2f} |",
         flush=True,
     )
 
@@ -485,6 +496,7 @@ def main() -> None:
     parser.add_argument("--stall-s", type=float, default=6.0, help="measured seconds per run")
     parser.add_argument("--every-ms", type=int, nargs="+", default=[500])
     parser.add_argument("--followers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=["tiny", "20M"], choices=["tiny", "20M"])
     parser.add_argument(
         "--checksum",
         nargs="+",
@@ -514,11 +526,13 @@ def main() -> None:
             print(describe(name, ckpt))
         if not args.skip_sync:
             print(
-                "\n| model | channel | kind | checksum | followers | MiB | sync ms | bytes ms "
-                "| ratio |"
+                "\n| model | channel | kind | checksum | followers | MiB | publish ms | sync ms "
+                "| write ms | bytes ms | ratio |"
             )
-            print("|---|---|---|---|---:|---:|---:|---:|---:|")
+            print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
             for name, ckpt in models.items():
+                if name not in args.models:
+                    continue
                 for n in args.followers:
                     sync_rows(server.url, tmp, name, ckpt, n, args.repeats, args.checksum)
         if not args.skip_stall:

@@ -13,8 +13,9 @@ a forger) or `sha256` (~1 GB/s, cryptographic: for a weights store that others c
 
 - `dir`: one file per version in the run's weights directory, written to a temporary
   name, fsynced and renamed into place (readers see the whole file or none).
-- `redis`: the bytes split into `chunk_bytes` string keys under the run namespace, written
-  in one pipeline before the signal, read back in one pipeline. Nothing needs a shared
+- `redis`: the bytes split into string keys of at most `chunk_bytes` under the run
+  namespace (each big array's bytes go to keys of their own, uncopied), written in one
+  pipeline before the signal, read back in one pipeline. Nothing needs a shared
   file system, at the price of holding `keep` versions in Redis memory (and its AOF).
 
 After each publish both channels delete all but the newest `keep` versions and the full
@@ -42,6 +43,7 @@ from streamrl.wire import Weights
 __all__ = [
     "ALIGN",
     "CHECKSUMS",
+    "HASH_ON_THREAD_BYTES",
     "Buffer",
     "Checksum",
     "DirChannel",
@@ -55,6 +57,7 @@ __all__ = [
     "describe",
     "fetch_published",
     "read_published",
+    "split_chunks",
     "write_bytes_atomic",
 ]
 
@@ -91,6 +94,10 @@ class WeightsChannel(Protocol):
 Checksum = Literal["xxh3_128", "sha256"]
 CHECKSUMS: tuple[Checksum, ...] = ("xxh3_128", "sha256")
 _HASHES: dict[str, Any] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+# Versions at least this big are hashed on a second thread while they are written or
+# decoded; smaller ones inline (a thread hand-off costs more than hashing them).
+HASH_ON_THREAD_BYTES = 8 << 20
 
 # Arrays a reader decodes are views of its buffer; at this alignment the CPU backend uses
 # them in place (no copy into device memory), and every array starts on a cache line.
@@ -211,18 +218,15 @@ class RedisChannel:
             raise ValueError(f"chunk_bytes must be positive, not {self.chunk_bytes}")
 
     def write(self, version: int, pieces: Sequence[Buffer]) -> Written:
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        view = memoryview(data).cast("B")  # slices of a view are not copies
-        chunks = max(1, -(-len(data) // self.chunk_bytes))
+        chunks = split_chunks(pieces, self.chunk_bytes)
         # Not a transaction: the version is not announced until the signal, written after
         # every chunk is stored, so a reader never sees part of it.
         pipe = self.client.pipeline(transaction=False)
-        for i in range(chunks):
-            chunk = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+        for i, chunk in enumerate(chunks):
             pipe.set(self.keys.weights_chunk(version, i), chunk)
-        pipe.hset(self.keys.weights_chunks, str(version), chunks)
+        pipe.hset(self.keys.weights_chunks, str(version), len(chunks))
         pipe.execute()
-        return Written(self.keys.weights_blob(version), chunks)
+        return Written(self.keys.weights_blob(version), len(chunks))
 
     def prune(self, keep: set[int]) -> list[int]:
         held: Any = self.client.hgetall(self.keys.weights_chunks)
@@ -235,6 +239,32 @@ class RedisChannel:
             pipe.hdel(self.keys.weights_chunks, str(version))
         pipe.execute()
         return sorted(stale)
+
+
+def split_chunks(pieces: Sequence[Buffer], limit: int) -> list[Buffer]:
+    """The concatenation of `pieces` as consecutive chunks of at most `limit` bytes, with
+    few copies: a piece over `limit // 16` bytes (an array) becomes chunks of its own, views
+    of its memory; smaller ones (headers, padding, small arrays) are joined into chunks."""
+    out: list[Buffer] = []
+    small: list[memoryview] = []
+    size = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        n = len(view)
+        if n <= limit // 16:
+            if size + n > limit:
+                out.append(b"".join(small))
+                small, size = [], 0
+            small.append(view)
+            size += n
+            continue
+        if small:
+            out.append(b"".join(small))
+            small, size = [], 0
+        out.extend(view[i : i + limit] for i in range(0, n, limit))
+    if small or not out:
+        out.append(b"".join(small))
+    return out
 
 
 def describe(msg: Weights) -> str:

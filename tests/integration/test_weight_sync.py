@@ -208,10 +208,10 @@ def test_chunked_redis_round_trip_and_clean_up(
     pub = WeightPublisher(rclient, keys, channel, LOG, keep=2)
     msg = pub.publish(params, 0, 0)
     assert msg.channel == "redis" and msg.nbytes == len(data)
-    assert msg.chunks == -(-len(data) // 4096) > 2
+    assert msg.chunks >= -(-len(data) // 4096) > 2
     assert msg.path == f"{keys.ns}:weights:v000000"
     sizes = [rclient.strlen(keys.weights_chunk(0, i)) for i in range(msg.chunks)]
-    assert sizes[:-1] == [4096] * (msg.chunks - 1) and 0 < sizes[-1] <= 4096
+    assert all(0 < n <= 4096 for n in sizes) and sum(sizes) == len(data)
     assert read_published(msg, rclient, keys).tobytes() == data
     assert _equal(params_from_bytes(params, read_published(msg, rclient, keys)), params)
     # Publishing goes on: only the last two versions stay in Redis.

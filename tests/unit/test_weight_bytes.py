@@ -40,6 +40,7 @@ from streamrl.weightsync import (
     as_aligned,
     check_checksum,
     checksum,
+    split_chunks,
 )
 from tests.conftest import REPO
 
@@ -131,6 +132,28 @@ def test_damaged_layouts_are_weights_errors() -> None:
     for bad, reason in cases:
         with pytest.raises(WeightsError, match=reason):
             params_from_bytes(tree, bad)
+
+
+def test_split_chunks() -> None:
+    big = np.arange(10_000, dtype=np.uint8)
+    pieces: list[bytes | memoryview] = [b"head", bytes(60), big.data, b"x" * 100, b"tail"]
+    whole = b"".join(pieces)
+    for limit in (1024, 4096, 20_000):
+        chunks = split_chunks(pieces, limit)
+        assert b"".join(chunks) == whole
+        assert all(0 < len(c) <= limit for c in chunks)
+        # The big array travels as views of its own memory, not copies.
+        views = [
+            c
+            for c in chunks
+            if isinstance(c, memoryview) and np.shares_memory(np.frombuffer(c, np.uint8), big)
+        ]
+        assert sum(len(v) for v in views) == big.nbytes
+    # Only small pieces: joined, up to the limit each.
+    small = [bytes([i]) * 5 for i in range(40)]
+    chunks = split_chunks(small, 160)
+    assert [len(c) for c in chunks] == [160, 40] and b"".join(chunks) == b"".join(small)
+    assert split_chunks([], 64) == [b""]
 
 
 def test_checksums() -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import jax
 import redis
 import redis.asyncio as aioredis
 import structlog
@@ -38,13 +39,16 @@ from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import adapters_template, lora_config, merge_lora, params_from_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
-from streamrl.weightsync import WeightsError, check_checksum, describe, fetch_published
+from streamrl.weightsync import (
+    HASH_ON_THREAD_BYTES,
+    WeightsError,
+    check_checksum,
+    describe,
+    fetch_published,
+)
 from streamrl.wire import Weights, WireError, decode
 
 SyncMode = Literal["continue", "finish", "pause"]
-
-# Versions at least this big are checksummed on a second thread while they decode.
-HASH_ON_THREAD_BYTES = 8 << 20
 
 
 class SyncLock:
@@ -106,6 +110,11 @@ class WeightLoader:
         self._hasher = ThreadPoolExecutor(1)
 
     def __call__(self, msg: Weights, base_msg: Weights | None) -> Any:
+        # Ready before they are swapped in (the engine decodes with the old params until
+        # then, instead of waiting for a copy or merge at its next step).
+        return jax.block_until_ready(self._load(msg, base_msg))
+
+    def _load(self, msg: Weights, base_msg: Weights | None) -> Any:
         if msg.kind == "full":
             params = self._fetch_decode(msg, self.template)
             self.base, self.base_version = params, msg.version
@@ -117,7 +126,7 @@ class WeightLoader:
                     f"adapters of version {msg.version} apply to full version "
                     f"{msg.base_version}, which this worker has not seen"
                 )
-            self(base_msg, None)
+            self._load(base_msg, None)
         if cfg not in self._adapter_templates:
             self._adapter_templates[cfg] = adapters_template(self.template, cfg)
         adapters = self._fetch_decode(msg, self._adapter_templates[cfg])
