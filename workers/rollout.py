@@ -61,8 +61,10 @@ async def serve(
         on_server(server)
     aclient = make_async_client(ctx.redis_url)
     # The checkpoint's params: the structure versions decode into, and the base adapters
-    # merge into until the trainer publishes a full version.
-    loader = WeightLoader(ctx.client(), ctx.keys, engine.params, engine.params)
+    # apply to until the trainer publishes a full version.
+    loader = WeightLoader(
+        ctx.client(), ctx.keys, engine.params, engine.params, cfg.rollout.lora_serving
+    )
     follower = WeightFollower(
         aclient, ctx.keys, server, loader, SyncLock(), ctx.log, cfg.rollout.sync_mode
     )

@@ -30,6 +30,10 @@ workload with no publishing (median of the runs without syncs, interleaved), the
 stall (time it held or swapped weights with work waiting, over wall time), and the share
 of wall time no new episode could start (the lock closed).
 
+Part 1 also runs each LoRA row with `rollout.lora_serving = "attached"` (the adapters
+beside the kernels, nothing merged: `lora attached`), and measures what that costs
+decoding: one engine's tokens/s serving merged against attached adapters.
+
 Medians over `--repeats` runs after one warm-up.
 """
 
@@ -58,14 +62,27 @@ import structlog
 from streamrl.config import load_config
 from streamrl.model.checkpoint import build_tiny_checkpoint, load_checkpoint
 from streamrl.model.engine import Engine, EngineConfig
-from streamrl.model.lora import TARGETS, LoraConfig, init_lora, num_adapter_params
+from streamrl.model.lora import (
+    TARGETS,
+    LoraConfig,
+    attach_lora,
+    init_lora,
+    merge_lora,
+    num_adapter_params,
+)
 from streamrl.model.sampling import GenRequest, SamplingParams
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis
 from streamrl.rollout.engine_server import EngineServer
-from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower, WeightLoader
+from streamrl.rollout.weights import (
+    LoraServing,
+    SyncLock,
+    SyncMode,
+    WeightFollower,
+    WeightLoader,
+)
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.transport import publish
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
@@ -144,14 +161,15 @@ def fetch_raw(msg: Weights, client: redis.Redis, keys: Keys) -> bytes:
 # -- follower process ---------------------------------------------------------------------
 
 
-async def follower_main(url: str, ns: str, ckpt: str, index: int) -> None:
+async def follower_main(url: str, ns: str, ckpt: str, index: int, lora_serving: str) -> None:
     log = quiet_log()
     spec, params = load_checkpoint(ckpt)
     server = EngineServer(small_engine(spec, params), -1, log)
     keys, raw_keys = Keys(ns), Keys(f"{ns}-raw")
     client = redis.Redis.from_url(url)
     aclient = aioredis.Redis.from_url(url)
-    loader = WeightLoader(client, keys, params, params)
+    serving: LoraServing = "attached" if lora_serving == "attached" else "merged"
+    loader = WeightLoader(client, keys, params, params, serving)
     follower = WeightFollower(aclient, keys, server, loader, SyncLock(), log)
     parts = [
         asyncio.create_task(server.serve()),
@@ -244,15 +262,23 @@ def nonzero_adapters(params: Any) -> Any:
 
 
 def sync_rows(
-    url: str, tmp: str, name: str, ckpt: str, followers: int, repeats: int, checksums: list[str]
+    url: str,
+    tmp: str,
+    name: str,
+    ckpt: str,
+    followers: int,
+    repeats: int,
+    checksums: list[str],
+    lora_serving: str = "merged",
 ) -> list[dict[str, Any]]:
+    """Rows of sync against byte-move time; with `lora_serving` "attached", LoRA only."""
     log = quiet_log()
     client = redis.Redis.from_url(url)
     _, params = load_checkpoint(ckpt)
     adapters = nonzero_adapters(params)
     ns = f"wsb{uuid.uuid4().hex[:8]}"
     keys, raw_keys = Keys(ns), Keys(f"{ns}-raw")
-    procs = [spawn("follower", url, ns, ckpt, str(i)) for i in range(followers)]
+    procs = [spawn("follower", url, ns, ckpt, str(i), lora_serving) for i in range(followers)]
     rows = []
     try:
         for _ in range(followers):
@@ -263,6 +289,8 @@ def sync_rows(
             pub = WeightPublisher(client, keys, channel_for(channel, client, keys, tmp), log)
             raw_channel = channel_for(channel, client, raw_keys, tmp)
             runs = [("full", c) for c in checksums] + [("lora", checksums[0])]
+            if lora_serving == "attached":
+                runs = runs[-1:]
             for kind, algorithm in runs:
                 pub.checksum = algorithm  # type: ignore[assignment]
                 if kind == "lora" and pub.base_version < 0:
@@ -310,7 +338,7 @@ def sync_rows(
                     dict(
                         model=name,
                         channel=channel,
-                        kind=kind,
+                        kind=kind if kind == "full" else f"lora {lora_serving}",
                         checksum=algorithm,
                         followers=followers,
                         nbytes=nbytes,
@@ -336,6 +364,35 @@ def print_sync_row(r: dict[str, Any]) -> None:
         f"{r['write'] * 1e3:.1f} | {r['move'] * 1e3:.1f} | {r['ratio']:.2f} |",
         flush=True,
     )
+
+
+def decode_rows(models: dict[str, str], repeats: int) -> None:
+    """What attached adapters cost decoding: tokens/s of one engine (16 slots, 16 requests
+    of TURN_TOKENS new tokens) serving merged against attached adapters, same weights."""
+    print("\n| model | LoRA serving | tokens/s | x merged |")
+    print("|---|---|---:|---:|")
+    for name, ckpt in models.items():
+        spec, params = load_checkpoint(ckpt)
+        adapters = nonzero_adapters(params)
+        rates = {}
+        for serving in ("merged", "attached"):
+            fn = merge_lora if serving == "merged" else attach_lora
+            engine = small_engine(spec, jax.block_until_ready(fn(params, adapters, LORA)), SLOTS)
+            prompt = list(range(1, PROMPT + 1))
+            runs = []
+            for rep in range(repeats + 1):  # the first: compiles
+                reqs = [GenRequest(prompt, TURN_TOKENS, seed=rep * 100 + i) for i in range(SLOTS)]
+                start = time.perf_counter()
+                out = engine.generate(reqs)
+                took = time.perf_counter() - start
+                if rep:
+                    runs.append(sum(len(r.tokens) for r in out) / took)
+            rates[serving] = statistics.median(runs)
+            print(
+                f"| {name} | {serving} | {rates[serving]:.0f} | "
+                f"{rates[serving] / rates['merged']:.2f} |",
+                flush=True,
+            )
 
 
 # -- part 2: rollout stall ----------------------------------------------------------------
@@ -506,12 +563,14 @@ def main() -> None:
     )
     parser.add_argument("--skip-sync", action="store_true")
     parser.add_argument("--skip-stall", action="store_true")
-    parser.add_argument("--follower", nargs=4, metavar=("URL", "NS", "CKPT", "INDEX"))
+    parser.add_argument(
+        "--follower", nargs=5, metavar=("URL", "NS", "CKPT", "INDEX", "LORA_SERVING")
+    )
     parser.add_argument("--trainer", nargs=3, metavar=("URL", "CKPT", "TMP"))
     args = parser.parse_args()
     if args.follower:
-        url, ns, ckpt, index = args.follower
-        asyncio.run(follower_main(url, ns, ckpt, int(index)))
+        url, ns, ckpt, index, serving = args.follower
+        asyncio.run(follower_main(url, ns, ckpt, int(index), serving))
         return
     if args.trainer:
         trainer_main(*args.trainer)
@@ -535,6 +594,10 @@ def main() -> None:
                     continue
                 for n in args.followers:
                     sync_rows(server.url, tmp, name, ckpt, n, args.repeats, args.checksum)
+                    sync_rows(
+                        server.url, tmp, name, ckpt, n, args.repeats, args.checksum, "attached"
+                    )
+            decode_rows(models, args.repeats)
         if not args.skip_stall:
             stall_rows(
                 server.url, tmp, models["tiny"], args.every_ms, args.stall_s, args.stall_repeats

@@ -296,6 +296,15 @@ class RolloutConfig(_Section):
             "model calls wait while it loads, then go on with it."
         ),
     )
+    lora_serving: Literal["merged", "attached"] = Field(
+        "merged",
+        description=(
+            'How adapter-only versions (trainer.publish = "lora") are served: `merged` '
+            "into the kernels (each sync rewrites every adapted kernel; decoding at the "
+            "plain model's speed) or `attached` beside them (a sync costs the adapters' "
+            "bytes only; each decoding step computes x @ A @ B per adapted layer)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> RolloutConfig:

@@ -305,6 +305,43 @@ def test_lora_publish_serves_exactly_the_merged_model(
         ]
 
 
+def test_attached_lora_serving_takes_adapter_bytes_only(
+    model: Any, rclient: redis.Redis, redis_url: str, keys: Keys, tmp_path: Path
+) -> None:
+    # rollout.lora_serving = "attached": the adapters sit beside the kernels, which stay
+    # the base's own arrays; greedy outputs are the merged model's up to float rounding.
+    _, chat, _, ckpt_params = model
+    base = _scaled(ckpt_params, 1.25)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+    adapters = _adapters(base, lora)
+    expected = _outputs(_engine(model, apply_lora(base, adapters, lora)), chat)
+    pub = WeightPublisher(rclient, keys, _channel("redis", rclient, keys, tmp_path), LOG)
+    loader = WeightLoader(rclient, keys, ckpt_params, ckpt_params, lora_serving="attached")
+    follower = _follower(model, rclient, redis_url, keys, load=loader)
+
+    async def go() -> None:
+        try:
+            pub.publish(base, 0, 0)
+            assert await follower.poll(block_ms=1000)
+            pub.publish(adapters, 1, 1, lora)
+            assert await follower.poll(block_ms=1000)
+        finally:
+            await _close(follower)
+
+    asyncio.run(go())
+    served = follower.server.engine.params
+    q = served["model"]["layers_0"]["self_attn"]["q_proj"]
+    assert q["kernel"] is loader.base["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    np.testing.assert_allclose(
+        q["lora_b"], adapters["model"]["layers_0"]["self_attn"]["q_proj"]["lora_b"] * 2.0
+    )
+    assert "lora_a" not in served["model"]["layers_0"]["self_attn"]["k_proj"]
+    got = _outputs(follower.server.engine, chat)
+    assert [g.tokens for g in got] == [e.tokens for e in expected]
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g.logprobs, e.logprobs, atol=1e-4)
+
+
 def _published(client: redis.Redis, keys: Keys) -> list[Weights]:
     out: Any = client.xrange(keys.weights)
     return [decode(fields, Weights) for _, fields in out]

@@ -1,4 +1,5 @@
-"""LoRA adapters: a fresh adapter is a no-op, merged equals unmerged, only adapters learn."""
+"""LoRA adapters: a fresh adapter is a no-op, merged equals unmerged equals attached, only
+adapters learn, attached adapters shard like their kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,16 @@ import numpy as np
 import pytest
 
 from streamrl.model.llm import causal_logits, init_params
-from streamrl.model.lora import LoraConfig, LoraError, apply_lora, init_lora, num_adapter_params
+from streamrl.model.lora import (
+    LoraConfig,
+    LoraError,
+    apply_lora,
+    attach_lora,
+    init_lora,
+    merge_lora,
+    num_adapter_params,
+)
+from streamrl.model.sharding import TENSOR, _param_spec
 from streamrl.model.spec import ModelSpec
 
 SPEC = ModelSpec.from_config(
@@ -59,6 +69,48 @@ def test_merged_equals_unmerged_and_base_is_untouched() -> None:
         PARAMS["model"]["layers_1"]["self_attn"]["q_proj"]["kernel"],
         merged["model"]["layers_1"]["self_attn"]["q_proj"]["kernel"],
     )
+
+
+def test_merge_for_serving_is_apply_lora_bit_for_bit_and_shares_the_rest() -> None:
+    lora = jax.tree.map(lambda x: x + 0.05, init_lora(PARAMS, CFG, seed=1))
+    merged = merge_lora(PARAMS, lora, CFG)
+    want = apply_lora(PARAMS, lora, CFG)
+    for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert str(jax.tree.structure(merged)) == str(jax.tree.structure(PARAMS))
+    k = merged["model"]["layers_0"]["self_attn"]["k_proj"]["kernel"]  # not a target
+    assert k is PARAMS["model"]["layers_0"]["self_attn"]["k_proj"]["kernel"]
+
+
+def test_attached_equals_merged() -> None:
+    lora = jax.tree.map(lambda x: x + 0.05, init_lora(PARAMS, CFG, seed=1))
+    attached = attach_lora(PARAMS, lora, CFG)
+    np.testing.assert_allclose(
+        _logits(attached, SPEC, TOKENS), _logits(apply_lora(PARAMS, lora, CFG), SPEC, TOKENS),
+        atol=1e-5,
+    )  # fmt: skip
+    down = attached["model"]["layers_1"]["mlp"]["down_proj"]
+    base = PARAMS["model"]["layers_1"]["mlp"]["down_proj"]
+    assert down["kernel"] is base["kernel"]  # the kernels are the base's own arrays
+    assert down["lora_a"] is lora["model"]["layers_1"]["mlp"]["down_proj"]["lora_a"]
+    np.testing.assert_allclose(
+        down["lora_b"], 2.0 * lora["model"]["layers_1"]["mlp"]["down_proj"]["lora_b"]
+    )
+    assert set(attached["model"]["layers_1"]["self_attn"]["k_proj"]) == {"kernel"}  # untargeted
+    assert "lora_a" not in PARAMS["model"]["layers_1"]["mlp"]["down_proj"]  # base untouched
+
+
+def test_attached_adapters_shard_like_their_kernels() -> None:
+    def spec(*names: str) -> object:
+        return _param_spec(tuple(jax.tree_util.DictKey(n) for n in names), None)
+
+    P = jax.sharding.PartitionSpec
+    # q_proj: kernel [in, out] split by output -> B [rank, out] too, A replicated.
+    assert spec("q_proj", "kernel") == spec("q_proj", "lora_b") == P(None, TENSOR)
+    assert spec("q_proj", "lora_a") == P()
+    # down_proj: kernel [in, out] split by input -> A [in, rank] too, B replicated.
+    assert spec("down_proj", "kernel") == spec("down_proj", "lora_a") == P(TENSOR, None)
+    assert spec("down_proj", "lora_b") == P()
 
 
 def test_only_adapters_get_gradients() -> None:

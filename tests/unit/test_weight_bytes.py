@@ -240,6 +240,12 @@ def test_weight_sync_config() -> None:
     assert (default.trainer.weights_channel, default.trainer.publish) == ("dir", "full")
     assert default.rollout.sync_mode == "continue" and default.trainer.weights_keep == 2
     assert default.trainer.weights_checksum == "xxh3_128"
+    assert default.rollout.lora_serving == "merged"
+    assert parse_config({"rollout": {"lora_serving": "attached"}}).rollout.lora_serving == (
+        "attached"
+    )
+    with pytest.raises(ConfigError, match=r"field `rollout\.lora_serving`"):
+        parse_config({"rollout": {"lora_serving": "unmerged"}})
     with pytest.raises(ConfigError, match=r"field `trainer\.weights_checksum`"):
         parse_config({"trainer": {"weights_checksum": "md5"}})
     with pytest.raises(ConfigError, match=r"field `trainer\.weights_channel`"):

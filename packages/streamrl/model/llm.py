@@ -177,7 +177,9 @@ def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Linear(nn.Module):
-    """y [..., features] = x [..., in] @ kernel [in, features] (+ bias [features])."""
+    """y [..., features] = x [..., in] @ kernel [in, features] (+ bias [features]), plus
+    (x @ lora_a) @ lora_b when the params hold a LoRA adapter beside the kernel
+    (`streamrl.model.lora.attach_lora`, which pre-scales lora_b)."""
 
     features: int
     use_bias: bool
@@ -188,6 +190,10 @@ class Linear(nn.Module):
         shape = (x.shape[-1], self.features)
         kernel = self.param("kernel", nn.initializers.zeros_init(), shape, self.dtype)
         y = x @ kernel
+        if self.has_variable("params", "lora_a"):
+            a: jax.Array = self.get_variable("params", "lora_a")
+            b: jax.Array = self.get_variable("params", "lora_b")
+            y = y + (x @ a) @ b
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.dtype)
         return y

@@ -55,9 +55,13 @@ def check_spec(spec: ModelSpec, mesh: Mesh) -> None:
 def _param_spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
     names = [str(getattr(p, "key", p)) for p in path]
     module, kind = (names[-2], names[-1]) if len(names) >= 2 else ("", names[-1])
+    # Attached LoRA adapters (x @ A @ B) follow their kernel: B [rank, out] split like an
+    # output-sharded kernel, A [in, rank] like an input-sharded one, the rank replicated.
     if module in _OUT_SHARDED:
-        return PartitionSpec(None, TENSOR) if kind == "kernel" else PartitionSpec(TENSOR)
-    if module in _IN_SHARDED and kind == "kernel":
+        if kind in ("kernel", "lora_b"):
+            return PartitionSpec(None, TENSOR)
+        return PartitionSpec() if kind == "lora_a" else PartitionSpec(TENSOR)
+    if module in _IN_SHARDED and kind in ("kernel", "lora_a"):
         return PartitionSpec(TENSOR, None)
     return PartitionSpec()
 

@@ -32,7 +32,7 @@ import jax
 import msgspec
 import numpy as np
 
-from streamrl.model.lora import LoraConfig, LoraError, apply_lora, init_lora
+from streamrl.model.lora import LoraConfig, LoraError, attach_lora, init_lora, merge_lora
 from streamrl.weightsync import ALIGN, Buffer, WeightsError, as_aligned
 from streamrl.wire import LoraInfo
 
@@ -40,6 +40,7 @@ __all__ = [
     "MAGIC",
     "WeightsError",
     "adapters_template",
+    "attach_lora",
     "lora_config",
     "lora_info",
     "merge_lora",
@@ -183,8 +184,3 @@ def adapters_template(base: Any, cfg: LoraConfig) -> Any:
         return jax.eval_shape(lambda: init_lora(base, cfg, seed=0))
     except LoraError as err:
         raise WeightsError(f"LoRA adapters do not fit this model: {err}") from None
-
-
-# One XLA program for every kernel's `W + scale * A @ B` (compiled once per model and
-# config): 2x faster than op by op, and bit for bit the same.
-merge_lora = jax.jit(apply_lora, static_argnums=2)

@@ -36,7 +36,13 @@ import structlog
 
 from streamrl.failpoints import WEIGHTS_LOAD, afailpoint
 from streamrl.model.lora import LoraConfig
-from streamrl.model.weights import adapters_template, lora_config, merge_lora, params_from_bytes
+from streamrl.model.weights import (
+    adapters_template,
+    attach_lora,
+    lora_config,
+    merge_lora,
+    params_from_bytes,
+)
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.weightsync import (
@@ -49,6 +55,7 @@ from streamrl.weightsync import (
 from streamrl.wire import Weights, WireError, decode
 
 SyncMode = Literal["continue", "finish", "pause"]
+LoraServing = Literal["merged", "attached"]
 
 
 class SyncLock:
@@ -95,16 +102,28 @@ class WeightLoader:
     """Published version -> serving params (runs on a thread).
 
     Full versions decode into `template`'s structure and become the base that later
-    adapter-only versions are merged into (`apply_lora`, merged). The checksum of a big
+    adapter-only versions apply to: merged into its kernels (`lora_serving` "merged":
+    each version rewrites every adapted kernel, decoding runs at the plain model's speed)
+    or attached beside them (`"attached"`: a version costs its own bytes, each decoding
+    step two thin matmuls more per adapted layer; the engine compiles once more for the
+    first one). The checksum of a big
     version is checked while the bytes decode, on a second thread; decoded params are used
     only once it matched.
     """
 
-    def __init__(self, client: redis.Redis | None, keys: Keys, template: Any, base: Any) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | None,
+        keys: Keys,
+        template: Any,
+        base: Any,
+        lora_serving: LoraServing = "merged",
+    ) -> None:
         self.client = client
         self.keys = keys
         self.template = template
         self.base = base
+        self.lora_serving = lora_serving
         self.base_version = -1  # -1: the checkpoint the worker started from
         self._adapter_templates: dict[LoraConfig, Any] = {}
         self._hasher = ThreadPoolExecutor(1)
@@ -130,6 +149,8 @@ class WeightLoader:
         if cfg not in self._adapter_templates:
             self._adapter_templates[cfg] = adapters_template(self.template, cfg)
         adapters = self._fetch_decode(msg, self._adapter_templates[cfg])
+        if self.lora_serving == "attached":
+            return attach_lora(self.base, adapters, cfg)
         return merge_lora(self.base, adapters, cfg)
 
     def _fetch_decode(self, msg: Weights, template: Any) -> Any:
