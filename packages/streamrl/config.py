@@ -302,7 +302,8 @@ class RolloutConfig(_Section):
             'How adapter-only versions (trainer.publish = "lora") are served: `merged` '
             "into the kernels (each sync rewrites every adapted kernel; decoding at the "
             "plain model's speed) or `attached` beside them (a sync costs the adapters' "
-            "bytes only; each decoding step computes x @ A @ B per adapted layer)."
+            "bytes only; each decoding step computes x @ A @ B per adapted layer; the "
+            "first adapter version compiles the engine's steps once more)."
         ),
     )
 
