@@ -34,7 +34,13 @@ def publish_hook(ctx: WorkerContext) -> PublishHook:
     else:
         channel = DirChannel(ctx.run_dir / "weights")
     publisher = WeightPublisher(
-        client, ctx.keys, channel, ctx.log, t.weights_keep, checksum=t.weights_checksum
+        client,
+        ctx.keys,
+        channel,
+        ctx.log,
+        t.weights_keep,
+        checksum=t.weights_checksum,
+        trim=t.trim_streams,
     )
     lora = lora_config(t)
     if t.publish == "lora" and lora is not None:
@@ -87,7 +93,11 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
         hooks=[
             publish,
             CheckpointHook(
-                cfg.trainer.checkpoint_every, root, cfg.trainer.keep_checkpoints, checkpointer
+                cfg.trainer.checkpoint_every,
+                root,
+                cfg.trainer.keep_checkpoints,
+                checkpointer,
+                trim=cfg.trainer.trim_streams,
             ),
             ExportHook(
                 cfg.trainer.export_every,

@@ -292,6 +292,50 @@ def rewind_group(client: redis.Redis, s: StreamSnapshot) -> str:
     return start
 
 
+def trim_streams(client: redis.Redis, keys: Keys, floor: QueueSnapshot | None) -> dict[str, int]:
+    """Delete the entries of each consumed stream that nothing can need again; returns how
+    many went, per stream.
+
+    Kept: every entry from the oldest that some consumer group still has pending or not
+    yet delivered, and every entry after the cut of `floor` (the oldest kept checkpoint's
+    snapshot: a restart may rewind the trainer's group there, and no further). A stream
+    that no group reads is left whole. Entries are only ever removed below ids every
+    group has passed, so concurrent readers are safe: groups only move forward.
+    """
+    out: dict[str, int] = {}
+    for stream, _group in consumed_streams(keys):
+        bound = _consumed_bound(client, stream)
+        if bound is None:
+            continue
+        at_floor = floor.stream(stream) if floor is not None else None
+        if at_floor is not None:
+            bound = min(bound, rewind_start(at_floor), key=entry_id_key)
+        if bound == "0":
+            continue
+        n: Any = client.xtrim(stream, minid=bound, approximate=False)
+        if n:
+            out[stream] = int(n)
+    return out
+
+
+def _consumed_bound(client: redis.Redis, stream: str) -> str | None:
+    """The oldest id some consumer group of `stream` may still need (pending, or its
+    last-delivered id), or None when the stream or its groups do not exist."""
+    try:
+        groups: Any = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream
+        return None
+    bound: str | None = None
+    for g in groups:
+        need = as_str(g["last-delivered-id"])
+        if g["pending"]:
+            summary: Any = client.xpending(stream, g["name"])
+            if summary["min"] is not None:
+                need = min(need, as_str(summary["min"]), key=entry_id_key)
+        bound = need if bound is None else min(bound, need, key=entry_id_key)
+    return bound
+
+
 # ---------------------------------------------------------------------------------------
 # Directories and the commit marker.
 
@@ -473,6 +517,17 @@ def prune(root: Path, keep: int, log: structlog.stdlib.BoundLogger | None = None
     if removed and log is not None:
         log.info("checkpoints_pruned", removed=[p.name for p in removed])
     return removed
+
+
+def oldest_snapshot(root: Path) -> QueueSnapshot | None:
+    """The queue snapshot of the oldest complete checkpoint under `root` (the furthest a
+    restart can fall back), or None when there is none."""
+    for _step, path in reversed(step_dirs(root)):
+        try:
+            return verify(path).snapshot()
+        except CheckpointCorrupt:
+            continue
+    return None
 
 
 def remove_incomplete(root: Path, log: structlog.stdlib.BoundLogger | None = None) -> None:

@@ -590,6 +590,15 @@ class TrainerConfig(_Section):
         5, ge=1, le=1_000_000, description="Write an Orbax checkpoint every N steps."
     )
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Checkpoints kept on disk.")
+    trim_streams: bool = Field(
+        True,
+        description=(
+            "After each checkpoint, delete the entries of tasks, trajectories and groups "
+            "that every consumer has acknowledged and no kept checkpoint can rewind to, and "
+            "the weights entries of deleted versions, so Redis holds in-flight work, not "
+            "the run's history. false: keep every entry (offline analysis of the streams)."
+        ),
+    )
     export_every: int = Field(
         0,
         ge=0,

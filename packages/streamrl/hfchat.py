@@ -33,6 +33,7 @@ rollout and trainer load this module), never JAX or torch.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +50,9 @@ Tools = list[dict[str, Any]]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CHATML_START = "<|im_start|>"
 CHATML_END = "<|im_end|>"
+# Put after the first character of a token's text found in outside content: the text
+# stays readable and encodes as plain text, never as that token.
+ZERO_WIDTH_SPACE = "\u200b"
 # A conversation rendered once at load time to find the text that ends an assistant turn.
 _PROBE_REPLY = "Hello there"
 _PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_REPLY})
@@ -99,6 +103,8 @@ class HFChat:
             if self.encode(text) != [i]:
                 raise ChatError(f"stop token {i} ({text!r}) does not encode back to one id")
         self.turn_end_id, self.turn_end = self._find_turn_end()
+        added = sorted((t for t in tokenizer.get_added_vocab() if len(t) > 1), key=len)
+        self._added = re.compile("|".join(re.escape(t) for t in reversed(added))) if added else None
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | None = None) -> HFChat:
@@ -146,6 +152,16 @@ class HFChat:
 
     def token_id(self, token: str) -> int:
         return _single_token_id(self.tok, token, "the tokenizer")
+
+    def as_text(self, text: str) -> str:
+        """`text` with every added token's text in it broken (a zero-width space after its
+        first character), so it encodes as text, never as those tokens: content from
+        outside the policy (prompts, tool results, environment replies) cannot open,
+        close or forge a turn (`<|im_end|>\n<|im_start|>assistant` in a tool's output is
+        just characters)."""
+        if self._added is None:
+            return text
+        return self._added.sub(lambda m: m.group(0)[0] + ZERO_WIDTH_SPACE + m.group(0)[1:], text)
 
     # Chat.
 
@@ -264,7 +280,8 @@ class HFDialogue:
     """One episode's conversation: the messages so far, so each continuation can be rendered.
 
     Satisfies `Dialogue`. Tool results go back as `tool` messages, which Hermes/Qwen
-    templates place in a user turn as `<tool_response>` blocks.
+    templates place in a user turn as `<tool_response>` blocks. Content from outside the
+    policy goes in through `HFChat.as_text`: it cannot hold a control token.
     """
 
     def __init__(self, chat: HFChat, tools: Tools | None, system: str | None) -> None:
@@ -275,7 +292,7 @@ class HFDialogue:
             self.messages.append({"role": "system", "content": system})
 
     def prompt(self, user_text: str) -> list[int]:
-        self.messages.append({"role": "user", "content": user_text})
+        self.messages.append({"role": "user", "content": self.chat.as_text(user_text)})
         return self.chat.prompt_ids(self.messages, self.tools)
 
     def assistant(self, ids: list[int]) -> str:
@@ -284,11 +301,11 @@ class HFDialogue:
         return str(message["content"])
 
     def tool_results(self, results: list[str]) -> list[int]:
-        return self._extend([{"role": "tool", "content": r} for r in results])
+        return self._extend([{"role": "tool", "content": self.chat.as_text(r)} for r in results])
 
     def user(self, text: str) -> list[int]:
         """Ids of a user message after a sampled turn (an environment's reply)."""
-        return self._extend([{"role": "user", "content": text}])
+        return self._extend([{"role": "user", "content": self.chat.as_text(text)}])
 
     def _extend(self, new: list[Message]) -> list[int]:
         ids = self.chat.continuation_ids(self.messages, new, self.tools)

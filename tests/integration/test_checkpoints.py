@@ -191,3 +191,65 @@ def test_commit_marker_decides_and_prune_keeps_the_newest(
     assert left == ["step_00000010", "step_00000012"], (left, removed)
     marker = json.loads((root / "step_00000012" / ck.COMMIT).read_text())
     assert marker["step"] == 12 and "state/params.bin" in marker["files"]
+
+
+def _ids(client: redis.Redis, stream: str) -> list[str]:
+    out: Any = client.xrange(stream)
+    return [eid.decode() for eid, _ in out]
+
+
+def test_trim_keeps_what_a_consumer_or_a_kept_checkpoint_may_need(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    for stream, group in ck.consumed_streams(keys):
+        ensure_group(rclient, stream, group)
+    # tasks: 0-3 acknowledged, 4-5 pending, 6-9 not yet delivered.
+    tasks = _add(rclient, keys.tasks, 10, "task")
+    _read(rclient, keys.tasks, keys.CG_ROLLOUT, "rollout-1", 6)
+    rclient.xack(keys.tasks, keys.CG_ROLLOUT, *tasks[:4])
+    # groups: the trainer took 0-2 and checkpointed them (the floor: the oldest kept
+    # checkpoint), then took and acknowledged 3-5 in a later one.
+    groups = _add(rclient, keys.groups, 6, "group")
+    _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 3)
+    rclient.xack(keys.groups, keys.CG_TRAINER, *groups[:3])
+    floor = ck.take_snapshot(rclient, keys)
+    _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 3)
+    rclient.xack(keys.groups, keys.CG_TRAINER, *groups[3:])
+    # trajectories: a stream its consumer group never read from.
+    trajs = _add(rclient, keys.trajectories, 3, "traj")
+    unread = _add(rclient, f"{keys.ns}:other", 2, "x")  # not a consumed stream
+
+    deleted = ck.trim_streams(rclient, keys, floor)
+    assert deleted == {keys.tasks: 3, keys.groups: 2}
+    # Kept from each stream's cut in the floor on (the entry at the cut stays too: the
+    # rewind starts after it): tasks from just before the oldest pending one.
+    assert _ids(rclient, keys.tasks) == tasks[3:]
+    assert _ids(rclient, keys.groups) == groups[2:]
+    assert _ids(rclient, keys.trajectories) == trajs
+    assert _ids(rclient, f"{keys.ns}:other") == unread
+    # Without the floor (no checkpoint kept): tasks from the oldest pending, groups from
+    # the last delivered.
+    assert ck.trim_streams(rclient, keys, None) == {keys.tasks: 1, keys.groups: 3}
+    assert _ids(rclient, keys.tasks) == tasks[4:]
+    assert _ids(rclient, keys.groups) == groups[5:]
+    # Trimming again removes nothing; the pending tasks are still delivered on a claim.
+    assert ck.trim_streams(rclient, keys, None) == {}
+    claimed: Any = rclient.xautoclaim(keys.tasks, keys.CG_ROLLOUT, "rollout-2", 0)
+    assert [e.decode() for e, _ in claimed[1]] == tasks[4:6]
+
+
+def test_a_restart_rewinds_to_a_trimmed_floor(rclient: redis.Redis, keys: Keys) -> None:
+    # Trimmed to the oldest kept checkpoint, a rewind to it still re-delivers everything
+    # consumed after its cut.
+    ensure_group(rclient, keys.groups, keys.CG_TRAINER)
+    groups = _add(rclient, keys.groups, 8, "group")
+    _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 2)
+    rclient.xack(keys.groups, keys.CG_TRAINER, *groups[:2])
+    floor = ck.take_snapshot(rclient, keys)
+    _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 4)
+    rclient.xack(keys.groups, keys.CG_TRAINER, *groups[2:6])
+    assert ck.trim_streams(rclient, keys, floor) == {keys.groups: 1}
+    at_floor = floor.stream(keys.groups)
+    assert at_floor is not None
+    ck.rewind_group(rclient, at_floor)
+    assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10) == groups[2:]

@@ -221,10 +221,17 @@ def test_chunked_redis_round_trip_and_clean_up(
     assert {int(k) for k in held} == {3, 4}
     stored = {k.decode() for k in rclient.scan_iter(f"{keys.ns}:weights:v*")}
     assert stored == {keys.weights_chunk(v, i) for v in (3, 4) for i in range(msg.chunks)}
+    assert [m.version for m in _published(rclient, keys)] == [3, 4]  # entries of kept only
     # A restarted trainer (a new publisher) cleans up what the last one left.
     WeightPublisher(rclient, keys, channel, LOG, keep=2).publish(params, 5, 5)
     held = rclient.hgetall(keys.weights_chunks)
     assert {int(k) for k in held} == {5}
+    assert [m.version for m in _published(rclient, keys)] == [5]
+    # trim=False: the stream keeps every entry (the files or chunks still go).
+    pub = WeightPublisher(rclient, keys, channel, LOG, keep=1, trim=False)
+    for v in (6, 7, 8):
+        pub.publish(params, v, v)
+    assert [m.version for m in _published(rclient, keys)] == [5, 6, 7, 8]
 
 
 # -- LoRA ---------------------------------------------------------------------------------
@@ -294,7 +301,8 @@ def test_lora_publish_serves_exactly_the_merged_model(
     assert full.kind == "full" and all(m.kind == "lora" for m in loras)
     assert all(m.base_version == 0 and m.lora is not None and m.lora.rank == 4 for m in loras)
     assert loras[0].nbytes * 10 < full.nbytes  # only adapter bytes travel
-    # keep=1: version 2 and the base it needs stay, version 1 is gone.
+    # keep=1: version 2 and the base it needs stay, version 1 is gone, and its entry.
+    assert [m.version for m in _published(rclient, keys)] == [0, 2]
     if kind == "redis":
         held: Any = rclient.hgetall(keys.weights_chunks)
         assert {int(k) for k in held} == {0, 2}

@@ -241,6 +241,7 @@ def test_weight_sync_config() -> None:
     assert default.rollout.sync_mode == "continue" and default.trainer.weights_keep == 2
     assert default.trainer.weights_checksum == "xxh3_128"
     assert default.rollout.lora_serving == "merged"
+    assert default.trainer.trim_streams is True
     assert parse_config({"rollout": {"lora_serving": "attached"}}).rollout.lora_serving == (
         "attached"
     )
@@ -281,5 +282,7 @@ def test_trainer_wires_the_configured_channel(tmp_path: Path) -> None:
     assert hook.publisher.channel.directory == tmp_path / "weights"
     assert hook.publisher.keep == 5 and hook.adapters is None
     assert hook.publisher.checksum == "xxh3_128"
+    assert hook.publisher.trim is True
+    assert publish_hook(ctx("trainer.trim_streams=false")).publisher.trim is False
     hook = publish_hook(ctx("trainer.weights_checksum=sha256"))
     assert hook.publisher.checksum == "sha256"

@@ -335,12 +335,14 @@ class PublishHook:
 @dataclass
 class CheckpointHook:
     """Writes checkpoint N (`streamrl.checkpoints`: the Orbax state, the queue snapshot,
-    the commit marker), then acknowledges the groups it holds and prunes old ones."""
+    the commit marker), then acknowledges the groups it holds, prunes old ones and trims
+    the streams of entries no one can need again (`trim`)."""
 
     every: int
     root: Path
     keep: int
     checkpointer: ocp.AbstractCheckpointer
+    trim: bool = True  # trim the streams after each checkpoint (ckpts.trim_streams)
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         if loop.step == 0:
@@ -381,6 +383,11 @@ class CheckpointHook:
         )
         loop.unacked.clear()
         ckpts.prune(self.root, self.keep, loop.log)
+        if self.trim:
+            floor = ckpts.oldest_snapshot(self.root)
+            trimmed = ckpts.trim_streams(loop.client, loop.keys, floor)
+            if trimmed:
+                loop.log.info("streams_trimmed", step=loop.step, deleted=trimmed)
 
 
 # Files of a checkpoint directory that are not weights: the tokenizer (fast or slow), its

@@ -5,7 +5,8 @@ against a full base: the first version a publisher writes is always full, and ev
 adapter-only version names the full version it applies to (`base_version`), which is kept
 until no kept version needs it. Older versions are deleted after each publish (all but the
 newest `keep`), so a slow reader at worst finds its version gone and is refused, then
-takes the next.
+takes the next; so are their entries on `weights` (`trim`), which a worker that starts
+reads from the beginning.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from streamrl.failpoints import WEIGHTS_PUBLISH, failpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import lora_info, params_to_pieces
 from streamrl.names import Keys
-from streamrl.transport import publish
+from streamrl.transport import as_str, entry_id_key, publish
 from streamrl.weightsync import HASH_ON_THREAD_BYTES, Checksum, WeightsChannel, checksum
 from streamrl.wire import Weights
 
@@ -35,8 +36,10 @@ class WeightPublisher:
     log: structlog.stdlib.BoundLogger
     keep: int = 2
     checksum: Checksum = "xxh3_128"
+    trim: bool = True  # delete the `weights` entries of deleted versions
     base_version: int = -1  # the last full version published
     _bases: dict[int, int] = field(default_factory=dict)  # version -> full version it needs
+    _entry_ids: dict[int, str] = field(default_factory=dict)  # version -> its `weights` entry
     _hasher: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
 
     def publish(
@@ -73,11 +76,15 @@ class WeightPublisher:
         publish(pipe, self.keys.weights, msg)
         pipe.set(self.keys.policy_version, version)
         pipe.hset(self.keys.stats, "policy_version", version)
-        pipe.execute()
+        entry_id = as_str(pipe.execute()[0])
         if lora is None:
             self.base_version = version
         self._bases[version] = self.base_version
-        deleted = self.channel.prune(self._kept())
+        self._entry_ids[version] = entry_id
+        kept = self._kept()
+        deleted = self.channel.prune(kept)
+        if self.trim:
+            self._trim(kept)
         self.log.info(
             "weights_published",
             version=version,
@@ -91,6 +98,20 @@ class WeightPublisher:
             deleted=deleted,
         )
         return msg
+
+    def _trim(self, kept: set[int]) -> None:
+        """Delete the `weights` entries of versions no longer kept (a worker that starts
+        reads the stream from its beginning): this publisher's by id, and everything older
+        than its oldest kept version (earlier trainers' entries included)."""
+        gone = [e for v, e in self._entry_ids.items() if v not in kept]
+        self._entry_ids = {v: e for v, e in self._entry_ids.items() if v in kept}
+        pipe = self.client.pipeline(transaction=False)
+        if gone:
+            pipe.xdel(self.keys.weights, *gone)
+        if kept <= self._entry_ids.keys():
+            oldest = min(self._entry_ids.values(), key=entry_id_key)
+            pipe.xtrim(self.keys.weights, minid=oldest, approximate=False)
+        pipe.execute()
 
     def _kept(self) -> set[int]:
         """The newest `keep` versions and the full versions they apply to."""
