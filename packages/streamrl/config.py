@@ -697,6 +697,17 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _partial_groups(self) -> Config:
+        if self.rollout.max_partial_groups and not self.grouper.group_timeout_s:
+            raise ValueError(
+                f"rollout.max_partial_groups ({self.rollout.max_partial_groups}) needs "
+                "grouper.group_timeout_s > 0: a group that never completes (a member dead-"
+                "lettered) would count against it for ever and, with enough of them, stop "
+                "rollout"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tool_wait(self) -> Config:
         wait = (self.tools.time_limit_s + self.tools.result_margin_s) * (self.tools.retries + 1)
         if self.rollout.env_step_timeout_s < wait:

@@ -81,6 +81,12 @@ def test_resume_with_redis_kept_continues_without_gap(tmp_path: Path, warm_cache
     second = [e["version"] for e in loaded if e["pid"] == loaded[-1]["pid"]]
     assert second and min(second) >= 4, [(e["pid"], e["version"]) for e in loaded]
     check_lineage(run_dir, 5)
+    # Streams were trimmed at checkpoints (trainer.trim_streams), and the resume still
+    # found every group after its cut: once step 3 was the oldest kept checkpoint, the
+    # groups of steps 1-2 went.
+    trimmed = [e["deleted"] for e in events(run_dir, "trainer-0", "streams_trimmed")]
+    assert any(k.endswith(":groups") for d in trimmed for k in d), trimmed
+    assert any(k.endswith(":tasks") for d in trimmed for k in d), trimmed
     assert_nothing_left(s)
 
 

@@ -25,6 +25,7 @@ CFG = parse_config(
     {
         "transport": {"block_ms": 5},
         "rollout": {"max_partial_groups": 2, "max_ready_groups": 3},
+        "grouper": {"group_timeout_s": 600},  # (required by max_partial_groups)
     }
 )
 

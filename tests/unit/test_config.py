@@ -50,6 +50,12 @@ def test_cross_field_check() -> None:
     assert (
         parse_config({"trainer": {"num_processes": 2, "mesh_fsdp": 4}}).trainer.num_processes == 2
     )
+    with pytest.raises(
+        ConfigError, match=r"rollout.max_partial_groups \(2\) needs grouper.group_timeout_s > 0"
+    ):
+        parse_config({"rollout": {"max_partial_groups": 2}})
+    ok = {"rollout": {"max_partial_groups": 2}, "grouper": {"group_timeout_s": 60}}
+    assert parse_config(ok).rollout.max_partial_groups == 2
 
 
 def test_overrides() -> None:

@@ -378,7 +378,8 @@ class CheckpointHook:
             step=loop.step,
             path=str(ck.path),
             acked=len(loop.unacked),
-            pending_groups=sum(len(s.entries) for s in snapshot.streams),
+            # unfinished at the cut: entries pending or not yet delivered, per stream
+            in_flight={x.stream.rsplit(":", 1)[-1]: len(x.entries) for x in snapshot.streams},
             write_s=round(time.monotonic() - start, 4),
         )
         loop.unacked.clear()
