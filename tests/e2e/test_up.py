@@ -339,24 +339,31 @@ def test_stalled_trainer_pauses_rollout(
     def stat(name: str) -> int:
         return int(rclient.hget(keys.stats, name) or 0)
 
-    deadline = time.monotonic() + 400
-    while stat("trainer_steps") < 1:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.5)
-    pid = started_pids(run_dir)["trainer-0"]
-    os.kill(pid, signal.SIGSTOP)
     try:
-        samples = []
-        for _ in range(30):
-            samples.append((stat("groups") - stat("groups_trained"), stat("trajectories")))
-            time.sleep(1.0)
+        deadline = time.monotonic() + 400
+        while stat("trainer_steps") < 1:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        pid = started_pids(run_dir)["trainer-0"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            samples = []
+            for _ in range(30):
+                samples.append((stat("groups") - stat("groups_trained"), stat("trajectories")))
+                time.sleep(1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Tasks running when the pause began still finish (max_concurrency / group size);
+        # and a task whose last member is done but whose group the grouper has not emitted
+        # yet counts neither as running nor as ready, so as many may start in that gap.
+        in_flight = 16 // 4
+        assert max(ready for ready, _ in samples) <= bound + 2 * in_flight, samples
+        assert len({traj for _, traj in samples[-8:]}) == 1, samples  # rollout stopped
+        assert stat("backpressure_pauses") >= 1
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out
     finally:
-        os.kill(pid, signal.SIGCONT)
-    # Tasks already running when the pause began still finish: max_concurrency / group size.
-    in_flight = 16 // 4
-    assert max(ready for ready, _ in samples) <= bound + in_flight, samples
-    assert len({traj for _, traj in samples[-8:]}) == 1, samples  # rollout stopped producing
-    assert stat("backpressure_pauses") >= 1
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
+        if proc.poll() is None:  # a failed check: stop the run, leave no process behind
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
     assert summary_of(run_dir)["trainer_steps"] == 3

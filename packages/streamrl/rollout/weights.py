@@ -105,10 +105,9 @@ class WeightLoader:
     adapter-only versions apply to: merged into its kernels (`lora_serving` "merged":
     each version rewrites every adapted kernel, decoding runs at the plain model's speed)
     or attached beside them (`"attached"`: a version costs its own bytes, each decoding
-    step two thin matmuls more per adapted layer; the engine compiles once more for the
-    first one). The checksum of a big
-    version is checked while the bytes decode, on a second thread; decoded params are used
-    only once it matched.
+    step two thin matmuls more per adapted layer; the engine's programs compile once more,
+    lazily, for the attached structure). The checksum of a big version is checked while
+    the bytes decode, on a second thread; decoded params are used only once it matched.
     """
 
     def __init__(
