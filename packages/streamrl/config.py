@@ -303,7 +303,7 @@ class RolloutConfig(_Section):
             "into the kernels (each sync rewrites every adapted kernel; decoding at the "
             "plain model's speed) or `attached` beside them (a sync costs the adapters' "
             "bytes only; each decoding step computes x @ A @ B per adapted layer; the "
-            "first adapter version compiles the engine's steps once more)."
+            "engine's programs compile once more, per shape bucket, for that structure)."
         ),
     )
 

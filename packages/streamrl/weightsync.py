@@ -28,10 +28,11 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import numpy as np
 import redis
@@ -56,6 +57,7 @@ __all__ = [
     "checksum",
     "describe",
     "fetch_published",
+    "overlapped",
     "read_published",
     "split_chunks",
     "write_bytes_atomic",
@@ -98,6 +100,18 @@ _HASHES: dict[str, Any] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256
 # Versions at least this big are hashed on a second thread while they are written or
 # decoded; smaller ones inline (a thread hand-off costs more than hashing them).
 HASH_ON_THREAD_BYTES = 8 << 20
+
+T = TypeVar("T")
+
+
+def overlapped(pool: Executor, nbytes: int, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
+    """`fn(*args)` for a version of `nbytes`, run while the caller goes on: on `pool` from
+    HASH_ON_THREAD_BYTES up, else at once. Call the result for fn's value (or its error)."""
+    if nbytes >= HASH_ON_THREAD_BYTES:
+        return pool.submit(fn, *args).result
+    value = fn(*args)
+    return lambda: value
+
 
 # Arrays a reader decodes are views of its buffer; at this alignment the CPU backend uses
 # them in place (no copy into device memory), and every array starts on a cache line.

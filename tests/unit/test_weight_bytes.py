@@ -7,6 +7,8 @@ import asyncio
 import hashlib
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,11 +37,13 @@ from streamrl.names import Keys
 from streamrl.rollout.weights import SyncLock
 from streamrl.weightsync import (
     ALIGN,
+    HASH_ON_THREAD_BYTES,
     DirChannel,
     RedisChannel,
     as_aligned,
     check_checksum,
     checksum,
+    overlapped,
     split_chunks,
 )
 from tests.conftest import REPO
@@ -154,6 +158,27 @@ def test_split_chunks() -> None:
     chunks = split_chunks(small, 160)
     assert [len(c) for c in chunks] == [160, 40] and b"".join(chunks) == b"".join(small)
     assert split_chunks([], 64) == [b""]
+
+
+def test_overlapped_runs_big_versions_on_the_pool_and_small_ones_at_once() -> None:
+    where: list[str] = []
+
+    def work(x: int) -> int:
+        where.append(threading.current_thread().name)
+        if x < 0:
+            raise WeightsError("bad")
+        return 2 * x
+
+    with ThreadPoolExecutor(1, thread_name_prefix="hasher") as pool:
+        small = overlapped(pool, HASH_ON_THREAD_BYTES - 1, work, 3)
+        assert where == [threading.current_thread().name]  # ran already, here
+        big = overlapped(pool, HASH_ON_THREAD_BYTES, work, 4)
+        assert (small(), big()) == (6, 8) and where[1].startswith("hasher")
+        failed = overlapped(pool, HASH_ON_THREAD_BYTES, work, -1)
+        with pytest.raises(WeightsError, match="bad"):
+            failed()
+        with pytest.raises(WeightsError, match="bad"):
+            overlapped(pool, 0, work, -1)
 
 
 def test_checksums() -> None:

@@ -32,7 +32,7 @@ import jax
 import msgspec
 import numpy as np
 
-from streamrl.model.lora import LoraConfig, LoraError, attach_lora, init_lora, merge_lora
+from streamrl.model.lora import LoraConfig, LoraError, init_lora
 from streamrl.weightsync import ALIGN, Buffer, WeightsError, as_aligned
 from streamrl.wire import LoraInfo
 
@@ -40,10 +40,8 @@ __all__ = [
     "MAGIC",
     "WeightsError",
     "adapters_template",
-    "attach_lora",
     "lora_config",
     "lora_info",
-    "merge_lora",
     "params_from_bytes",
     "params_to_bytes",
     "params_to_pieces",

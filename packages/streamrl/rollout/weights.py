@@ -35,22 +35,16 @@ import redis.asyncio as aioredis
 import structlog
 
 from streamrl.failpoints import WEIGHTS_LOAD, afailpoint
-from streamrl.model.lora import LoraConfig
-from streamrl.model.weights import (
-    adapters_template,
-    attach_lora,
-    lora_config,
-    merge_lora,
-    params_from_bytes,
-)
+from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
+from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.weightsync import (
-    HASH_ON_THREAD_BYTES,
     WeightsError,
     check_checksum,
     describe,
     fetch_published,
+    overlapped,
 )
 from streamrl.wire import Weights, WireError, decode
 
@@ -154,19 +148,14 @@ class WeightLoader:
 
     def _fetch_decode(self, msg: Weights, template: Any) -> Any:
         data = fetch_published(msg, self.client, self.keys)
-        if msg.nbytes < HASH_ON_THREAD_BYTES:  # a hand-off would cost more than hashing
-            check_checksum(data, msg.checksum, describe(msg))
-            try:
-                return params_from_bytes(template, data)
-            except WeightsError as err:
-                raise WeightsError(f"{describe(msg)}: {err}") from None
-        checked = self._hasher.submit(check_checksum, data, msg.checksum, describe(msg))
+        where = describe(msg)
+        checked = overlapped(self._hasher, msg.nbytes, check_checksum, data, msg.checksum, where)
         try:
             params = params_from_bytes(template, data)
         except WeightsError as err:
-            checked.result()  # damaged bytes: the checksum says so more clearly
-            raise WeightsError(f"{describe(msg)}: {err}") from None
-        checked.result()
+            checked()  # damaged bytes: the checksum says so more clearly
+            raise WeightsError(f"{where}: {err}") from None
+        checked()
         return params
 
 

@@ -24,7 +24,7 @@ from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import lora_info, params_to_pieces
 from streamrl.names import Keys
 from streamrl.transport import as_str, entry_id_key, publish
-from streamrl.weightsync import HASH_ON_THREAD_BYTES, Checksum, WeightsChannel, checksum
+from streamrl.weightsync import Checksum, WeightsChannel, checksum, overlapped
 from streamrl.wire import Weights
 
 
@@ -52,20 +52,16 @@ class WeightPublisher:
         pieces = params_to_pieces(tree)
         serialized_s = time.monotonic() - start
         nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-        if nbytes < HASH_ON_THREAD_BYTES:  # a thread hand-off would cost more than hashing
-            digest = checksum(self.checksum, *pieces)
-            where = self.channel.write(version, pieces)
-        else:  # computed while the channel writes (both leave the GIL)
-            hashing = self._hasher.submit(checksum, self.checksum, *pieces)
-            where = self.channel.write(version, pieces)
-            digest = hashing.result()
+        # Big versions are hashed while the channel writes (both leave the GIL).
+        digest = overlapped(self._hasher, nbytes, checksum, self.checksum, *pieces)
+        where = self.channel.write(version, pieces)
         failpoint(WEIGHTS_PUBLISH, self.log)  # written, not yet signalled
         msg = Weights(
             version=version,
             step=step,
             path=where.path,
             nbytes=nbytes,
-            checksum=digest,
+            checksum=digest(),
             kind="full" if lora is None else "lora",
             channel=self.channel.name,
             chunks=where.chunks,
