@@ -15,10 +15,13 @@ from streamrl.names import Keys
 from streamrl.transport import ensure_group, entry_id_key
 
 
-def _add(client: redis.Redis, stream: str, n: int, tag: str) -> list[str]:
+def _add(client: redis.Redis, stream: str, n: int, tag: str, ms: int | None = None) -> list[str]:
+    """n entries; with `ms`, ids ms-0, ms-1, ... (one millisecond: the ids just before an
+    entry are then known exactly), else ids Redis picks."""
     out = []
     for i in range(n):
-        eid: Any = client.xadd(stream, {"v": b"1", "data": f"{tag}{i}".encode()})
+        fields: Any = {"v": b"1", "data": f"{tag}{i}".encode()}
+        eid: Any = client.xadd(stream, fields, id=f"{ms}-{i}" if ms is not None else "*")
         out.append(eid.decode())
     return out
 
@@ -204,7 +207,7 @@ def test_trim_keeps_what_a_consumer_or_a_kept_checkpoint_may_need(
     for stream, group in ck.consumed_streams(keys):
         ensure_group(rclient, stream, group)
     # tasks: 0-3 acknowledged, 4-5 pending, 6-9 not yet delivered.
-    tasks = _add(rclient, keys.tasks, 10, "task")
+    tasks = _add(rclient, keys.tasks, 10, "task", ms=1000)
     _read(rclient, keys.tasks, keys.CG_ROLLOUT, "rollout-1", 6)
     rclient.xack(keys.tasks, keys.CG_ROLLOUT, *tasks[:4])
     # groups: the trainer took 0-2 and checkpointed them (the floor: the oldest kept
