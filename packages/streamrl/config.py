@@ -114,16 +114,85 @@ class TransportConfig(_Section):
     )
 
 
+# A plug-in reference: a built-in or registered name, or `package.module:Name`.
+PLUGIN_REF = r"^[A-Za-z_][A-Za-z0-9_.-]*(:[A-Za-z_][A-Za-z0-9_.]*)?$"
+
+
 class TaskConfig(_Section):
-    name: Literal["arithmetic", "code"] = Field(
+    name: str = Field(
         "arithmetic",
         description=(
-            "Built-in task: `arithmetic` (calculator tool, exact answer) or `code` (write a "
-            "Python function; hidden unit tests in the sandbox give the reward)."
+            "The task: built-in `arithmetic` (calculator tool, exact answer), `code` (write a "
+            "Python function; hidden unit tests in the sandbox give the reward) or "
+            "`synthetic` (configured step latencies, for measurement); a name an installed "
+            "package registers in the `streamrl.tasks` entry-point group; or the import "
+            "path `package.module:Name` of a `streamrl.api.TaskDef` subclass."
+        ),
+        pattern=PLUGIN_REF,
+    )
+    environment: str = Field(
+        "",
+        description=(
+            "Environment of each episode instead of the task's own: `package.module:Name`, "
+            "called as Name(task, ctx) -> streamrl.api.Environment; empty: the task's."
+        ),
+        pattern=r"^$|" + PLUGIN_REF,
+    )
+    agent: str = Field(
+        "",
+        description=(
+            "Agent of each episode instead of the task's own: built-in `tool` or `model`, or "
+            "`package.module:Name` called as Name(task, ctx) -> streamrl.api.Agent."
+        ),
+        pattern=r"^$|" + PLUGIN_REF,
+    )
+    reward: str = Field(
+        "",
+        description=(
+            "Reward instead of the task's own: `package.module:name` of a function "
+            "(answer, calls, ctx) -> float (or a coroutine); a result that is not a finite "
+            "number makes that episode an error."
+        ),
+        pattern=r"^$|" + PLUGIN_REF,
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "The task's own settings ([task.options]), validated by the pydantic model the "
+            "task declares (TaskDef.Options): unknown or ill-typed options are errors."
         ),
     )
+    dataset: str = Field(
+        "",
+        description=(
+            "Prompts from data instead of the task's generator: a local .jsonl or .parquet "
+            "file, or a directory written by datasets' save_to_disk; empty: generated."
+        ),
+    )
+    split: str = Field(
+        "train",
+        description="Split of a saved DatasetDict directory (ignored for a single split).",
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+    )
+    prompt_field: str = Field(
+        "prompt", min_length=1, description="Dataset column that holds a task's prompt text."
+    )
+    answer_field: str = Field(
+        "answer",
+        description="Dataset column of the reference answer (optional in rows; empty: none).",
+    )
+    shuffle: bool = Field(
+        True,
+        description="Visit dataset rows in a seeded order (run.seed and the epoch), new each epoch.",
+    )
+    epochs: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Passes over the dataset, then the feeder stops writing; 0: no end.",
+    )
     num_prompts: int = Field(
-        10_000, ge=1, le=10_000_000, description="Distinct prompts in the data set (cycled)."
+        10_000, ge=1, le=10_000_000, description="Distinct generated prompts (cycled)."
     )
     max_operand: int = Field(
         99, ge=1, le=1_000_000, description="Largest operand of an arithmetic question."
@@ -142,6 +211,31 @@ class TaskConfig(_Section):
 
 
 class ModelConfig(_Section):
+    kind: Literal["transformer", "stub"] = Field(
+        "transformer",
+        description=(
+            "`transformer`: the JAX policy; `stub`: no model at all, each model call answers "
+            "stub_turn_tokens tokens after stub_latency_s and a train step takes "
+            "stub_train_step_s (measures the orchestration alone)."
+        ),
+    )
+    stub_latency_s: float = Field(
+        0.02, ge=0, le=3600, description="Stub model only: seconds one model call takes."
+    )
+    stub_turn_tokens: int = Field(
+        16, ge=1, le=131072, description="Stub model only: tokens one model call answers."
+    )
+    stub_train_step_s: float = Field(
+        0.0, ge=0, le=3600, description="Stub model only: seconds one trainer step takes."
+    )
+    chat_template: str = Field(
+        "",
+        description=(
+            "Jinja chat template file used instead of the checkpoint's (needed to train a "
+            "base model that ships none); `chatml`: the built-in ChatML template with "
+            "Hermes tool calls; empty: the checkpoint's own."
+        ),
+    )
     checkpoint: str = Field(
         "",
         description=(
@@ -395,9 +489,26 @@ class ToolsConfig(_Section):
         default_factory=list,
         description=(
             "Tools whose calls have side effects that must not repeat: each call runs once per "
-            "idempotency key (call id + arguments); a replayed call gets the recorded result."
+            "idempotency key (call id + arguments); a replayed call gets the recorded result. "
+            "Checked against the tools (built-in and extra) when a worker starts."
         ),
     )
+    extra: list[str] = Field(
+        default_factory=list,
+        description=(
+            "The user's own tools, run by the tool workers: `package.module:NAME` of a "
+            "streamrl.api.WorkerTool (or a list of them); the rollout worker reads their "
+            "schemas, the tool workers run them (policy-written code only in the sandbox)."
+        ),
+    )
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_refs(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$", ref):
+                raise ValueError(f"`{ref}` is not an import path `package.module:NAME`")
+        return v
 
     @field_validator("rate_limits")
     @classmethod
@@ -405,17 +516,6 @@ class ToolsConfig(_Section):
         for name, rate in v.items():
             if not rate > 0:
                 raise ValueError(f"rate of tool `{name}` must be > 0 calls per second")
-        return v
-
-    @field_validator("non_idempotent")
-    @classmethod
-    def _known_tools(cls, v: list[str]) -> list[str]:
-        # Imported here: the config module loads without the tool code until it is needed.
-        from streamrl.tools.registry import TOOLS
-
-        for name in v:
-            if name not in TOOLS:
-                raise ValueError(f"unknown tool `{name}`; tools: {sorted(TOOLS)}")
         return v
 
 
