@@ -16,6 +16,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to sample at most")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (top-k 1)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument(
+        "--chat-template",
+        default="",
+        metavar="FILE|chatml",
+        help="chat template instead of the checkpoint's: a Jinja file, or `chatml` (the "
+        "built-in ChatML with Hermes tool calls); --chat on a base model needs one",
+    )
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
     g.add_argument("--top-k", type=int, default=0, help="top-k (0: off)")
@@ -24,13 +31,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(args: argparse.Namespace) -> int:
-    from streamrl.hfchat import ChatError, HFChat
+    from streamrl.hfchat import ChatError, HFChat, chat_template_text
     from streamrl.model.checkpoint import CheckpointError, load_checkpoint
     from streamrl.model.engine import Engine, EngineConfig
     from streamrl.model.sampling import GenRequest, SamplingParams
 
     try:
-        chat = HFChat.from_dir(args.checkpoint)
+        template = chat_template_text(args.chat_template, "--chat-template")
+        chat = HFChat.from_dir(args.checkpoint, template)
+        if args.chat:
+            chat.require_template("wrap the prompt in a chat (--chat)", "--chat-template")
         spec, params = load_checkpoint(args.checkpoint)
     except (ChatError, CheckpointError, SpecError) as err:
         print(f"streamrl generate: {err}", file=sys.stderr)

@@ -26,7 +26,7 @@ from streamrl.transport import make_async_client
 def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     ckpt = ensure_checkpoint(cfg)
-    chat = HFChat.from_dir(ckpt)
+    chat = HFChat.for_model(ckpt, cfg.model)
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
     # The checkpoint gives the structure published weights decode into; the values the
     # engine serves come from the trainer (version 0 onwards).

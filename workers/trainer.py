@@ -57,7 +57,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
         ctx.log.info("trainer_process", index=ctx.index, count=cfg.trainer.num_processes)
     publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     ckpt = ensure_checkpoint(cfg)
-    chat = HFChat.from_dir(ckpt)
+    chat = HFChat.for_model(ckpt, cfg.model)
     if cfg.model.init == "warmstart":
         spec, params = ModelSpec.from_dir(ckpt), warmstart_params(cfg, ctx.log.info)
     else:

@@ -28,6 +28,16 @@ Rendering goes to text, encoded with `add_special_tokens=False`: the same as
 `apply_chat_template(tokenize=True)` does; the template writes any BOS itself. Tool calls
 are Hermes style, parsed by `streamrl.chat.parse_turn`. Imports transformers (only the
 rollout and trainer load this module), never JAX or torch.
+
+A base model's tokenizer may ship no chat template. It still loads: raw text encodes and
+decodes, and its eos ends generation. What needs a template (rendering, prompts, dialogues,
+demonstration turns) raises `ChatError` naming `model.chat_template`, which supplies one:
+a Jinja file, or `chatml`, the built-in ChatML template with Hermes tool calls (the tiny
+model's, `streamrl.tiny_tokenizer.CHAT_TEMPLATE`). A ChatML template needs `<|im_start|>`
+and `<|im_end|>` to be single tokens of the tokenizer (a turn ends on a stop *id*, and
+the marker must not be forgeable as text); when they are not, loading fails naming the
+missing tokens rather than encoding them as text. Qwen base tokenizers have them; for
+others (Llama 3 base), write a template in the tokenizer's own turn tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from streamrl.chat import ParsedTurn, parse_turn
+from streamrl.config import ModelConfig
+from streamrl.errors import FatalError
+from streamrl.tiny_tokenizer import CHAT_TEMPLATE as CHATML_TEMPLATE
 
 Message = dict[str, Any]
 Tools = list[dict[str, Any]]
@@ -50,6 +63,8 @@ Tools = list[dict[str, Any]]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CHATML_START = "<|im_start|>"
 CHATML_END = "<|im_end|>"
+BUILTIN_TEMPLATE = "chatml"  # the `model.chat_template` value naming CHATML_TEMPLATE
+TEMPLATE_OPTION = "model.chat_template"
 # Put after the first character of a token's text found in outside content: the text
 # stays readable and encodes as plain text, never as that token.
 ZERO_WIDTH_SPACE = "\u200b"
@@ -60,6 +75,11 @@ _PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": _P
 
 class ChatError(ValueError):
     """A tokenizer directory or chat template that token-in, token-out chat cannot use."""
+
+
+class ModelChatError(ChatError, FatalError):
+    """A run's checkpoint and `model.chat_template` give no usable chat: a restarted
+    worker would fail the same way, so `streamrl up` stops at once."""
 
 
 class Dialogue(Protocol):
@@ -91,18 +111,22 @@ class HFChat:
         tokenizer: PreTrainedTokenizerBase,
         stop_ids: Sequence[int],
         chat_template: str | None = None,
+        name: str = "the tokenizer",
     ) -> None:
-        """`chat_template` overrides the tokenizer's own; `stop_ids` end a sampled turn."""
+        """`chat_template` overrides the tokenizer's own; `stop_ids` end a sampled turn;
+        `name` says where the tokenizer came from, in errors."""
         if not stop_ids:
             raise ChatError("no stop token: the tokenizer has no eos and none was given")
         self.tok = tokenizer
         self.template = chat_template
+        self.name = name
         self._stop_ids = tuple(dict.fromkeys(stop_ids))  # ordered, without repeats
         for i in self._stop_ids:
             text = self.decode([i])
             if self.encode(text) != [i]:
                 raise ChatError(f"stop token {i} ({text!r}) does not encode back to one id")
-        self.turn_end_id, self.turn_end = self._find_turn_end()
+        # Found now, so a template that cannot be used fails at load, not mid-episode.
+        self._turn_end = self._find_turn_end() if self.has_template else None
         added = sorted((t for t in tokenizer.get_added_vocab() if len(t) > 1), key=len)
         self._added = re.compile("|".join(re.escape(t) for t in reversed(added))) if added else None
 
@@ -111,21 +135,72 @@ class HFChat:
         """Load the tokenizer in `path` (local files only); stop ids from it and the template.
 
         Stop ids: the tokenizer's eos, then `generation_config.json`'s `eos_token_id` (an int
-        or a list), then `<|im_end|>` when the template is ChatML.
+        or a list), then `<|im_end|>` when the template is ChatML. Without any template
+        (a base model's tokenizer, no `chat_template`) only raw text works.
         """
         path = Path(path)
         tok = _load_tokenizer(path)
         template = chat_template if chat_template is not None else tok.chat_template
-        if not template:
-            raise ChatError(
-                f"the tokenizer in {path} has no chat template (no `chat_template` in "
-                "tokenizer_config.json and no chat_template.jinja)"
-            )
         stops = [tok.eos_token_id] if isinstance(tok.eos_token_id, int) else []
         stops += _generation_eos_ids(path)
-        if CHATML_START in str(template):  # a str, or a dict of named templates
+        if template and CHATML_START in str(template):  # a str, or a dict of named templates
+            missing = [t for t in (CHATML_START, CHATML_END) if len(_encode(tok, t)) != 1]
+            if missing:
+                raise ChatError(
+                    f"the chat template is ChatML, but {' and '.join(missing)} "
+                    f"{'is not a token' if len(missing) == 1 else 'are not tokens'} of the "
+                    f"tokenizer in {path} (each must be one id: a turn ends on a stop id); "
+                    f"set {TEMPLATE_OPTION} to a template written in this tokenizer's own "
+                    "turn tokens"
+                )
             stops.append(_single_token_id(tok, CHATML_END, path))
-        return cls(tok, stops, chat_template)
+        return cls(tok, stops, chat_template, f"the tokenizer in {path}")
+
+    @classmethod
+    def for_model(cls, path: str | Path, model: ModelConfig) -> HFChat:
+        """The chat of a run's policy: the tokenizer in checkpoint directory `path` with
+        the template `model.chat_template` names (`chat_template_text`).
+
+        Every worker of a run renders episodes, so the result always has a template; any
+        problem is a `ModelChatError`, which stops the run instead of restarting workers.
+        """
+        try:
+            chat = cls.from_dir(path, chat_template_text(model.chat_template))
+            chat.require_template("run episodes")
+        except ChatError as err:
+            raise ModelChatError(str(err)) from err
+        return chat
+
+    @property
+    def has_template(self) -> bool:
+        """Whether there is a chat template (given, or the tokenizer's own)."""
+        return bool(self.template or self.tok.chat_template)
+
+    def require_template(self, purpose: str, option: str = TEMPLATE_OPTION) -> None:
+        """`ChatError` when there is no template to `purpose` with, naming `option` (the
+        setting that gives one) as the fix."""
+        if not self.has_template:
+            raise ChatError(
+                f"{self.name} has no chat template (a base model's), so it cannot {purpose}: "
+                f"set {option} to a Jinja template file, or to `{BUILTIN_TEMPLATE}` for the "
+                "built-in ChatML template with Hermes tool calls"
+            )
+
+    @property
+    def turn_end_id(self) -> int:
+        """The stop token the template writes after an assistant's text."""
+        return self._turn_end_marker()[0]
+
+    @property
+    def turn_end(self) -> str:
+        """The text of `turn_end_id`."""
+        return self._turn_end_marker()[1]
+
+    def _turn_end_marker(self) -> tuple[int, str]:
+        if self._turn_end is None:
+            self.require_template("end an assistant turn")
+        assert self._turn_end is not None  # has_template implies it was found at load
+        return self._turn_end
 
     # The Tokenizer protocol.
 
@@ -174,6 +249,7 @@ class HFChat:
         self, messages: list[Message], tools: Tools | None = None, generation_prompt: bool = False
     ) -> str:
         """The template's text of `messages` (and `tools`, listed as the template does)."""
+        self.require_template("render a conversation")
         # transformers also takes callables as tools; ours are JSON schemas.
         schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None
         if tools is not None:
@@ -247,6 +323,7 @@ class HFChat:
 
     def dialogue(self, tools: Tools | None = None, system: str | None = None) -> HFDialogue:
         """A fresh episode's conversation, with `tools` listed by the template."""
+        self.require_template("hold a dialogue")
         return HFDialogue(self, tools, system)
 
     def _find_turn_end(self) -> tuple[int, str]:
@@ -344,8 +421,28 @@ def _generation_eos_ids(path: Path) -> list[int]:
     return ids
 
 
+def chat_template_text(value: str, option: str = TEMPLATE_OPTION) -> str | None:
+    """The template `value` of `option` names: None for "" (the checkpoint's own), the
+    built-in ChatML template for `chatml`, else the text of the Jinja file at that path."""
+    if not value:
+        return None
+    if value == BUILTIN_TEMPLATE:
+        return CHATML_TEMPLATE
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ChatError(
+            f"{option} = {value!r}: no such file (give a Jinja chat template file, or "
+            f"`{BUILTIN_TEMPLATE}` for the built-in one)"
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def _encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False))
+
+
 def _single_token_id(tok: PreTrainedTokenizerBase, token: str, where: object) -> int:
-    ids = tok.encode(token, add_special_tokens=False)
+    ids = _encode(tok, token)
     if len(ids) != 1:
         raise ChatError(f"{token!r} is not one token in {where} (it encodes to {ids})")
     return int(ids[0])

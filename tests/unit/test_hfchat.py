@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from streamrl.chat import ToolCall, ToolCallError, Transcript
-from streamrl.hfchat import ChatError, Dialogue, HFChat
+from streamrl.config import ModelConfig
+from streamrl.errors import FatalError
+from streamrl.hfchat import ChatError, Dialogue, HFChat, chat_template_text
 from streamrl.tasks import arithmetic
-from streamrl.tiny_tokenizer import build_tiny_tokenizer
+from streamrl.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from streamrl.tools.registry import CALCULATOR
 
 TOOLS = [CALCULATOR.schema()]
@@ -231,12 +234,6 @@ def test_directory_problems_are_named(chat: HFChat, tiny_dir: Path, tmp_path: Pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(ChatError, match=f"{tmp_path / 'empty'} holds no tokenizer"):
         HFChat.from_dir(tmp_path / "empty")
-    other = _copy(tiny_dir, tmp_path)
-    config = json.loads((other / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (other / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ChatError, match="has no chat template"):
-        HFChat.from_dir(other)
 
 
 def test_template_that_is_not_prefix_stable_is_refused(tiny_dir: Path) -> None:
@@ -299,3 +296,94 @@ def test_outside_content_cannot_forge_a_turn(chat: HFChat) -> None:
     plain = chat.dialogue(TOOLS).prompt("Hi")
     assert ids.count(end) == plain.count(end) and ids.count(start) == plain.count(start)
     assert chat.token_id("<|endoftext|>") not in ids
+
+
+# A base model's tokenizer: no chat template, and its eos is the end of text (as in Qwen2.5
+# base), not the end of a chat turn.
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("base_tok")
+    shutil.copytree(tiny_dir, out, dirs_exist_ok=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    config["eos_token"] = "<|endoftext|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    eot = HFChat.from_dir(tiny_dir).token_id("<|endoftext|>")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eot}))
+    return out
+
+
+def test_base_tokenizer_does_raw_text(base_dir: Path) -> None:
+    chat = HFChat.from_dir(base_dir)
+    assert not chat.has_template
+    assert chat.decode(chat.encode("Compute 37+58, naïve ✓")) == "Compute 37+58, naïve ✓"
+    assert chat.stop_ids == (chat.token_id("<|endoftext|>"),)  # its eos, nothing of ChatML
+    assert chat.pad_id == chat.token_id("<|pad|>")
+
+
+def test_base_tokenizer_refuses_what_needs_a_template(base_dir: Path) -> None:
+    chat = HFChat.from_dir(base_dir)
+    messages = [{"role": "user", "content": "Hi"}]
+    uses: list[tuple[str, Callable[[], object]]] = [
+        ("render a conversation", lambda: chat.render(messages)),
+        ("render a conversation", lambda: chat.prompt_ids(messages, TOOLS)),
+        ("hold a dialogue", lambda: chat.dialogue(TOOLS)),
+        ("end an assistant turn", lambda: chat.assistant_turn("<answer>5</answer>")),
+    ]
+    for purpose, use in uses:
+        with pytest.raises(ChatError, match=f"cannot {purpose}: set model.chat_template"):
+            use()
+    with pytest.raises(ChatError, match=f"tokenizer in {base_dir} has no chat template"):
+        chat.render(messages)
+
+
+def test_for_model_takes_the_template_from_the_config(base_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ChatError, match=r"cannot run episodes: set model\.chat_template") as err:
+        HFChat.for_model(base_dir, ModelConfig())
+    assert isinstance(err.value, FatalError)  # `streamrl up` stops instead of restarting
+    chat = HFChat.for_model(base_dir, ModelConfig(chat_template="chatml"))
+    eot, im_end = chat.token_id("<|endoftext|>"), chat.token_id("<|im_end|>")
+    assert chat.template == CHAT_TEMPLATE
+    assert chat.stop_ids == (eot, im_end) and chat.turn_end_id == im_end
+    turns = [arithmetic.calculator_call("37+58"), "<answer>95</answer>"]
+    tr, whole = _play(chat, turns, [["95"]])
+    _check_whole(chat, tr, whole, turns)
+    # A file: Qwen2.5's template, on the same base tokenizer.
+    (tmp_path / "qwen.jinja").write_text(QWEN25_TEMPLATE)
+    qwen = HFChat.for_model(base_dir, ModelConfig(chat_template=str(tmp_path / "qwen.jinja")))
+    assert qwen.render([{"role": "user", "content": "Hi"}]).startswith("<|im_start|>system\nYou")
+    missing = str(tmp_path / "nope.jinja")
+    with pytest.raises(FatalError, match=f"model.chat_template = '{missing}': no such file"):
+        HFChat.for_model(base_dir, ModelConfig(chat_template=missing))
+
+
+def test_checkpoint_template_is_kept_unless_the_config_names_one(tiny_dir: Path) -> None:
+    assert chat_template_text("") is None
+    assert chat_template_text("chatml") == CHAT_TEMPLATE
+    assert HFChat.for_model(tiny_dir, ModelConfig()).template is None  # its own is used
+    with pytest.raises(ChatError, match=r"--chat-template = 'x\.jinja': no such file"):
+        chat_template_text("x.jinja", "--chat-template")
+
+
+def test_chatml_needs_its_turn_tokens(tmp_path: Path) -> None:
+    """A base tokenizer without <|im_start|> and <|im_end|>: ChatML is refused, naming
+    them, rather than spelled in text a turn could not end on."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["Compute 37+58 with the calculator."] * 10, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert HFChat.from_dir(tmp_path).stop_ids == (0,)  # raw text is fine
+    with pytest.raises(ChatError, match=r"<\|im_start\|> and <\|im_end\|> are not tokens"):
+        HFChat.for_model(tmp_path, ModelConfig(chat_template="chatml"))

@@ -37,6 +37,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
+from streamrl.hfchat import chat_template_text
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
@@ -405,6 +406,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# Where transformers looks for a chat template besides tokenizer_config.json; a template
+# file wins over the config's key when it loads the export.
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 @dataclass
@@ -414,7 +418,9 @@ class ExportHook:
     The trained weights and their config.json (`export_checkpoint`), plus the tokenizer,
     chat template and generation config copied from `source_dir`, the checkpoint the run
     started from: `AutoModelForCausalLM.from_pretrained(export_dir)` and
-    `AutoTokenizer.from_pretrained(export_dir)` load the trained policy. `every` 0: only at
+    `AutoTokenizer.from_pretrained(export_dir)` load the trained policy. When the run's
+    `model.chat_template` names a template, the export carries that one as
+    chat_template.jinja (a base model trained with it chats as it was trained). `every` 0: only at
     the end of the run. Each export replaces the last as a whole (written beside it, then
     renamed into place), so a reader never finds a half-written one.
     """
@@ -438,9 +444,14 @@ class ExportHook:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         try:
             export_checkpoint(tmp, self.spec, params, self.max_shard_bytes)
+            template = chat_template_text(loop.cfg.model.chat_template)
             for name in TOKENIZER_FILES:
+                if template is not None and name in TEMPLATE_FILES:
+                    continue
                 if (self.source_dir / name).is_file():
                     shutil.copyfile(self.source_dir / name, tmp / name)
+            if template is not None:
+                (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
             if self.export_dir.exists():
                 os.rename(self.export_dir, old)
             os.rename(tmp, self.export_dir)

@@ -184,8 +184,9 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
     """sha256 hex of every input of the warm start's result.
 
     The starting checkpoint (`_checkpoint_identity`), the task section (without
-    `task.max_backlog`), the run seed, the dtype and warm-start fields of `model`, and
-    WARMSTART_VERSION. Not the cache location, nor `model.init`.
+    `task.max_backlog`), the run seed, the chat template, dtype and warm-start fields of
+    `model` (the template's name, not its text), and WARMSTART_VERSION. Not the cache
+    location, nor `model.init`.
     """
     ckpt = ensure_checkpoint(cfg) if ckpt is None else ckpt
     inputs = {
@@ -194,6 +195,7 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
         "seed": cfg.run.seed,
         "model": cfg.model.model_dump(
             include={
+                "chat_template",  # lays out the demonstrations
                 "dtype",
                 "warmstart_steps",
                 "warmstart_batch",
@@ -229,7 +231,7 @@ def warmstart_params(cfg: Config, log: Log | None = None) -> Params:
             return params
         start = time.perf_counter()
         spec, params = load_checkpoint(ckpt, dtype)
-        params = train_demonstrations(cfg, spec, params, HFChat.from_dir(ckpt), log)
+        params = train_demonstrations(cfg, spec, params, HFChat.for_model(ckpt, cfg.model), log)
         _write_cache(path, spec, params)
     if log is not None:
         log("warmstart.trained", path=str(path), seconds=round(time.perf_counter() - start, 2))
