@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         return queuescli.main(args, cfg, run_dir)
     if args.command == "up":
         from streamrl.launcher import Launcher
+        from streamrl.tasks.registry import check_plugins
+
+        try:
+            check_plugins(cfg)  # the user's task, options, data and tools, before any worker
+        except ConfigError as err:
+            print(f"streamrl: {err}", file=sys.stderr)
+            return 2
 
         return Launcher(cfg, args.config, args.set, run_dir, args.steps, resume=bool(resume)).run()
     try:

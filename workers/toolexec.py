@@ -30,13 +30,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def main(args: argparse.Namespace, cfg: Config) -> int:
     """One call through the sandbox `cfg.tools` configures (cfg: loaded by `cli.main`)."""
     from streamrl.logs import configure_logging
+    from streamrl.plugins import PluginError
     from streamrl.tools.jobs import open_sandbox
-    from streamrl.tools.registry import TOOLS, run_call
+    from streamrl.tools.registry import load_tools, run_call
     from streamrl.tools.sandbox import SandboxUnavailableError
 
-    if args.tool not in TOOLS:
+    try:
+        tools = load_tools(cfg.tools)
+    except PluginError as err:
+        print(f"streamrl tools exec: {err}", file=sys.stderr)
+        return 2
+    if args.tool not in tools:
         print(
-            f"streamrl tools exec: unknown tool {args.tool!r}; known: {sorted(TOOLS)}",
+            f"streamrl tools exec: unknown tool {args.tool!r}; known: {sorted(tools)}",
             file=sys.stderr,
         )
         return 2
@@ -49,7 +55,12 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     try:
         start = time.monotonic()
         out = run_call(
-            sandbox, args.tool, args.args, cfg.tools.time_limit_s, cfg.tools.output_cap_bytes
+            sandbox,
+            args.tool,
+            args.args,
+            cfg.tools.time_limit_s,
+            cfg.tools.output_cap_bytes,
+            tools,
         )
         duration = time.monotonic() - start
     finally:

@@ -8,7 +8,8 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
 from streamrl.runtime import WorkerContext
-from streamrl.tools.jobs import close_sandbox, install_sandbox, open_sandbox
+from streamrl.tools.jobs import close_sandbox, install_sandbox, install_tools, open_sandbox
+from streamrl.tools.registry import load_tools
 
 # rq's housekeeping (cleaning the jobs of dead workers) runs every 10 minutes by default;
 # callers do not depend on it (they time out and resend), but keep the registries tidy.
@@ -16,6 +17,8 @@ MAINTENANCE_INTERVAL_S = 15
 
 
 def run(ctx: WorkerContext) -> int:
+    tools = load_tools(ctx.cfg.tools)  # the user's tools (tools.extra): a bad one stops here
+    install_tools(tools)
     conn = ctx.client()
     queue = Queue(ctx.keys.tool_queue, connection=conn, serializer=JSONSerializer)
     worker = SimpleWorker(
@@ -26,7 +29,7 @@ def run(ctx: WorkerContext) -> int:
         maintenance_interval=MAINTENANCE_INTERVAL_S,
     )
     install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
-    ctx.log.info("tools_start", queue=queue.name)
+    ctx.log.info("tools_start", queue=queue.name, tools=sorted(tools))
     try:
         worker.work(burst=ctx.burst, logging_level="WARNING", with_scheduler=False)
     finally:

@@ -134,7 +134,7 @@ class TaskConfig(_Section):
         "",
         description=(
             "Environment of each episode instead of the task's own: `package.module:Name`, "
-            "called as Name(task, ctx) -> streamrl.api.Environment; empty: the task's."
+            "called as Name(ctx) -> streamrl.api.Environment; empty: the task's."
         ),
         pattern=r"^$|" + PLUGIN_REF,
     )
@@ -142,7 +142,7 @@ class TaskConfig(_Section):
         "",
         description=(
             "Agent of each episode instead of the task's own: built-in `tool` or `model`, or "
-            "`package.module:Name` called as Name(task, ctx) -> streamrl.api.Agent."
+            "`package.module:Name` called as Name(ctx) -> streamrl.api.Agent."
         ),
         pattern=r"^$|" + PLUGIN_REF,
     )
@@ -183,7 +183,7 @@ class TaskConfig(_Section):
     )
     shuffle: bool = Field(
         True,
-        description="Visit dataset rows in a seeded order (run.seed and the epoch), new each epoch.",
+        description="Visit dataset rows in an order seeded by run.seed and the epoch.",
     )
     epochs: int = Field(
         0,
@@ -304,6 +304,15 @@ class ModelConfig(_Section):
             )
         if (self.d_model // self.num_heads) % 2:
             raise ValueError("model.d_model / model.num_heads must be even for RoPE")
+        return self
+
+    @model_validator(mode="after")
+    def _stub(self) -> ModelConfig:
+        if self.kind == "stub" and self.init == "warmstart":
+            raise ValueError(
+                'model.init = "warmstart" trains a real model before RL, and model.kind = '
+                '"stub" has none: set model.init = "checkpoint" (the stub ignores it)'
+            )
         return self
 
 

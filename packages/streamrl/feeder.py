@@ -1,7 +1,15 @@
 """The feeder: writes the data set's prompts to `tasks`, keeping a bounded backlog.
 
 Its cursor lives in Redis and advances in the same transaction as the write, so a feeder
-that restarts continues where it stopped, neither skipping nor repeating a prompt.
+that restarts continues where it stopped, neither skipping nor repeating a prompt. The
+cursor names one prompt for ever (a generated one, or a dataset row in a seeded order per
+epoch: `streamrl.tasks.data`), so a resumed run continues exactly where the data was. With
+`task.epochs` the feeder stops writing after the last row of the last epoch.
+
+The backlog is read from the stream itself: entries not yet delivered to the rollout
+workers plus those delivered but not acknowledged. A task that went to the dead letters is
+acknowledged there, so it leaves the backlog (a counter of tasks done would never count it,
+and enough of them would stop the feeder for good).
 """
 
 from __future__ import annotations
@@ -14,44 +22,77 @@ import structlog
 
 from streamrl.config import Config
 from streamrl.names import Keys
-from streamrl.tasks.registry import make_task
+from streamrl.tasks.registry import TaskSource, task_source
 from streamrl.transport import publish
 
 
 class Feeder:
     def __init__(
-        self, client: redis.Redis, keys: Keys, cfg: Config, log: structlog.stdlib.BoundLogger
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        cfg: Config,
+        log: structlog.stdlib.BoundLogger,
+        source: TaskSource | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.cfg = cfg
         self.log = log
+        self.source = source if source is not None else task_source(cfg.task, cfg.run.seed)
+        self._ended = False
 
     def backlog(self) -> tuple[int, int]:
-        """(cursor, tasks written but not yet rolled out)."""
-        raw: Any = self.client.mget([self.keys.feeder_cursor])
-        cursor = int(raw[0] or 0)
-        done = int(self.client.hget(self.keys.stats, "tasks_done") or 0)
-        return cursor, cursor - done
+        """(cursor, tasks written but not yet rolled out: undelivered plus pending)."""
+        cursor = int(self.client.get(self.keys.feeder_cursor) or 0)
+        return cursor, self._waiting()
+
+    def _waiting(self) -> int:
+        try:
+            groups: Any = self.client.xinfo_groups(self.keys.tasks)
+        except redis.ResponseError:  # no stream yet
+            return 0
+        rollout = next((g for g in groups if _str(g["name"]) == Keys.CG_ROLLOUT), None)
+        if rollout is None:  # no rollout worker has joined yet: every entry waits
+            return int(self.client.xlen(self.keys.tasks))
+        pending = int(rollout["pending"])
+        if rollout.get("lag") is not None:
+            return pending + int(rollout["lag"])
+        # Redis cannot say the lag (entries deleted mid-stream): count what follows the
+        # group's last delivered entry, up to what the backlog bound needs.
+        after: Any = self.client.xrange(
+            self.keys.tasks,
+            min=f"({_str(rollout['last-delivered-id'])}",
+            count=self.cfg.task.max_backlog + 1,
+        )
+        return pending + len(after)
 
     def fill(self) -> int:
         """Write tasks until the backlog is full; returns how many were written."""
         cursor, backlog = self.backlog()
-        room = self.cfg.task.max_backlog - backlog
-        for i in range(max(0, room)):
-            task = make_task(
-                self.cfg.task, self.cfg.run.seed, cursor + i, self.cfg.rollout.num_generations
-            )
+        room = max(0, self.cfg.task.max_backlog - backlog)
+        end = self.source.end
+        if end is not None and cursor + room >= end:
+            room = max(0, end - cursor)
+            if not self._ended:
+                self._ended = True
+                self.log.info("feeder_data_end", cursor=end, epochs=self.cfg.task.epochs)
+        for i in range(room):
+            task = self.source.task(cursor + i, self.cfg.rollout.num_generations)
             pipe = self.client.pipeline(transaction=True)
             publish(pipe, self.keys.tasks, task)
             pipe.set(self.keys.feeder_cursor, cursor + i + 1)
             pipe.hincrby(self.keys.stats, "tasks", 1)
             pipe.execute()
-        return max(0, room)
+        return room
 
     def run(self, stop: threading.Event, poll_s: float = 0.1) -> None:
-        self.log.info("feeder_start", task=self.cfg.task.name)
+        self.log.info("feeder_start", task=self.cfg.task.name, dataset=self.cfg.task.dataset)
         while not stop.is_set():
             if self.fill() == 0:
                 stop.wait(poll_s)
         self.log.info("feeder_stop", cursor=self.backlog()[0])
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

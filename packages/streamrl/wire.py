@@ -33,7 +33,8 @@ class Task(Message, frozen=True, kw_only=True):
 
     `members`: the member indices to run, None for all of them. A grouper re-running the
     missing members of a timed-out group sends the same task with only those indices, so a
-    re-run member keeps its member index and trajectory id.
+    re-run member keeps its member index and trajectory id. `data`: the further fields of
+    the prompt's data row (JSON-like values), for the task's environment and reward.
     """
 
     KIND: ClassVar[str] = "task"
@@ -45,6 +46,7 @@ class Task(Message, frozen=True, kw_only=True):
     num_generations: int
     cursor: int
     members: list[int] | None = None
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Raised while decoding, this makes the entry a dead letter with the reason.

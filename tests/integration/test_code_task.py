@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from streamrl.agents.envs import ToolLimits
-from streamrl.config import TaskConfig
+from streamrl.config import TaskConfig, parse_config
 from streamrl.tasks import code
-from streamrl.tasks.registry import EpisodeContext, make_episode
+from streamrl.tasks.registry import load_episodes
 from streamrl.tools.backends import ClosableSandbox, make_sandbox
 from streamrl.tools.registry import run_call
 from streamrl.tools.sandbox import SandboxUnavailableError
@@ -71,7 +71,8 @@ def _linear_task() -> tuple[code.Task, str]:
 
 def _score(box: ClosableSandbox, task: code.Task, answer: str) -> tuple[float, LocalCaller]:
     caller = LocalCaller(box)
-    agent, env = make_episode(task, EpisodeContext(caller=caller, limits=ToolLimits()))
+    episodes = load_episodes(parse_config({"task": {"name": "code"}}), caller, ToolLimits())
+    agent, env = episodes.make(task, 0)
 
     async def go() -> float:
         reset = await env.reset()

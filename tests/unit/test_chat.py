@@ -3,9 +3,9 @@ import random
 
 from streamrl.agents.envs import ToolLimits
 from streamrl.chat import ToolCall, ToolCallError, parse_turn
-from streamrl.config import TaskConfig
+from streamrl.config import TaskConfig, parse_config
 from streamrl.tasks import arithmetic
-from streamrl.tasks.registry import EpisodeContext, make_episode
+from streamrl.tasks.registry import load_episodes
 from streamrl.wire import ToolResult
 
 
@@ -48,9 +48,8 @@ def _play(task_answer_from_tool: str, answer: str) -> float:
     task = arithmetic.make_task(TaskConfig(), 0, 5, 4)
 
     async def play() -> float:
-        agent, env = make_episode(
-            task, EpisodeContext(caller=StubTools(task_answer_from_tool), limits=ToolLimits())
-        )
+        episodes = load_episodes(parse_config({}), StubTools(task_answer_from_tool), ToolLimits())
+        agent, env = episodes.make(task, 0)
         reset = await env.reset()
         assert reset.tools[0]["function"]["name"] == "calculator"
         call = await env.step(agent.act(arithmetic.calculator_call("x")), "c")
@@ -73,7 +72,7 @@ def test_arithmetic_env_rewards_copying_the_tool_result() -> None:
 def test_bad_tool_calls_reach_the_agent_as_tool_errors() -> None:
     task = arithmetic.make_task(TaskConfig(), 0, 1, 4)
     tools = StubTools()
-    agent, env = make_episode(task, EpisodeContext(caller=tools, limits=ToolLimits()))
+    agent, env = load_episodes(parse_config({}), tools, ToolLimits()).make(task, 0)
     action = agent.act(
         '<tool_call>{"name": "calculator", "arguments": </tool_call>'
         '<tool_call>{"name": "calculator", "arguments": "{oops"}</tool_call>'

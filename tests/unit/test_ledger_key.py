@@ -1,8 +1,7 @@
 """The tool ledger's idempotency key and the config naming its tools."""
 
-import pytest
 
-from streamrl.config import ConfigError, parse_config
+from streamrl.config import parse_config
 from streamrl.tools.ledger import ledger_key
 
 CALL = "g7-m1-3-0"

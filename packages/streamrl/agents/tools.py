@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -56,6 +57,34 @@ def parse_arguments(parameters: dict[str, Any], arguments: str) -> dict[str, Any
         if not isinstance(value, want) or isinstance(value, bool) is not (want is bool):
             raise ToolArgumentError(f"argument `{name}` must be of type {props[name]['type']}")
     return args
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+
+
+def check_schema(name: object, description: object, parameters: object) -> None:
+    """Raise ValueError, saying what is wrong, unless this is a tool schema that
+    `parse_arguments` can check calls against: a name, a description, and a JSON-object
+    schema whose properties each have a JSON type and whose required names are properties."""
+    if not isinstance(name, str) or not _TOOL_NAME.match(name):
+        raise ValueError(f"tool name {name!r} must match {_TOOL_NAME.pattern}")
+    if not isinstance(description, str) or not description.strip():
+        raise ValueError(f"tool `{name}`: description must be a non-empty string")
+    if not isinstance(parameters, dict) or parameters.get("type") != "object":
+        raise ValueError(f'tool `{name}`: parameters must be a JSON schema {{"type": "object"}}')
+    props = parameters.get("properties", {})
+    if not isinstance(props, dict):
+        raise ValueError(f"tool `{name}`: parameters.properties must be an object")
+    for prop, spec in props.items():
+        if not isinstance(spec, dict) or spec.get("type") not in _JSON_TYPES:
+            raise ValueError(
+                f"tool `{name}`: property `{prop}` needs a type among {sorted(_JSON_TYPES)}"
+            )
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or any(r not in props for r in required):
+        raise ValueError(
+            f"tool `{name}`: parameters.required {required!r} must list properties {sorted(props)}"
+        )
 
 
 def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:

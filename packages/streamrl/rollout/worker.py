@@ -25,7 +25,7 @@ from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.weights import WeightFollower
-from streamrl.tasks.registry import EpisodeContext, make_episode
+from streamrl.tasks.registry import Episodes
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import Task, Trajectory
 
@@ -92,7 +92,7 @@ class RolloutWorker:
         consumer: str,
         server: EngineServer,
         runner: EpisodeRunner,
-        episodes: EpisodeContext,
+        episodes: Episodes,
         follower: WeightFollower,
         log: structlog.stdlib.BoundLogger,
         stop: Callable[[], bool],
@@ -181,7 +181,7 @@ class RolloutWorker:
 
     async def _episode(self, d: Delivery[Task], member: int) -> None:
         try:
-            traj = await self.runner.run(d.msg, member, lambda: make_episode(d.msg, self.episodes))
+            traj = await self.runner.run(d.msg, member, lambda: self.episodes.make(d.msg, member))
             # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
             await self._emit(d, msgspec.structs.replace(traj, cursor=d.msg.cursor))
         finally:

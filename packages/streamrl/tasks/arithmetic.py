@@ -11,7 +11,18 @@ import json
 import random
 from dataclasses import dataclass
 
+from streamrl.agents.base import Environment
+from streamrl.agents.envs import ToolEnvironment, ToolRecord
 from streamrl.config import TaskConfig
+from streamrl.tasks.base import (
+    Demonstration,
+    EpisodeContext,
+    NoOptions,
+    Prompt,
+    TaskDef,
+    build_task,
+)
+from streamrl.tools.registry import CALCULATOR
 from streamrl.wire import Task
 
 KIND = "arithmetic"
@@ -31,18 +42,29 @@ def expression(cfg: TaskConfig, seed: int, cursor: int) -> tuple[str, int]:
     return f"{a}{op}{b}", value
 
 
+class ArithmeticTask(TaskDef):
+    """`a op b` questions (task.num_prompts, max_operand, operators); the calculator tool."""
+
+    def prompt(self, index: int) -> Prompt:
+        expr, value = expression(self.cfg, self.seed, index)
+        return Prompt(f"Compute {expr} with the calculator.", str(value))
+
+    def environment(self, ctx: EpisodeContext) -> Environment:
+        tools = [ctx.sandbox_tool(CALCULATOR.name)]
+        return ToolEnvironment(ctx.task.prompt, tools, ctx.score, ctx.limits)
+
+    def reward(self, answer: str | None, calls: list[ToolRecord], ctx: EpisodeContext) -> float:
+        outputs = [c.output.output for c in calls if c.name == CALCULATOR.name and c.output.ok]
+        return reward(answer, outputs, ctx.task.answer)
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float) -> Demonstration:
+        d = demonstration(task, rng, error_rate)
+        return Demonstration(task, [CALCULATOR.schema()], d.turns, d.tool_results)
+
+
 def make_task(cfg: TaskConfig, seed: int, cursor: int, num_generations: int) -> Task:
-    expr, value = expression(cfg, seed, cursor)
-    # Group ids derive from the cursor: a re-sent task lands in the same group.
-    return Task(
-        task_id=f"t{cursor:09d}",
-        group_id=f"g{cursor:09d}",
-        kind=KIND,
-        prompt=f"Compute {expr} with the calculator.",
-        answer=str(value),
-        num_generations=num_generations,
-        cursor=cursor,
-    )
+    prompt = ArithmeticTask(NoOptions(), cfg, seed).prompt(cursor % cfg.num_prompts)
+    return build_task(KIND, prompt, cursor, num_generations)
 
 
 def calculator_call(expr: str) -> str:
@@ -58,19 +80,19 @@ def task_expression(task: Task) -> str:
 
 
 @dataclass(frozen=True)
-class Demonstration:
+class Script:
     """Assistant turns and tool results of a scripted episode (for the warm start)."""
 
     turns: list[str]
     tool_results: list[str]
 
 
-def demonstration(task: Task, rng: random.Random, error_rate: float) -> Demonstration:
+def demonstration(task: Task, rng: random.Random, error_rate: float) -> Script:
     """Call the calculator, then answer with its result; a fraction answers wrongly."""
     answer = task.answer
     if rng.random() < error_rate:
         answer = str(int(answer) + rng.choice([-10, -2, -1, 1, 2, 10]))
-    return Demonstration(
+    return Script(
         turns=[calculator_call(task_expression(task)), f"<answer>{answer}</answer>"],
         tool_results=[task.answer],
     )

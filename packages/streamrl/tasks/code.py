@@ -17,9 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from streamrl.agents.base import ToolInfraError
-from streamrl.agents.tools import CallContext, ToolCaller
+from streamrl.agents.base import Environment, ToolInfraError
+from streamrl.agents.envs import ToolEnvironment, ToolRecord
+from streamrl.agents.tools import CallContext, FinishTool, ToolCaller
 from streamrl.config import TaskConfig
+from streamrl.tasks import base
+from streamrl.tools.registry import PYTHON
 from streamrl.wire import Task
 
 KIND = "code"
@@ -119,21 +122,42 @@ def problem(seed: int, index: int) -> Problem:
     return r.choice(FAMILIES)(r)
 
 
+class CodeTask(base.TaskDef):
+    """Write `solve(x)`; the fraction of hidden tests passed in the sandbox is the reward."""
+
+    def prompt(self, index: int) -> base.Prompt:
+        p = problem(self.seed, index)
+        return base.Prompt(
+            f"Write a Python function `{ENTRY}(x)` that {p.text}.",
+            json.dumps({"inputs": p.inputs, "expected": p.expected}),
+        )
+
+    def environment(self, ctx: base.EpisodeContext) -> Environment:
+        tools = [ctx.sandbox_tool(PYTHON.name), FinishTool()]
+        return ToolEnvironment(ctx.task.prompt, tools, ctx.score, ctx.limits)
+
+    async def reward(
+        self, answer: str | None, calls: list[ToolRecord], ctx: base.EpisodeContext
+    ) -> float:
+        return await run_hidden_tests(
+            ctx.caller, ctx.task, answer, CallContext(f"{ctx.traj_id}-score")
+        )
+
+    def demonstration(
+        self, task: Task, rng: random.Random, error_rate: float
+    ) -> base.Demonstration:
+        d = demonstration(self.cfg, self.seed, task, rng, error_rate)
+        tools = [PYTHON.schema(), FinishTool().schema()]
+        return base.Demonstration(task, tools, d.turns, d.tool_results)
+
+
 def make_task(cfg: TaskConfig, seed: int, cursor: int, num_generations: int) -> Task:
-    p = problem(seed, cursor % cfg.num_prompts)
-    return Task(
-        task_id=f"t{cursor:09d}",
-        group_id=f"g{cursor:09d}",
-        kind=KIND,
-        prompt=f"Write a Python function `{ENTRY}(x)` that {p.text}.",
-        answer=json.dumps({"inputs": p.inputs, "expected": p.expected}),
-        num_generations=num_generations,
-        cursor=cursor,
-    )
+    prompt = CodeTask(base.NoOptions(), cfg, seed).prompt(cursor % cfg.num_prompts)
+    return base.build_task(KIND, prompt, cursor, num_generations)
 
 
 @dataclass(frozen=True)
-class Demonstration:
+class Script:
     """A scripted episode (for the warm start): half the time try the solution on the first
     test input with the python tool first; then `finish` with it. A fraction (error_rate)
     uses a wrong solution."""
@@ -148,18 +172,18 @@ def _call(name: str, **args: Any) -> str:
 
 def demonstration(
     cfg: TaskConfig, seed: int, task: Task, rng: random.Random, error_rate: float
-) -> Demonstration:
+) -> Script:
     p = problem(seed, task.cursor % cfg.num_prompts)
     body = p.wrong if rng.random() < error_rate else p.solution
     source = _source(body)
     if rng.random() < 0.5:
-        return Demonstration(turns=[_call("finish", answer=source)], tool_results=[])
+        return Script(turns=[_call("finish", answer=source)], tool_results=[])
     first = p.inputs[0][0]
     trial = f"{source}print(solve({first!r}))"
     ns: dict[str, Any] = {}
     exec(compile(source, "<demo>", "exec"), ns)  # trusted: our own reference code
     shown = f"exit status: 0\nstdout:\n{ns[ENTRY](first)}"
-    return Demonstration(
+    return Script(
         turns=[_call("python", code=trial), _call("finish", answer=source)],
         tool_results=[shown],
     )

@@ -1,60 +1,112 @@
-"""The built-in tasks by name: how the feeder makes a task, and how a rollout worker makes
-the agent and environment of one of its episodes."""
+"""Tasks by name or import path: how the feeder (and a grouper's re-run) makes the task at a
+cursor, and how a rollout worker makes the agent and environment of one episode.
+
+`task.name` is a built-in name (`BUILTIN_TASKS`), a name an installed package registers in
+the `streamrl.tasks` entry-point group, or `package.module:Name` of a `TaskDef` subclass;
+`task.environment`, `task.agent` and `task.reward` replace the task's own parts. Everything
+is loaded and checked at start (`check_plugins`): a path that does not import, options that
+do not validate or a part of the wrong type is a config error that names the field.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from streamrl.agents.agents import ToolAgent
+from streamrl.agents.agents import ModelAgent, ToolAgent
 from streamrl.agents.base import Agent, Environment
-from streamrl.agents.envs import ToolEnvironment, ToolLimits, ToolRecord
+from streamrl.agents.envs import ToolLimits
 from streamrl.agents.flow import CircuitBreaker, RateLimiter
-from streamrl.agents.tools import CallContext, FinishTool, SandboxTool, Tool, ToolCaller
-from streamrl.config import TaskConfig, ToolsConfig
-from streamrl.tasks import arithmetic, code
-from streamrl.tools.registry import TOOLS
+from streamrl.agents.tools import ToolCaller
+from streamrl.config import Config, TaskConfig, ToolsConfig
+from streamrl.plugins import TASKS_GROUP, PluginError, load_object, resolve_ref, validate_options
+from streamrl.tasks.base import (
+    Demonstration,
+    EpisodeContext,
+    EpisodeServices,
+    Reward,
+    TaskDef,
+    build_task,
+)
+from streamrl.tasks.data import DataSource, open_rows
 from streamrl.wire import Task
+
+BUILTIN_TASKS = {
+    "arithmetic": "streamrl.tasks.arithmetic:ArithmeticTask",
+    "code": "streamrl.tasks.code:CodeTask",
+    "synthetic": "streamrl.tasks.synthetic:SyntheticTask",
+}
+
+EnvironmentFactory = Callable[[EpisodeContext], Environment]
+AgentFactory = Callable[[EpisodeContext], Agent]
+
+BUILTIN_AGENTS: dict[str, AgentFactory] = {
+    "tool": lambda _ctx: ToolAgent(),
+    "model": lambda _ctx: ModelAgent(),
+}
+
+
+def load_taskdef(cfg: TaskConfig, seed: int) -> TaskDef:
+    """The task `task.name` names, built with its validated `[task.options]`."""
+    ref = resolve_ref(cfg.name, "task.name", BUILTIN_TASKS, TASKS_GROUP)
+    cls = load_object(ref, "task.name")
+    if not (inspect.isclass(cls) and issubclass(cls, TaskDef)):
+        raise PluginError(
+            f"field `task.name`: `{ref}` is {_what(cls)}, not a subclass of streamrl.api.TaskDef"
+        )
+    options = validate_options(cls.Options, cfg.options, "task.options")
+    return cls(options, cfg, seed)
+
+
+class TaskSource:
+    """The task at each cursor: a generated prompt, or a dataset row (`task.dataset`)."""
+
+    def __init__(self, cfg: TaskConfig, seed: int) -> None:
+        self.cfg = cfg
+        self.taskdef = load_taskdef(cfg, seed)
+        self.data = (
+            DataSource(open_rows(cfg), seed, cfg.shuffle, cfg.epochs) if cfg.dataset else None
+        )
+
+    @property
+    def end(self) -> int | None:
+        """The first cursor with no task (after `task.epochs` passes), or None."""
+        return self.data.end if self.data is not None else None
+
+    def task(self, cursor: int, num_generations: int) -> Task:
+        """The task at `cursor` (the same for ever)."""
+        if self.data is not None:
+            prompt = self.taskdef.from_row(self.data.row(cursor))
+        else:
+            prompt = self.taskdef.prompt(cursor % self.cfg.num_prompts)
+        return build_task(self.cfg.name, prompt, cursor, num_generations)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_source(cfg_json: str, seed: int) -> TaskSource:
+    return TaskSource(TaskConfig.model_validate_json(cfg_json), seed)
+
+
+def task_source(cfg: TaskConfig, seed: int) -> TaskSource:
+    """A TaskSource shared by the callers in this process with the same config."""
+    return _cached_source(cfg.model_dump_json(), seed)
 
 
 def make_task(cfg: TaskConfig, seed: int, cursor: int, num_generations: int) -> Task:
     """The task at a cursor of the configured data set (the same for ever)."""
-    if cfg.name == "code":
-        return code.make_task(cfg, seed, cursor, num_generations)
-    return arithmetic.make_task(cfg, seed, cursor, num_generations)
-
-
-@dataclass(frozen=True)
-class Demonstration:
-    """A scripted episode of a task, for the warm start: the tools listed in its prompt,
-    the assistant's turns and the tool results between them (len(turns) - 1 of them)."""
-
-    task: Task
-    tools: list[dict[str, Any]]
-    turns: list[str]
-    tool_results: list[str]
+    return task_source(cfg, seed).task(cursor, num_generations)
 
 
 def demonstration(
     cfg: TaskConfig, seed: int, cursor: int, rng: random.Random, error_rate: float
 ) -> Demonstration:
     """The scripted episode of the task at `cursor`; `rng` decides whether it errs."""
-    task = make_task(cfg, seed, cursor, 2)
-    if task.kind == code.KIND:
-        d = code.demonstration(cfg, seed, task, rng, error_rate)
-        tools = [TOOLS["python"].schema(), FinishTool().schema()]
-        return Demonstration(task, tools, d.turns, d.tool_results)
-    a = arithmetic.demonstration(task, rng, error_rate)
-    return Demonstration(task, [TOOLS["calculator"].schema()], a.turns, a.tool_results)
-
-
-@dataclass
-class EpisodeContext:
-    """What a rollout worker shares among its episodes' environments."""
-
-    caller: ToolCaller
-    limits: ToolLimits
+    source = task_source(cfg, seed)
+    return source.taskdef.demonstration(source.task(cursor, 2), rng, error_rate)
 
 
 def tool_limits(cfg: ToolsConfig) -> ToolLimits:
@@ -70,27 +122,62 @@ def tool_limits(cfg: ToolsConfig) -> ToolLimits:
     )
 
 
-def sandbox_tool(name: str, caller: ToolCaller) -> SandboxTool:
-    """The agent-side face of a worker-side tool (same schema)."""
-    t = TOOLS[name]
-    return SandboxTool(t.name, t.description, t.parameters, caller)
+@dataclass(frozen=True)
+class Episodes:
+    """A rollout worker's episode factory: the task's (or the configured) environment,
+    agent and reward, and what the episodes share."""
+
+    environment: EnvironmentFactory
+    agent: AgentFactory
+    services: EpisodeServices
+
+    def make(self, task: Task, member: int) -> tuple[Agent, Environment]:
+        """A fresh agent and environment for one episode of `task`."""
+        ctx = EpisodeContext(task, member, self.services)
+        return self.agent(ctx), self.environment(ctx)
 
 
-def make_episode(task: Task, ctx: EpisodeContext) -> tuple[Agent, Environment]:
-    """A fresh agent and environment for one episode of `task`."""
-    if task.kind == arithmetic.KIND:
+def _part(ref: str, field: str, builtin: dict[str, Any] | None = None) -> Any:
+    obj = builtin[ref] if builtin and ref in builtin else load_object(ref, field)
+    if not callable(obj):
+        raise PluginError(f"field `{field}`: `{ref}` is {_what(obj)}, not callable")
+    return obj
 
-        async def arith_score(answer: str | None, calls: list[ToolRecord], _: CallContext) -> float:
-            outputs = [c.output.output for c in calls if c.name == "calculator" and c.output.ok]
-            return arithmetic.reward(answer, outputs, task.answer)
 
-        tools: list[Tool] = [sandbox_tool("calculator", ctx.caller)]
-        return ToolAgent(), ToolEnvironment(task.prompt, tools, arith_score, ctx.limits)
-    if task.kind == code.KIND:
+def load_episodes(cfg: Config, caller: ToolCaller, limits: ToolLimits | None = None) -> Episodes:
+    """Every part of an episode, loaded and checked (what the rollout worker runs)."""
+    from streamrl.tools.registry import load_tools
 
-        async def code_score(answer: str | None, _: list[ToolRecord], cc: CallContext) -> float:
-            return await code.run_hidden_tests(ctx.caller, task, answer, cc)
+    taskdef = task_source(cfg.task, cfg.run.seed).taskdef
+    t = cfg.task
+    environment: EnvironmentFactory = (
+        _part(t.environment, "task.environment") if t.environment else taskdef.environment
+    )
+    agent: AgentFactory = _part(t.agent, "task.agent", BUILTIN_AGENTS) if t.agent else taskdef.agent
+    reward: Reward = _part(t.reward, "task.reward") if t.reward else taskdef.reward
+    services = EpisodeServices(
+        caller=caller,
+        limits=limits if limits is not None else tool_limits(cfg.tools),
+        tool_schemas={name: tool.schema() for name, tool in load_tools(cfg.tools).items()},
+        seed=cfg.run.seed,
+        options=taskdef.options,
+        reward=reward,
+    )
+    return Episodes(environment, agent, services)
 
-        tools = [sandbox_tool("python", ctx.caller), FinishTool()]
-        return ToolAgent(), ToolEnvironment(task.prompt, tools, code_score, ctx.limits)
-    raise ValueError(f"no environment for task kind {task.kind!r}")
+
+class _NoCaller:
+    async def call(self, name: str, arguments: str, call_id: str) -> Any:
+        raise RuntimeError("no tool workers in a plug-in check")
+
+
+def check_plugins(cfg: Config) -> None:
+    """Load every plug-in the config names (task, its options and data, environment, agent,
+    reward, extra tools) and raise PluginError (a ConfigError) for the first that fails."""
+    source = task_source(cfg.task, cfg.run.seed)
+    source.task(0, cfg.rollout.num_generations)  # a prompt can be built (or a row read)
+    load_episodes(cfg, _NoCaller())
+
+
+def _what(obj: object) -> str:
+    return f"a {type(obj).__name__}" if not inspect.isclass(obj) else f"class {obj.__name__}"

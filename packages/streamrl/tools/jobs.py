@@ -30,7 +30,7 @@ from streamrl.tools.backends import ClosableSandbox, make_sandbox
 from streamrl.tools.bwrap import BubblewrapConfig
 from streamrl.tools.containers import ContainerConfig
 from streamrl.tools.ledger import ToolLedger
-from streamrl.tools.registry import Outcome, run_call
+from streamrl.tools.registry import TOOLS, Outcome, Tool, run_call
 from streamrl.tools.sandbox import SandboxUnavailableError
 from streamrl.wire import ToolResult, encode_body
 
@@ -41,8 +41,10 @@ CLAIM_MARGIN_S = 10
 
 JOB_PATH = "streamrl.tools.jobs.run_tool_call"
 
-# The worker process's sandbox (rq calls jobs as plain functions: module state is the place).
+# The worker process's sandbox and tools (rq calls jobs as plain functions: module state is
+# the place). Without installed tools, the built-in ones.
 _SANDBOX: dict[str, ClosableSandbox] = {}
+_TOOLS: dict[str, dict[str, Tool]] = {}
 
 
 def open_sandbox(
@@ -67,6 +69,11 @@ def install_sandbox(sandbox: ClosableSandbox) -> None:
     _SANDBOX["current"] = sandbox
 
 
+def install_tools(tools: dict[str, Tool]) -> None:
+    """The tools this worker runs (`registry.load_tools`: built-in and tools.extra)."""
+    _TOOLS["current"] = tools
+
+
 def close_sandbox() -> None:
     sandbox = _SANDBOX.pop("current", None)
     if sandbox is not None:
@@ -83,7 +90,8 @@ def _current() -> ClosableSandbox:
 def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tuple[Outcome, bool]:
     """(outcome, infra): a sandbox failure is an infrastructure error, not a tool error."""
     try:
-        return run_call(_current(), name, arguments, time_limit_s, output_cap), False
+        tools = _TOOLS.get("current", TOOLS)
+        return run_call(_current(), name, arguments, time_limit_s, output_cap, tools), False
     except SandboxUnavailableError as err:
         return Outcome(False, "", f"sandbox unavailable: {err}"), True
     except Exception as err:

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamrl.agents.tools import ToolArgumentError, function_schema, parse_arguments
+from streamrl.agents.tools import (
+    ToolArgumentError,
+    check_schema,
+    function_schema,
+    parse_arguments,
+)
+from streamrl.config import ToolsConfig
+from streamrl.plugins import PluginError, load_object
 from streamrl.tools import harness
 from streamrl.tools.sandbox import TRUNCATED, ExecResult, Sandbox
 
@@ -34,8 +41,10 @@ class Tool:
     as the worker runs it (`command` builds argv and stdin from validated arguments;
     `report` turns the finished command into what the agent sees; default: `interpret`).
 
-    An argv starting with `sys.executable` means "the sandbox's Python": each backend maps
-    it (`streamrl.tools.sandbox.portable_argv`)."""
+    `command` and `report` are trusted code that runs in the tool worker; the command they
+    build runs in the sandbox. An argv starting with `sys.executable` means "the sandbox's
+    Python": each backend maps it (`streamrl.tools.sandbox.portable_argv`). Exported by
+    `streamrl.api` as `WorkerTool`; `python_tool` builds the common kind."""
 
     name: str
     description: str
@@ -138,6 +147,52 @@ RUN_TESTS = Tool(
 TOOLS: dict[str, Tool] = {t.name: t for t in (CALCULATOR, PYTHON, SHELL, RUN_TESTS)}
 
 
+def python_tool(
+    name: str,
+    description: str,
+    parameters: dict[str, Any],
+    source: str,
+    report: Callable[[ExecResult, float], Outcome] | None = None,
+) -> Tool:
+    """A tool whose call runs the Python program `source` in the sandbox (isolated mode,
+    standard library only) with the call's arguments as a JSON object on stdin; what it
+    prints is the result (`report`, default `interpret`: a non-zero exit is a tool error)."""
+
+    def command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+        return [sys.executable, "-I", "-S", "-c", source], json.dumps(args).encode()
+
+    return Tool(name, description, parameters, command, report)
+
+
+def load_tools(cfg: ToolsConfig) -> dict[str, Tool]:
+    """The built-in tools plus `tools.extra` (each reference a Tool or a list of them),
+    every schema checked and every name unique; `tools.non_idempotent` must name tools."""
+    tools = dict(TOOLS)
+    for ref in cfg.extra:
+        obj = load_object(ref, "tools.extra")
+        for tool in obj if isinstance(obj, list | tuple) else [obj]:
+            if not isinstance(tool, Tool):
+                raise PluginError(
+                    f"field `tools.extra`: `{ref}` holds a {type(tool).__name__}, not a "
+                    "streamrl.api.WorkerTool"
+                )
+            try:
+                check_schema(tool.name, tool.description, tool.parameters)
+            except ValueError as err:
+                raise PluginError(f"field `tools.extra`: `{ref}`: {err}") from None
+            if tool.name in tools:
+                raise PluginError(
+                    f"field `tools.extra`: `{ref}`: a tool named `{tool.name}` exists already"
+                )
+            tools[tool.name] = tool
+    unknown = sorted(set(cfg.non_idempotent) - set(tools))
+    if unknown:
+        raise PluginError(
+            f"field `tools.non_idempotent`: unknown tool `{unknown[0]}`; tools: {sorted(tools)}"
+        )
+    return tools
+
+
 def _text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
@@ -156,12 +211,18 @@ def interpret(r: ExecResult, time_limit_s: float) -> Outcome:
 
 
 def run_call(
-    sandbox: Sandbox, name: str, arguments: str, time_limit_s: float, output_cap: int
+    sandbox: Sandbox,
+    name: str,
+    arguments: str,
+    time_limit_s: float,
+    output_cap: int,
+    tools: dict[str, Tool] = TOOLS,
 ) -> Outcome:
-    """Run one call; every failure of the call's own making is a tool error."""
-    tool = TOOLS.get(name)
+    """Run one call of one of `tools`; every failure of the call's own making is a tool
+    error."""
+    tool = tools.get(name)
     if tool is None:
-        return Outcome(False, "", f"unknown tool `{name}`; available: {sorted(TOOLS)}")
+        return Outcome(False, "", f"unknown tool `{name}`; available: {sorted(tools)}")
     try:
         args = parse_arguments(tool.parameters, arguments)
     except ToolArgumentError as err:
