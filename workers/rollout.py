@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
-import jax.numpy as jnp
-
-from streamrl.hfchat import HFChat
-from streamrl.model.checkpoint import load_checkpoint
-from streamrl.model.engine import Engine, EngineConfig
-from streamrl.model.sampling import SamplingParams
-from streamrl.model.sharding import make_mesh
-from streamrl.model.tiny import ensure_checkpoint
-from streamrl.rollout.engine_server import EngineServer
-from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.weights import SyncLock, WeightFollower, WeightLoader
+from streamrl.rollout.episode import EpisodeRunner, NewDialogue
+from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.runtime import WorkerContext
-from streamrl.tasks.registry import EpisodeContext, tool_limits
+from streamrl.tasks.registry import load_episodes
 from streamrl.tools.client import ToolClient
 from streamrl.transport import make_async_client
 
+if TYPE_CHECKING:
+    from streamrl.hfchat import HFChat
+    from streamrl.model.engine import Engine
+    from streamrl.rollout.engine_server import EngineServer
+
 
 def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
+    # The model stack loads here: the stub policy needs no tokenizer and no checkpoint.
+    import jax.numpy as jnp
+
+    from streamrl.hfchat import HFChat
+    from streamrl.model.checkpoint import load_checkpoint
+    from streamrl.model.engine import Engine, EngineConfig
+    from streamrl.model.sampling import SamplingParams
+    from streamrl.model.sharding import make_mesh
+    from streamrl.model.tiny import ensure_checkpoint
+
     cfg, r = ctx.cfg, ctx.cfg.rollout
     ckpt = ensure_checkpoint(cfg)
     chat = HFChat.for_model(ckpt, cfg.model)
@@ -45,6 +53,44 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
     return chat, Engine(spec, params, engine_cfg, dtype=dtype, mesh=mesh)
 
 
+@dataclass(frozen=True)
+class Policy:
+    """What serves the episodes' model calls: the server, how a published version loads
+    into it, each episode's dialogue, and the tokens it has answered so far."""
+
+    server: EngineServer
+    load: Load
+    dialogue: NewDialogue
+    tokens: Callable[[], int]
+
+
+def transformer_policy(ctx: WorkerContext) -> Policy:
+    """The JAX engine behind the continuous-batching server."""
+    from streamrl.rollout.engine_server import EngineServer
+
+    chat, engine = build_engine(ctx)
+    # The checkpoint's params: the structure versions decode into, and the base adapters
+    # apply to until the trainer publishes a full version.
+    loader = WeightLoader(
+        ctx.client(), ctx.keys, engine.params, engine.params, ctx.cfg.rollout.lora_serving
+    )
+    server = EngineServer(engine, -1, ctx.log)
+    return Policy(server, loader, chat.dialogue, lambda: engine.tokens_generated)
+
+
+def stub_policy(ctx: WorkerContext) -> Policy:
+    """`model.kind = "stub"`: answers after a fixed latency, no model, no tokenizer."""
+    from streamrl.rollout.stub import StubDialogue, StubLoader, StubServer
+
+    m = ctx.cfg.model
+    stub = StubServer(m.stub_latency_s, m.stub_turn_tokens)
+    # The stub has the interface the worker, runner and follower use (generate, serve,
+    # hold, release, swap, steps, stall_s); they are annotated with the engine server.
+    server = cast("EngineServer", stub)
+    loader = StubLoader(ctx.client(), ctx.keys)
+    return Policy(server, loader, StubDialogue, lambda: stub.tokens_generated)
+
+
 async def _main(ctx: WorkerContext) -> None:
     await serve(ctx)
 
@@ -55,18 +101,13 @@ async def serve(
     """Build the rollout worker and run it until stopped; `on_server` sees the engine
     server first (the colocated worker pauses it while it trains)."""
     cfg = ctx.cfg
-    chat, engine = build_engine(ctx)
-    server = EngineServer(engine, -1, ctx.log)
+    policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
+    server = policy.server
     if on_server is not None:
         on_server(server)
     aclient = make_async_client(ctx.redis_url)
-    # The checkpoint's params: the structure versions decode into, and the base adapters
-    # apply to until the trainer publishes a full version.
-    loader = WeightLoader(
-        ctx.client(), ctx.keys, engine.params, engine.params, cfg.rollout.lora_serving
-    )
     follower = WeightFollower(
-        aclient, ctx.keys, server, loader, SyncLock(), ctx.log, cfg.rollout.sync_mode
+        aclient, ctx.keys, server, policy.load, SyncLock(), ctx.log, cfg.rollout.sync_mode
     )
     worker = RolloutWorker(
         client=ctx.client(),
@@ -76,11 +117,10 @@ async def serve(
         consumer=ctx.consumer,
         server=server,
         runner=EpisodeRunner(
-            server, chat.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log
+            server, policy.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log
         ),
-        episodes=EpisodeContext(
-            caller=ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log),
-            limits=tool_limits(cfg.tools),
+        episodes=load_episodes(
+            cfg, ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log)
         ),
         follower=follower,
         log=ctx.log,
@@ -93,7 +133,7 @@ async def serve(
             "rollout_stop",
             episodes=worker.started,
             engine_steps=server.steps,
-            tokens=engine.tokens_generated,
+            tokens=policy.tokens(),
             weight_syncs=follower.syncs,
             weight_sync_s=round(follower.sync_s, 3),
             weight_stall_s=round(server.stall_s, 3),

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import orbax.checkpoint as ocp
 
-from streamrl.hfchat import HFChat
-from streamrl.model.checkpoint import load_checkpoint
-from streamrl.model.spec import ModelSpec
-from streamrl.model.tiny import ensure_checkpoint
 from streamrl.runtime import WorkerContext
 from streamrl.trainer.cluster import init_distributed
-from streamrl.trainer.loop import CheckpointHook, ExportHook, PublishHook, TrainerLoop
+from streamrl.trainer.loop import CheckpointHook, ExportHook, Hook, PublishHook, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
-from streamrl.trainer.step import (
-    init_state,
-    lora_config,
-    make_optimizer,
-    make_train_mesh,
-    make_train_step,
-)
-from streamrl.trainer.warmstart import warmstart_params
+from streamrl.trainer.step import TrainState, lora_config
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
 
 
@@ -48,14 +40,36 @@ def publish_hook(ctx: WorkerContext) -> PublishHook:
     return PublishHook(t.publish_every, publisher)
 
 
-def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointer]:
-    """The trainer's loop with its hooks, resumed from the run's newest complete checkpoint
-    when there is one, and the checkpointer to close after it."""
+@dataclass(frozen=True)
+class Policy:
+    """What the loop trains: its fresh state, its step, the batch padding id, and the
+    hooks only a real model has (export)."""
+
+    state: TrainState
+    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+    pad_id: int
+    hooks: list[Hook]
+
+
+def stub_policy(ctx: WorkerContext) -> Policy:
+    """`model.kind = "stub"`: a step that sleeps, one small array as the params."""
+    from streamrl.trainer.stub import STUB_PAD_ID, StubTrainStep, stub_state
+
+    return Policy(stub_state(), StubTrainStep(ctx.cfg.model.stub_train_step_s), STUB_PAD_ID, [])
+
+
+def transformer_policy(ctx: WorkerContext) -> Policy:
+    """The JAX policy from its checkpoint (or warm start) and its jitted step."""
+    import jax.numpy as jnp
+
+    from streamrl.hfchat import HFChat
+    from streamrl.model.checkpoint import load_checkpoint
+    from streamrl.model.spec import ModelSpec
+    from streamrl.model.tiny import ensure_checkpoint
+    from streamrl.trainer.step import init_state, make_optimizer, make_train_mesh, make_train_step
+    from streamrl.trainer.warmstart import warmstart_params
+
     cfg = ctx.cfg
-    init_distributed(cfg.trainer.num_processes, ctx.index)  # before JAX touches a device
-    if cfg.trainer.num_processes > 1:
-        ctx.log.info("trainer_process", index=ctx.index, count=cfg.trainer.num_processes)
-    publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     ckpt = ensure_checkpoint(cfg)
     chat = HFChat.for_model(ckpt, cfg.model)
     if cfg.model.init == "warmstart":
@@ -71,24 +85,44 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
     step_fn = make_train_step(
         spec, tcfg, cfg.rollout.temperature, optimizer, mesh, cfg.rollout.max_response_length
     )
+    state = init_state(
+        params,
+        optimizer,
+        with_reference=tcfg.kl_beta > 0,
+        mesh=mesh,
+        lora=step_fn.lora,
+        seed=cfg.run.seed,
+    )
+    export = ExportHook(
+        cfg.trainer.export_every,
+        ctx.run_dir / "export",
+        spec,
+        ckpt,
+        lora=step_fn.lora,
+    )
+    return Policy(state, step_fn, chat.pad_id, [export])
+
+
+def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointer]:
+    """The trainer's loop with its hooks, resumed from the run's newest complete checkpoint
+    when there is one, and the checkpointer to close after it."""
+    cfg = ctx.cfg
+    init_distributed(cfg.trainer.num_processes, ctx.index)  # before JAX touches a device
+    if cfg.trainer.num_processes > 1:
+        ctx.log.info("trainer_process", index=ctx.index, count=cfg.trainer.num_processes)
+    publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
+    policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
     checkpointer = ocp.StandardCheckpointer()
     root = (ctx.run_dir / "checkpoints").resolve()
     loop = TrainerLoop(
         client=ctx.client(),
         keys=ctx.keys,
         cfg=cfg,
-        state=init_state(
-            params,
-            optimizer,
-            with_reference=tcfg.kl_beta > 0,
-            mesh=mesh,
-            lora=step_fn.lora,
-            seed=cfg.run.seed,
-        ),
-        train_step=step_fn,
+        state=policy.state,
+        train_step=policy.step,
         log=ctx.log,
         stop=ctx.stop.is_set,
-        pad_id=chat.pad_id,
+        pad_id=policy.pad_id,
         max_steps=ctx.max_steps or cfg.trainer.max_steps,
         hooks=[
             publish,
@@ -99,13 +133,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
                 checkpointer,
                 trim=cfg.trainer.trim_streams,
             ),
-            ExportHook(
-                cfg.trainer.export_every,
-                ctx.run_dir / "export",
-                spec,
-                ckpt,
-                lora=step_fn.lora,
-            ),
+            *policy.hooks,
         ],
     )
     loop.resume(root, checkpointer)
