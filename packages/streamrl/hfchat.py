@@ -118,7 +118,7 @@ class HFChat:
         if not stop_ids:
             raise ChatError("no stop token: the tokenizer has no eos and none was given")
         self.tok = tokenizer
-        self.template = chat_template
+        self.template = chat_template or None  # "" too means the tokenizer's own
         self.name = name
         self._stop_ids = tuple(dict.fromkeys(stop_ids))  # ordered, without repeats
         for i in self._stop_ids:
@@ -140,7 +140,7 @@ class HFChat:
         """
         path = Path(path)
         tok = _load_tokenizer(path)
-        template = chat_template if chat_template is not None else tok.chat_template
+        template = chat_template or tok.chat_template
         stops = [tok.eos_token_id] if isinstance(tok.eos_token_id, int) else []
         stops += _generation_eos_ids(path)
         if template and CHATML_START in str(template):  # a str, or a dict of named templates
@@ -161,8 +161,9 @@ class HFChat:
         """The chat of a run's policy: the tokenizer in checkpoint directory `path` with
         the template `model.chat_template` names (`chat_template_text`).
 
-        Every worker of a run renders episodes, so the result always has a template; any
-        problem is a `ModelChatError`, which stops the run instead of restarting workers.
+        A run needs a template (episodes, warm-start demonstrations), so the result always
+        has one; any problem is a `ModelChatError`, which stops the run instead of
+        restarting its workers.
         """
         try:
             chat = cls.from_dir(path, chat_template_text(model.chat_template))
