@@ -8,10 +8,13 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
 
-$(VENV)/.installed: pyproject.toml
+# The worked example task package (examples/unitconv) is installed beside streamrl, as a
+# user's own task package would be.
+$(VENV)/.installed: pyproject.toml examples/unitconv/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps -e examples/unitconv
 	touch $@
 
 # The demo's run directory is scratch: each `make demo` starts it afresh.
