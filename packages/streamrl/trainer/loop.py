@@ -37,7 +37,6 @@ from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
-from streamrl.hfchat import chat_template_text
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
@@ -444,6 +443,8 @@ class ExportHook:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
         try:
             export_checkpoint(tmp, self.spec, params, self.max_shard_bytes)
+            from streamrl.hfchat import chat_template_text  # transformers: not for a stub
+
             template = chat_template_text(loop.cfg.model.chat_template)
             for name in TOKENIZER_FILES:
                 if template is not None and name in TEMPLATE_FILES:

@@ -1,0 +1,107 @@
+"""The stub policy on real Redis: the trainer's publisher writes the stub's tiny versions
+through both channels, the rollout follower loads them into the stub server (a damaged
+one refused), and episodes run on the stub are tagged with the version of each turn."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+import structlog
+
+from streamrl.agents.agents import ToolAgent
+from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
+from streamrl.config import parse_config
+from streamrl.names import Keys
+from streamrl.rl.losses import check_rollout_logps
+from streamrl.rollout.engine_server import EngineServer
+from streamrl.rollout.episode import EpisodeRunner
+from streamrl.rollout.stub import StubDialogue, StubLoader, StubServer
+from streamrl.rollout.weights import SyncLock, WeightFollower
+from streamrl.trainer.publish import WeightPublisher
+from streamrl.trainer.stub import stub_state
+from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
+from streamrl.wire import Trajectory
+from tests.policies import scripted_task
+
+LOG = structlog.get_logger()
+
+
+class TwoSteps(Environment):
+    """Two model turns: the first step replies, the second ends the episode."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self) -> Reset:
+        return Reset(prompt="alpha bravo charlie")
+
+    async def step(self, action: Action, call_prefix: str) -> StepResult:
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult(observations=["step 1 done"], done=False)
+        return StepResult(observations=[], done=True, reward=0.5)
+
+    async def close(self) -> None:
+        return None
+
+
+def _pair() -> tuple[Agent, Environment]:
+    return ToolAgent(), TwoSteps()
+
+
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+def test_stub_serves_published_versions(
+    rclient: redis.Redis, redis_url: str, keys: Keys, tmp_path: Path, kind: str
+) -> None:
+    channel: WeightsChannel = (
+        RedisChannel(rclient, keys, 4096) if kind == "redis" else DirChannel(tmp_path / "w")
+    )
+    pub = WeightPublisher(rclient, keys, channel, LOG)
+    params = stub_state().params
+    server = StubServer(latency_s=0.01, turn_tokens=8)
+    cfg = parse_config({"model": {"kind": "stub"}}).rollout
+    runner = EpisodeRunner(server, StubDialogue, cfg, 0, "test", LOG)
+
+    async def go() -> list[Trajectory]:
+        aclient = aioredis.Redis.from_url(redis_url)
+        # The follower is annotated with the engine server, whose interface the stub has.
+        served = cast(EngineServer, server)
+        follower = WeightFollower(
+            aclient, keys, served, StubLoader(rclient, keys), SyncLock(), LOG, "continue"
+        )
+        try:
+            pub.publish(params, 0, 0)
+            assert await follower.wait_initial(lambda: False)  # before any episode
+            assert server.version == 0
+            first = await runner.run(scripted_task(0, "stub"), 0, _pair)
+            pub.publish(params, 1, 1)
+            assert await follower.poll(block_ms=1000)
+            assert server.version == follower.loaded_version == 1
+            # A damaged version is refused; version 1 goes on serving.
+            msg = pub.publish(params, 2, 2)
+            if kind == "dir":
+                Path(msg.path).write_bytes(Path(msg.path).read_bytes()[:-8])
+            else:
+                rclient.delete(keys.weights_chunk(2, 0))
+            assert not await follower.poll(block_ms=1000)
+            assert follower.refused == 1 and server.version == 1
+            many = await asyncio.gather(
+                *(runner.run(scripted_task(i, "stub"), 0, _pair) for i in range(1, 33))
+            )
+            return [first, *many]
+        finally:
+            await aclient.aclose()
+
+    trajs = asyncio.run(go())
+    assert all(t.status == "ok" and t.reward == 0.5 for t in trajs)
+    assert trajs[0].versions == [0, 0]
+    assert all(t.versions == [1, 1] for t in trajs[1:])
+    for t in trajs:  # what the trainer checks before it uses rollout log-probs
+        check_rollout_logps(t.logprob_array(), t.mask_array())
+        assert int(np.sum(t.mask_array())) == 16  # two turns of 8 sampled tokens
