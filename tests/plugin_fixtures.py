@@ -32,11 +32,10 @@ class EchoEnvironment(api.Environment):
         return api.StepResult(observations=[], done=True, reward=reward)
 
 
-class EchoTask(api.TaskDef):
+class EchoTask(api.TaskDef[EchoOptions]):
     Options = EchoOptions
 
     def prompt(self, index: int) -> api.Prompt:
-        assert isinstance(self.options, EchoOptions)
         return api.Prompt(" ".join([self.options.greeting] * self.options.repeat) + f" {index}")
 
     def environment(self, ctx: api.EpisodeContext) -> api.Environment:

@@ -12,7 +12,7 @@ from streamrl import api
 from unitconv.tools import CONVERT, UNITS, convert
 
 
-class Options(BaseModel):
+class ConversionOptions(BaseModel):
     """[task.options] of a unitconv run (unknown keys are errors)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,18 +79,14 @@ class ConversionEnvironment(api.Environment):
         return out
 
 
-class UnitConversion(api.TaskDef):
+class UnitConversion(api.TaskDef[ConversionOptions]):
     """ "Convert 37 km to m." The reward is 1 for an answer within `tolerance` of the truth
     after at least one successful `convert` call, else 0."""
 
-    Options = Options
-
-    def _options(self) -> Options:
-        assert isinstance(self.options, Options)
-        return self.options
+    Options = ConversionOptions
 
     def prompt(self, index: int) -> api.Prompt:
-        opts = self._options()
+        opts = self.options
         rng = random.Random(f"{self.seed}:{index}")
         value = rng.randint(1, opts.max_value)
         src, dst = rng.sample(opts.units, 2)
@@ -108,7 +104,7 @@ class UnitConversion(api.TaskDef):
     ) -> float:
         got, want = _number(answer), float(ctx.task.answer)
         used_tool = any(c.output.ok for c in calls)
-        ok = got is not None and abs(got - want) <= self._options().tolerance
+        ok = got is not None and abs(got - want) <= self.options.tolerance
         return 1.0 if ok and used_tool else 0.0
 
     def demonstration(

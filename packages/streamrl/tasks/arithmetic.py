@@ -42,7 +42,7 @@ def expression(cfg: TaskConfig, seed: int, cursor: int) -> tuple[str, int]:
     return f"{a}{op}{b}", value
 
 
-class ArithmeticTask(TaskDef):
+class ArithmeticTask(TaskDef[NoOptions]):
     """`a op b` questions (task.num_prompts, max_operand, operators); the calculator tool."""
 
     def prompt(self, index: int) -> Prompt:

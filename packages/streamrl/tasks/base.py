@@ -27,7 +27,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -169,16 +169,21 @@ def checked_reward(value: object) -> float:
     return float(value)
 
 
-class TaskDef:
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+class TaskDef(Generic[OptionsT]):
     """A task: prompts plus the environment, agent and reward of its episodes.
 
     `Options` is a pydantic model of the task's settings ([task.options]; forbid extra keys
-    to catch typos). `__init__` receives them validated, the task config and the run seed.
+    to catch typos); name it as the type parameter too (`class T(TaskDef[MyOptions])`) and
+    `self.options` is typed. `__init__` receives the options validated, the task config and
+    the run seed.
     """
 
     Options: ClassVar[type[BaseModel]] = NoOptions
 
-    def __init__(self, options: BaseModel, cfg: TaskConfig, seed: int) -> None:
+    def __init__(self, options: OptionsT, cfg: TaskConfig, seed: int) -> None:
         self.options = options
         self.cfg = cfg
         self.seed = seed

@@ -122,7 +122,7 @@ def problem(seed: int, index: int) -> Problem:
     return r.choice(FAMILIES)(r)
 
 
-class CodeTask(base.TaskDef):
+class CodeTask(base.TaskDef[base.NoOptions]):
     """Write `solve(x)`; the fraction of hidden tests passed in the sandbox is the reward."""
 
     def prompt(self, index: int) -> base.Prompt:

@@ -109,22 +109,18 @@ class SyntheticEnvironment(Environment):
         return StepResult(observations=[], done=True, reward=reward)
 
 
-class SyntheticTask(TaskDef):
+class SyntheticTask(TaskDef[SyntheticOptions]):
     """Prompts of `prompt_words` words; SyntheticEnvironment episodes; random rewards."""
 
     Options = SyntheticOptions
 
     def prompt(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:prompt:{index}")
-        n = self._options().prompt_words
+        n = self.options.prompt_words
         return Prompt(" ".join(rng.choice(WORDS) for _ in range(n)), answer="")
 
     def environment(self, ctx: EpisodeContext) -> Environment:
-        return SyntheticEnvironment(ctx, self._options())
+        return SyntheticEnvironment(ctx, self.options)
 
     def reward(self, answer: str | None, calls: list[ToolRecord], ctx: EpisodeContext) -> float:
         return ctx.rng("reward").random()
-
-    def _options(self) -> SyntheticOptions:
-        assert isinstance(self.options, SyntheticOptions)
-        return self.options

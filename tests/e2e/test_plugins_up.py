@@ -1,0 +1,99 @@
+"""`streamrl up` on the user's own code: the worked example package trains end to end with
+its tool run by the tool workers; broken plug-ins stop the run at start (a bad path) or cost
+only their own episodes (an environment that raises, a reward that is not a number)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_up import assert_nothing_left, summary_of, up
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = REPO / "examples" / "unitconv" / "unitconv.toml"
+STUB = REPO / "configs" / "stub.toml"
+# The fixtures' plug-ins load by import path in every worker process.
+WITH_TESTS = {
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+}
+
+
+def events(path: Path, name: str) -> list[dict[str, Any]]:
+    lines = path.read_text().splitlines()
+    return [e for e in (json.loads(x) for x in lines if x[:1] == "{") if e.get("event") == name]
+
+
+def test_example_task_trains_with_its_own_tool(tmp_path: Path, warm_cache: str) -> None:
+    """examples/unitconv from its own config: the task by its entry-point name, its options,
+    its environment in the rollout worker and its `convert` tool in the tool workers."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        2,
+        f'model.cache_dir="{warm_cache}"',
+        "model.warmstart_steps=800",
+        config=EXAMPLE,
+    )
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 2 and s["groups"] >= 8
+    assert s["tool_calls"] > 0  # convert calls answered by the tool workers
+    assert s["dead_letters"] == 0
+    assert_nothing_left(s)
+    logs = run_dir / "logs"
+    for name in ("tools-0", "tools-1"):
+        assert "convert" in events(logs / f"{name}.log", "tools_start")[0]["tools"]
+    trajectories = events(logs / "rollout-0.log", "trajectory")
+    assert sum(t["tool_calls"] for t in trajectories) > 0
+    assert all(t["status"] != "error" for t in trajectories), [t["error"] for t in trajectories]
+
+
+def test_a_plugin_that_does_not_import_stops_the_run_at_start(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = up(tmp_path / "run", 1, 'task.name="no_such_package.tasks:Task"', config=STUB)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert "field `task.name`: cannot import `no_such_package.tasks`" in out
+    assert time.monotonic() - start < 30  # no worker was started
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_broken_environment_and_rewards_cost_only_their_episodes(tmp_path: Path) -> None:
+    """Per group: member 0's environment raises, member 1's reward is NaN, member 2's a
+    string; each such episode ends with status error, counted, and the run goes on."""
+    stub = STUB.read_text()  # the stub policy's config without the synthetic task's options
+    config = tmp_path / "flaky.toml"
+    config.write_text(stub[: stub.index("[task.options]")] + stub[stub.index("[model]") :])
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        3,
+        'task.name="tests.plugin_fixtures:FlakyTask"',
+        "trainer.groups_per_step=4",
+        "trainer.checkpoint_every=3",
+        config=config,
+        env=WITH_TESTS,
+    )
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == 3 and set(s["worker_restarts"].values()) == {0}
+    assert s["episodes"]["error"] == 3 * s["episodes"]["ok"] > 0
+    trajectories = events(run_dir / "logs" / "rollout-0.log", "trajectory")
+    errors = {t["traj_id"][-2:]: t["error"] for t in trajectories if t["status"] == "error"}
+    assert "RuntimeError: environment exploded" in errors["m0"]
+    assert "RewardError: reward returned nan, not a finite number" in errors["m1"]
+    assert "RewardError: reward returned str 'high', not a number" in errors["m2"]
+    assert all(
+        t["status"] == "ok" and t["reward"] == 3.0
+        for t in trajectories
+        if t["traj_id"].endswith("m3")
+    )
