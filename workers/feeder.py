@@ -8,5 +8,5 @@ from streamrl.runtime import WorkerContext
 
 def run(ctx: WorkerContext) -> int:
     feeder = Feeder(ctx.client(), ctx.keys, ctx.cfg, ctx.log)
-    feeder.run(ctx.stop)
+    feeder.run(ctx.stop, burst=ctx.burst)  # burst: fill the backlog once, then exit
     return 0

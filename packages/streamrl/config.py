@@ -845,21 +845,28 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return f"invalid config {source}:\n  " + "\n  ".join(lines)
 
 
-_OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+_OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)=(.*)$")
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:
+    """`section.key=value`, or deeper (`task.options.latency_s=0.5`); the value is TOML,
+    or a bare string."""
     m = _OVERRIDE.match(item)
     if not m:
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    section, key, raw = m.groups()
+    path, raw = m.groups()
+    *tables, key = path.split(".")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare string such as run.name=foo
-    sub = data.setdefault(section, {})
-    if not isinstance(sub, dict):
-        raise ConfigError(f"override {item!r}: `{section}` is not a section")
+    sub = data
+    for i, name in enumerate(tables):
+        # copied on the way down: the caller's nested tables stay as they were
+        nested = sub.get(name, {})
+        if not isinstance(nested, dict):
+            raise ConfigError(f"override {item!r}: `{'.'.join(tables[: i + 1])}` is not a table")
+        sub[name] = sub = dict(nested)
     sub[key] = value
 
 

@@ -86,10 +86,14 @@ class Feeder:
             pipe.execute()
         return room
 
-    def run(self, stop: threading.Event, poll_s: float = 0.1) -> None:
+    def run(self, stop: threading.Event, poll_s: float = 0.1, burst: bool = False) -> None:
+        """Keep the backlog full until `stop`; `burst`: return as soon as nothing more can
+        be written (the backlog is full, or the data has ended)."""
         self.log.info("feeder_start", task=self.cfg.task.name, dataset=self.cfg.task.dataset)
         while not stop.is_set():
             if self.fill() == 0:
+                if burst:
+                    break
                 stop.wait(poll_s)
         self.log.info("feeder_stop", cursor=self.backlog()[0])
 

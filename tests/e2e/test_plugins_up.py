@@ -56,12 +56,21 @@ def test_example_task_trains_with_its_own_tool(tmp_path: Path, warm_cache: str) 
     assert all(t["status"] != "error" for t in trajectories), [t["error"] for t in trajectories]
 
 
-def test_a_plugin_that_does_not_import_stops_the_run_at_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ('task.name="no_such_package.tasks:Task"', "field `task.name`: cannot import `no_such_"),
+        ('tools.extra=["tests.plugin_fixtures:BAD_SCHEMA"]', "tool `bad`: parameters.required"),
+        ("task.options.turnz=3", "unknown key `task.options.turnz`"),
+    ],
+    ids=["bad-import-path", "bad-tool-schema", "unknown-option"],
+)
+def test_a_bad_plugin_stops_the_run_at_start(tmp_path: Path, setting: str, message: str) -> None:
     start = time.monotonic()
-    proc = up(tmp_path / "run", 1, 'task.name="no_such_package.tasks:Task"', config=STUB)
+    proc = up(tmp_path / "run", 1, setting, config=STUB, env=WITH_TESTS)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2, out
-    assert "field `task.name`: cannot import `no_such_package.tasks`" in out
+    assert message in out
     assert time.monotonic() - start < 30  # no worker was started
     assert not (tmp_path / "run" / "logs").exists()
 

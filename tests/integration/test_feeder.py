@@ -4,6 +4,7 @@ went to the dead letters leave it (review 86b402d M5), and a dataset's epochs en
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -59,3 +60,9 @@ def test_dataset_epochs_end_the_feed(rclient: redis.Redis, keys: Keys, tmp_path:
     assert restarted.fill() == 2 and restarted.fill() == 0
     assert restarted.backlog()[0] == 6
     assert rclient.hget(keys.stats, "tasks") == b"6"
+
+
+def test_burst_feeder_fills_the_backlog_once(rclient: redis.Redis, keys: Keys) -> None:
+    cfg = parse_config({"task": {"max_backlog": 3}})
+    Feeder(rclient, keys, cfg, LOG).run(threading.Event(), burst=True)  # returns by itself
+    assert rclient.xlen(keys.tasks) == 3

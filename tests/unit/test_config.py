@@ -87,3 +87,12 @@ def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.toml")
+
+
+def test_overrides_reach_nested_tables() -> None:
+    data = {"task": {"name": "synthetic", "options": {"turns": 2}}}
+    cfg = parse_config(data, overrides=["task.options.latency_s=0.5", "run.name=x"])
+    assert cfg.task.options == {"turns": 2, "latency_s": 0.5} and cfg.run.name == "x"
+    assert data["task"]["options"] == {"turns": 2}  # the caller's tables are not changed
+    with pytest.raises(ConfigError, match=r"`task.name` is not a table"):
+        parse_config(data, overrides=["task.name.x=1"])

@@ -21,6 +21,13 @@ LIGHT_MODULES = [
     "streamrl_workers.grouper",
     "streamrl_workers.tools",
     "streamrl_workers.feeder",
+    # the plug-in API: a user's tool module imports it in the tool workers
+    "streamrl.api",
+    "streamrl.plugins",
+    "streamrl.tasks.registry",
+    "streamrl.tasks.synthetic",
+    "unitconv.task",
+    "unitconv.tools",
 ]
 
 

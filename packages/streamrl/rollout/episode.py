@@ -18,7 +18,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -26,7 +26,6 @@ from streamrl.agents.base import Action, Agent, Environment, StepResult
 from streamrl.agents.flow import CircuitOpenError
 from streamrl.chat import Transcript
 from streamrl.config import RolloutConfig
-from streamrl.hfchat import Dialogue
 from streamrl.model.sampling import GenRequest, GenResult
 from streamrl.wire import Status, Task, Trajectory, pack_arrays
 
@@ -37,7 +36,10 @@ class ModelService(Protocol):
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]: ...
 
 
-NewDialogue = Callable[[list[dict[str, Any]]], Dialogue]
+if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never needs it
+    from streamrl.hfchat import Dialogue
+
+NewDialogue = Callable[[list[dict[str, Any]]], "Dialogue"]
 # The agent and environment of one episode (built fresh for each).
 NewEpisode = Callable[[], tuple[Agent, Environment]]
 
