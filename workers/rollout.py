@@ -101,11 +101,13 @@ async def serve(
     """Build the rollout worker and run it until stopped; `on_server` sees the engine
     server first (the colocated worker pauses it while it trains)."""
     cfg = ctx.cfg
+    aclient = make_async_client(ctx.redis_url)
+    # The task's parts first: a plug-in that does not load fails before the model does.
+    episodes = load_episodes(cfg, ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log))
     policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
     server = policy.server
     if on_server is not None:
         on_server(server)
-    aclient = make_async_client(ctx.redis_url)
     follower = WeightFollower(
         aclient, ctx.keys, server, policy.load, SyncLock(), ctx.log, cfg.rollout.sync_mode
     )
@@ -119,9 +121,7 @@ async def serve(
         runner=EpisodeRunner(
             server, policy.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log
         ),
-        episodes=load_episodes(
-            cfg, ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log)
-        ),
+        episodes=episodes,
         follower=follower,
         log=ctx.log,
         stop=ctx.stop.is_set,

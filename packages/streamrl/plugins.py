@@ -17,12 +17,15 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from streamrl.config import ConfigError
+from streamrl.errors import FatalError
 
 TASKS_GROUP = "streamrl.tasks"
 
 
-class PluginError(ConfigError):
-    """A plug-in that cannot be loaded or whose options do not validate."""
+class PluginError(ConfigError, FatalError):
+    """A plug-in that cannot be loaded or whose options do not validate. `streamrl up`
+    checks every plug-in before it starts a worker (exit 2); in a worker started alone
+    (compose) it is fatal, since restarting cannot fix it."""
 
 
 def load_object(ref: str, field: str) -> Any:

@@ -1,6 +1,5 @@
 """The tool ledger's idempotency key and the config naming its tools."""
 
-
 from streamrl.config import parse_config
 from streamrl.tools.ledger import ledger_key
 

@@ -14,8 +14,10 @@ import pytest
 
 from streamrl.agents.envs import ToolLimits
 from streamrl.config import ConfigError, parse_config
+from streamrl.errors import FatalError
 from streamrl.plugins import PluginError, load_object, resolve_ref
 from streamrl.tasks.base import RewardError, checked_reward
+from streamrl.tasks.data import DataError
 from streamrl.tasks.registry import (
     BUILTIN_TASKS,
     TaskSource,
@@ -60,9 +62,11 @@ def test_missing_module_and_attribute_are_named() -> None:
         load_object("no_colon", "task.reward")
 
 
-def test_plugin_errors_are_config_errors() -> None:
-    # the CLI turns a ConfigError into exit 2 with its message
-    assert issubclass(PluginError, ConfigError)
+def test_plugin_errors_are_config_errors_and_fatal() -> None:
+    # `up` turns a ConfigError into exit 2 with its message; a worker started alone exits
+    # with FATAL_EXIT_CODE, so its launcher stops instead of restarting it again and again
+    assert issubclass(PluginError, ConfigError) and issubclass(PluginError, FatalError)
+    assert issubclass(DataError, PluginError)
 
 
 def test_wrong_kinds_of_object_are_refused() -> None:

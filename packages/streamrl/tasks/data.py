@@ -15,10 +15,11 @@ import random
 from pathlib import Path
 from typing import Any, Protocol
 
-from streamrl.config import ConfigError, TaskConfig
+from streamrl.config import TaskConfig
+from streamrl.plugins import PluginError
 
 
-class DataError(ConfigError):
+class DataError(PluginError):
     """A dataset that cannot be read; names `task.dataset` and the file."""
 
 
