@@ -88,3 +88,15 @@ def queues_json(redis_url: str, keys: Keys) -> dict[str, Any]:
     assert p.returncode == 0, p.stderr
     out: dict[str, Any] = json.loads(p.stdout)
     return out
+
+
+def run_generate(*args: str) -> subprocess.CompletedProcess[str]:
+    """`streamrl generate ARGS` as a subprocess, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "streamrl_workers.cli", "generate", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

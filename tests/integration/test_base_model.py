@@ -3,8 +3,6 @@ generate`, against transformers' greedy decoding."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from streamrl.config import parse_config
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.tiny_tokenizer import CHAT_TEMPLATE, EOS
-from tests.helpers import REPO
+from tests.helpers import run_generate
 
 PROMPT = "Compute 12+30 with the calculator."
 
@@ -38,17 +36,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_base_checkpoint(root / "ckpt", root / "cache")
 
 
-def generate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "streamrl_workers.cli", "generate", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_base_checkpoint_has_no_template(base: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -60,7 +47,7 @@ def test_raw_greedy_matches_transformers(base: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r = generate("--checkpoint", str(base), "--prompt", PROMPT, "--max-new-tokens", "16",
+    r = run_generate("--checkpoint", str(base), "--prompt", PROMPT, "--max-new-tokens", "16",
                  "--greedy", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -75,10 +62,10 @@ def test_raw_greedy_matches_transformers(base: Path) -> None:
 
 
 def test_chat_needs_a_template(base: Path) -> None:
-    r = generate("--checkpoint", str(base), "--prompt", PROMPT, "--chat", "--json")
+    r = run_generate("--checkpoint", str(base), "--prompt", PROMPT, "--chat", "--json")
     assert r.returncode == 2
     assert "has no chat template" in r.stderr and "set --chat-template" in r.stderr
-    r = generate("--checkpoint", str(base), "--prompt", PROMPT, "--chat", "--chat-template",
+    r = run_generate("--checkpoint", str(base), "--prompt", PROMPT, "--chat", "--chat-template",
                  str(base / "none.jinja"))  # fmt: skip
     assert r.returncode == 2 and "--chat-template = " in r.stderr and "no such file" in r.stderr
 
@@ -86,7 +73,7 @@ def test_chat_needs_a_template(base: Path) -> None:
 def test_chat_with_the_builtin_template(base: Path) -> None:
     from transformers import AutoTokenizer
 
-    r = generate("--checkpoint", str(base), "--prompt", PROMPT, "--chat", "--chat-template",
+    r = run_generate("--checkpoint", str(base), "--prompt", PROMPT, "--chat", "--chat-template",
                  "chatml", "--max-new-tokens", "4", "--greedy", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -1,15 +1,13 @@
 """`streamrl generate` as a subprocess, against transformers' greedy decoding."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from streamrl.config import parse_config
 from streamrl.model.tiny import ensure_checkpoint
-from tests.helpers import REPO
+from tests.helpers import run_generate
 
 
 @pytest.fixture(scope="module")
@@ -18,22 +16,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_checkpoint(cfg)
 
 
-def generate(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "streamrl_workers.cli", "generate", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_greedy_matches_transformers(ckpt: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r = generate(
+    r = run_generate(
         "--checkpoint",
         str(ckpt),
         "--prompt",
@@ -69,8 +56,8 @@ def test_bad_checkpoint_is_named(ckpt: Path, tmp_path: Path) -> None:
     tensors = load_file(broken / "model.safetensors")
     tensors.pop("model.layers.1.mlp.up_proj.weight")
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    r = generate("--checkpoint", str(broken), "--prompt", "hi", "--json")
+    r = run_generate("--checkpoint", str(broken), "--prompt", "hi", "--json")
     assert r.returncode == 2
     assert "model.layers.1.mlp.up_proj.weight" in r.stderr
-    r = generate("--checkpoint", str(tmp_path / "nothing"), "--prompt", "hi")
+    r = run_generate("--checkpoint", str(tmp_path / "nothing"), "--prompt", "hi")
     assert r.returncode == 2 and "does not exist" in r.stderr
