@@ -1,15 +1,17 @@
 """Tool worker: an rq SimpleWorker (no fork per job: ~5 ms a job instead of ~27 ms) that
-runs tool calls in the sandbox. rq handles SIGTERM itself (finish the job, then exit); the
-sandbox (its warm containers) is closed on the way out."""
+runs tool calls in the sandbox, and no other job (`streamrl.tools.rqguard`). rq handles
+SIGTERM itself (finish the job, then exit); the sandbox (its warm containers) is closed on
+the way out."""
 
 from __future__ import annotations
 
-from rq import Queue, SimpleWorker
+from rq import Queue
 from rq.serializers import JSONSerializer
 
 from streamrl.runtime import WorkerContext
 from streamrl.tools.jobs import close_sandbox, install_sandbox, install_tools, open_sandbox
 from streamrl.tools.registry import load_tools
+from streamrl.tools.rqguard import ToolCallJob, ToolCallWorker
 
 # rq's housekeeping (cleaning the jobs of dead workers) runs every 10 minutes by default;
 # callers do not depend on it (they time out and resend), but keep the registries tidy.
@@ -20,13 +22,16 @@ def run(ctx: WorkerContext) -> int:
     tools = load_tools(ctx.cfg.tools)  # the user's tools (tools.extra): a bad one stops here
     install_tools(tools)
     conn = ctx.client()
-    queue = Queue(ctx.keys.tool_queue, connection=conn, serializer=JSONSerializer)
-    worker = SimpleWorker(
+    queue = Queue(
+        ctx.keys.tool_queue, connection=conn, serializer=JSONSerializer, job_class=ToolCallJob
+    )
+    worker = ToolCallWorker(
         [queue],
         connection=conn,
         serializer=JSONSerializer,
         name=ctx.consumer,
         maintenance_interval=MAINTENANCE_INTERVAL_S,
+        log=ctx.log,
     )
     install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
     ctx.log.info("tools_start", queue=queue.name, tools=sorted(tools))
