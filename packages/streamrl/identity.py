@@ -1,0 +1,153 @@
+"""Worker identities and liveness: replica slots claimed in Redis, renewed by a heartbeat.
+
+`streamrl up` gives every worker its index; a replica of a scaled compose service does not
+know one, so it claims one (`--index auto`): the lowest index of its worker type whose slot
+key is free, or the one whose slot already names it as holder. The holder id is
+`<host name>:<pid>`, which a restarted container keeps (its host name is the container id,
+its process tree starts the same way), so a restarted replica takes its predecessor's
+identity at once (its rq registration, stream consumer name and logs) instead of waiting for
+the old claim to expire; a new replica never gets a live replica's index.
+
+The slot key carries a TTL that the worker's heartbeat renews every `ttl_s / 3`: a worker
+that dies, hangs or loses Redis lets its slot lapse within `ttl_s`, which is what
+`streamrl health --worker` checks (the compose health check) and what frees the index.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+import redis
+import structlog
+
+from streamrl.names import Keys
+
+HEARTBEAT_TTL_S = 15.0
+MAX_INDEX = 1024
+
+# KEYS[1] the slot; ARGV[1] holder id, ARGV[2] TTL in ms. Renews the claim when this holder
+# still has it (or the slot lapsed: it is taken again); returns 0 when another holder has it.
+_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+SCAN_BATCH = 64
+
+
+class IdentityError(RuntimeError):
+    """No identity could be claimed, or another process holds this one."""
+
+
+def default_holder() -> str:
+    """This process's holder id, `<host name>:<pid>`: unique among the processes of one
+    host, and the same for a restarted container (its host name is the container's id, and
+    its process tree starts the same way each time, so the worker gets the same pid)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def claim_index(
+    client: redis.Redis,
+    keys: Keys,
+    worker: str,
+    holder: str,
+    ttl_s: float = HEARTBEAT_TTL_S,
+    max_index: int = MAX_INDEX,
+) -> int:
+    """The index of worker type `worker` that `holder` runs as: the slot that names it
+    already, else the lowest free one (SET NX: two replicas never win one index)."""
+    ttl_ms = int(ttl_s * 1000)
+    for start in range(0, max_index, SCAN_BATCH):
+        indices = range(start, min(start + SCAN_BATCH, max_index))
+        held: list[bytes | None] = client.mget([keys.worker_slot(worker, i) for i in indices])  # type: ignore[assignment]
+        mine = [i for i, h in zip(indices, held, strict=True) if h == holder.encode()]
+        if mine and renew(client, keys, worker, mine[0], holder, ttl_s):
+            return mine[0]
+    for index in range(max_index):
+        if client.set(keys.worker_slot(worker, index), holder, nx=True, px=ttl_ms):
+            return index
+    raise IdentityError(f"every one of {max_index} `{worker}` identities is taken")
+
+
+def renew(
+    client: redis.Redis, keys: Keys, worker: str, index: int, holder: str, ttl_s: float
+) -> bool:
+    """Renew (or take) slot `worker-index` for `holder`; False when another holder has it."""
+    key = keys.worker_slot(worker, index)
+    return bool(client.eval(_RENEW, 1, key, holder, int(ttl_s * 1000)))
+
+
+def holder_of(client: redis.Redis, keys: Keys, worker: str, index: int) -> str | None:
+    """Who holds slot `worker-index` now (None: nobody, it lapsed)."""
+    raw = client.get(keys.worker_slot(worker, index))
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class Heartbeat:
+    """Renews a worker's slot every `ttl_s / 3` on a daemon thread until `stop` is set.
+    When another holder has taken the slot (two processes claim one identity), `on_lost`
+    is called once and the heartbeat ends. A Redis error is logged and retried next beat:
+    the slot lapses only if Redis stays away for `ttl_s`."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        worker: str,
+        index: int,
+        holder: str,
+        log: structlog.stdlib.BoundLogger,
+        on_lost: Callable[[], None],
+        ttl_s: float = HEARTBEAT_TTL_S,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.worker = worker
+        self.index = index
+        self.holder = holder
+        self.log = log
+        self.on_lost = on_lost
+        self.ttl_s = ttl_s
+        self.stop = threading.Event()
+        self.beats = 0
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._beat()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop beating and give the slot up (a clean exit frees the index at once)."""
+        self.stop.set()
+        self._thread.join(timeout=5)
+        key = self.keys.worker_slot(self.worker, self.index)
+        try:
+            if holder_of(self.client, self.keys, self.worker, self.index) == self.holder:
+                self.client.delete(key)
+        except redis.RedisError as err:
+            self.log.warning("heartbeat_release_failed", error=str(err))
+
+    def _beat(self) -> bool:
+        if renew(self.client, self.keys, self.worker, self.index, self.holder, self.ttl_s):
+            self.beats += 1
+            return True
+        self.log.error(
+            "identity_lost",
+            slot=self.keys.worker_slot(self.worker, self.index),
+            holder=holder_of(self.client, self.keys, self.worker, self.index),
+        )
+        self.on_lost()
+        return False
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.ttl_s / 3):
+            try:
+                if not self._beat():
+                    return
+            except redis.RedisError as err:
+                self.log.warning("heartbeat_failed", error=f"{type(err).__name__}: {err}")

@@ -1,0 +1,78 @@
+"""Replica identities and heartbeats against a real Redis (streamrl.identity)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+import structlog
+
+from streamrl.identity import Heartbeat, claim_index, holder_of, renew
+from streamrl.names import Keys
+
+LOG = structlog.get_logger()
+
+
+def test_replicas_get_distinct_indices_and_a_restart_keeps_its_own(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    a, b, c = (claim_index(rclient, keys, "tools", h, ttl_s=30) for h in ("ca", "cb", "cc"))
+    assert (a, b, c) == (0, 1, 2)
+    assert claim_index(rclient, keys, "grouper", "ca", ttl_s=30) == 0  # per worker type
+    # cb's container restarts (same hostname): it takes index 1 again at once
+    assert claim_index(rclient, keys, "tools", "cb", ttl_s=30) == 1
+    # ca exits cleanly and frees 0; a new replica takes the lowest free index, while a
+    # restarted cc still finds its own, higher one first
+    rclient.delete(keys.worker_slot("tools", 0))
+    assert claim_index(rclient, keys, "tools", "cc", ttl_s=30) == 2
+    assert claim_index(rclient, keys, "tools", "cd", ttl_s=30) == 0
+
+
+def test_racing_replicas_never_share_an_index(redis_url: str, keys: Keys) -> None:
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def claim(holder: str) -> None:
+        client = redis.Redis.from_url(redis_url)
+        index = claim_index(client, keys, "rollout", holder, ttl_s=30)
+        with lock:
+            got.append(index)
+
+    threads = [threading.Thread(target=claim, args=(f"h{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(8))
+
+
+def test_heartbeat_keeps_the_slot_and_lapses_when_it_stops(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    index = claim_index(rclient, keys, "feeder", "me", ttl_s=0.6)
+    beat = Heartbeat(rclient, keys, "feeder", index, "me", LOG, on_lost=lambda: None, ttl_s=0.6)
+    beat.start()
+    time.sleep(1.5)  # several TTLs: only the beats keep the slot
+    assert holder_of(rclient, keys, "feeder", index) == "me" and beat.beats >= 3
+    beat.stop.set()  # a hung or dead worker stops beating ...
+    time.sleep(1.0)
+    assert holder_of(rclient, keys, "feeder", index) is None  # ... and its slot lapses
+
+
+def test_a_stolen_identity_is_reported(rclient: redis.Redis, keys: Keys) -> None:
+    lost = threading.Event()
+    index = claim_index(rclient, keys, "trainer", "first", ttl_s=0.6)
+    beat = Heartbeat(rclient, keys, "trainer", index, "first", LOG, on_lost=lost.set, ttl_s=0.6)
+    beat.start()
+    rclient.set(keys.worker_slot("trainer", index), "second")  # another process took it
+    assert lost.wait(2.0)
+    assert not renew(rclient, keys, "trainer", index, "first", 0.6)
+    beat.close()  # does not delete the other holder's claim
+    assert holder_of(rclient, keys, "trainer", index) == "second"
+
+
+def test_close_releases_the_slot(rclient: redis.Redis, keys: Keys) -> None:
+    index = claim_index(rclient, keys, "grouper", "me", ttl_s=30)
+    Heartbeat(rclient, keys, "grouper", index, "me", LOG, on_lost=lambda: None).start().close()
+    assert holder_of(rclient, keys, "grouper", index) is None

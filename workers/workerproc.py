@@ -1,0 +1,75 @@
+"""`streamrl worker NAME`: one worker process, its identity claimed and kept alive.
+
+`--index N` runs replica N (what `streamrl up` passes); `--index auto` (what the compose
+stack passes) claims the lowest free index of the worker type, or the one this container
+held before a restart (streamrl.identity). Either way a heartbeat renews the identity's slot
+in Redis while the process lives: `streamrl health --worker NAME` reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from streamrl.config import Config
+from streamrl.errors import FATAL_EXIT_CODE, FatalError
+from streamrl.identity import Heartbeat, claim_index, default_holder
+from streamrl.runtime import WORKER_NAMES, make_context, stop_on_signals
+from streamrl_workers.args import config_arguments
+
+
+def index_argument(value: str) -> int | str:
+    """`--index`: a replica number, or `auto`."""
+    if value == "auto":
+        return value
+    try:
+        index = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an index nor `auto`") from None
+    if index < 0:
+        raise argparse.ArgumentTypeError(f"index {index} is negative")
+    return index
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    w = sub.add_parser("worker", help="run one worker process (the form compose uses)")
+    w.add_argument("name", choices=WORKER_NAMES)
+    config_arguments(w)
+    w.add_argument("--steps", type=int, default=0, help="stop after N trainer steps")
+    w.add_argument(
+        "--index",
+        type=index_argument,
+        default=0,
+        help="replica index of this worker, or `auto`: claim a free one (scaled replicas)",
+    )
+    w.add_argument("--burst", action="store_true", help="exit once the input is drained")
+
+
+def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
+    """Run the worker `args.name` until it stops; its exit status. NoRedisError propagates
+    (the CLI reports it)."""
+    holder = default_holder()
+    ctx = make_context(args.name, 0 if args.index == "auto" else args.index, cfg, run_dir,
+                       max_steps=args.steps, burst=args.burst)  # fmt: skip
+    if args.index == "auto":
+        index = claim_index(ctx.client(), ctx.keys, args.name, holder)
+        ctx = make_context(args.name, index, cfg, run_dir, max_steps=args.steps, burst=args.burst)
+    stop_on_signals(ctx.stop, ctx.log)
+    beat = Heartbeat(ctx.client(), ctx.keys, args.name, ctx.index, holder, ctx.log, ctx.stop.set)
+    beat.start()
+    ctx.log.info("worker_identity", index=ctx.index, holder=holder, auto=args.index == "auto")
+    module = importlib.import_module(f"streamrl_workers.{args.name}")
+    try:
+        code: int = module.run(ctx)
+    except FatalError as err:
+        ctx.log.error("worker_fatal", error=f"{type(err).__name__}: {err}")
+        print(f"streamrl: {type(err).__name__}: {err}", file=sys.stderr)
+        return FATAL_EXIT_CODE
+    except Exception:
+        ctx.log.exception("worker_failed")
+        raise
+    finally:
+        beat.close()
+    return code
