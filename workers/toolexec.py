@@ -4,7 +4,9 @@
 
 prints {"ok": ..., "output": ..., "error": ..., "duration_s": ..., "sandbox": ...}. Exit
 status 0 when the call ran (whatever its outcome), 2 for a bad config or an unknown tool, 3
-when the sandbox itself is unavailable.
+when the sandbox itself is unavailable: the configured backend cannot start, or (under
+`auto`) the tool needs isolation and neither containers nor bubblewrap work here; the
+message says how to fix it. The sandbox is chosen as a tool worker chooses it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     from streamrl.plugins import PluginError
     from streamrl.tools.jobs import open_sandbox
     from streamrl.tools.registry import load_tools, run_call
-    from streamrl.tools.sandbox import SandboxUnavailableError
+    from streamrl.tools.sandbox import Sandbox, SandboxUnavailableError
 
     try:
         tools = load_tools(cfg.tools)
@@ -47,12 +49,14 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
         )
         return 2
     log = configure_logging("tools-exec", stream=sys.stderr)
+    tool = tools[args.tool]
     try:
-        sandbox = open_sandbox(cfg.tools, cfg.run.name, "tools-exec", log)
+        sandboxes = open_sandbox(cfg.tools, cfg.run.name, "tools-exec", log)
     except SandboxUnavailableError as err:
         print(f"streamrl tools exec: sandbox unavailable: {err}", file=sys.stderr)
         return 3
     try:
+        sandbox: Sandbox = sandboxes.for_call(tool.name, tool.needs_isolation)
         start = time.monotonic()
         out = run_call(
             sandbox,
@@ -63,8 +67,11 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
             tools,
         )
         duration = time.monotonic() - start
+    except SandboxUnavailableError as err:
+        print(f"streamrl tools exec: sandbox unavailable: {err}", file=sys.stderr)
+        return 3
     finally:
-        sandbox.close()
+        sandboxes.close()
     report = {
         "ok": out.ok,
         "output": out.output,

@@ -23,6 +23,10 @@ def test_one_call_prints_json(backend: str) -> None:
     code = "import sys; print(sum(range(10))); sys.exit(4)"
     p = tools_exec("--set", f"tools.sandbox={backend}", "--tool", "python",
                    "--args", json.dumps({"code": code}))  # fmt: skip
+    if backend == "auto" and p.returncode == 3:  # no container engine and no bwrap here
+        if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"STREAMRL_REQUIRE_SANDBOX=1 but {p.stderr}")
+        pytest.skip(f"no isolating sandbox here: {p.stderr}")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert set(out) == {"ok", "output", "error", "duration_s", "sandbox"}

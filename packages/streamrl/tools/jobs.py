@@ -4,11 +4,11 @@ The job pushes its result onto the call's result list, where the rollout worker 
 BLPOP on its event loop; rq's own result store is not used for the answer, so waiting for a
 call costs no thread.
 
-A tool worker process holds one sandbox for all its jobs (`install_sandbox` at start,
-`close_sandbox` at exit): the container backend's warm pool lives across calls. A failure of
-the sandbox itself (engine down, image missing, an API error) comes back as a ToolResult
-with `infra` set: the rollout side ends that episode with status error and counts it for
-its circuit breaker.
+A tool worker process holds one `WorkerSandbox` for all its jobs (`install_sandbox` at
+start, `close_sandbox` at exit): the container backend's warm pool lives across calls. A
+failure of the sandbox itself (engine down, image missing, an API error, no isolating
+sandbox for a tool that needs one) comes back as a ToolResult with `infra` set: the rollout
+side ends that episode with status error and counts it for its circuit breaker.
 
 A call with a `ledger_key` (a tool in `tools.non_idempotent`) runs at most once per key: a
 replay gets the result recorded in the run's tool ledger (`streamrl.tools.ledger`).
@@ -26,7 +26,7 @@ import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
-from streamrl.tools.backends import ClosableSandbox, make_sandbox
+from streamrl.tools.backends import WorkerSandbox, builder
 from streamrl.tools.bwrap import BubblewrapConfig
 from streamrl.tools.containers import ContainerConfig
 from streamrl.tools.ledger import ToolLedger
@@ -43,14 +43,15 @@ JOB_PATH = "streamrl.tools.jobs.run_tool_call"
 
 # The worker process's sandbox and tools (rq calls jobs as plain functions: module state is
 # the place). Without installed tools, the built-in ones.
-_SANDBOX: dict[str, ClosableSandbox] = {}
+_SANDBOX: dict[str, WorkerSandbox] = {}
 _TOOLS: dict[str, dict[str, Tool]] = {}
 
 
 def open_sandbox(
     cfg: ToolsConfig, namespace: str, worker_id: str, log: structlog.stdlib.BoundLogger
-) -> ClosableSandbox:
-    """The sandbox `cfg.sandbox` names (auto: the strongest that works here, logged)."""
+) -> WorkerSandbox:
+    """The sandboxes `cfg.sandbox` names (auto: the strongest isolating one that works here,
+    probed again while it is not the container; see `streamrl.tools.backends`)."""
     container = ContainerConfig(
         image=cfg.image,
         namespace=namespace,
@@ -62,10 +63,10 @@ def open_sandbox(
         recycle_after=cfg.recycle_after,
     )
     bwrap = BubblewrapConfig(max_processes=max(4, cfg.pids_limit))
-    return make_sandbox(cfg.sandbox, container=container, bwrap=bwrap, log=log)
+    return WorkerSandbox(cfg.sandbox, builder(container=container, bwrap=bwrap, log=log), log)
 
 
-def install_sandbox(sandbox: ClosableSandbox) -> None:
+def install_sandbox(sandbox: WorkerSandbox) -> None:
     _SANDBOX["current"] = sandbox
 
 
@@ -80,9 +81,10 @@ def close_sandbox() -> None:
         sandbox.close()
 
 
-def _current() -> ClosableSandbox:
+def _current() -> WorkerSandbox:
     if "current" not in _SANDBOX:  # a job run outside a tool worker (tests, rq's own workers)
-        _SANDBOX["current"] = make_sandbox("auto")
+        log = structlog.get_logger()
+        _SANDBOX["current"] = WorkerSandbox("auto", builder(log=log), log)
         atexit.register(close_sandbox)  # its containers go with the process
     return _SANDBOX["current"]
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from streamrl.agents.tools import (
     ToolArgumentError,
@@ -44,13 +44,20 @@ class Tool:
     `command` and `report` are trusted code that runs in the tool worker; the command they
     build runs in the sandbox. An argv starting with `sys.executable` means "the sandbox's
     Python": each backend maps it (`streamrl.tools.sandbox.portable_argv`). Exported by
-    `streamrl.api` as `WorkerTool`; `python_tool` builds the common kind."""
+    `streamrl.api` as `WorkerTool`; `python_tool` builds the common kind.
+
+    `needs_isolation`: the command runs code the policy wrote (or could steer), so it runs
+    only in an isolating sandbox (container or bwrap), never as a plain process unless
+    `tools.sandbox = "subprocess"` says so. False only for a fixed program that parses its
+    input and runs nothing from it (the calculator): on a host with no isolating sandbox it
+    still runs, as a plain subprocess with rlimits."""
 
     name: str
     description: str
     parameters: dict[str, Any]
     command: Callable[[dict[str, Any]], tuple[list[str], bytes]]
     report: Callable[[ExecResult, float], Outcome] | None = None
+    needs_isolation: bool = True
 
     def schema(self) -> dict[str, Any]:
         return function_schema(self.name, self.description, self.parameters)
@@ -70,6 +77,7 @@ CALCULATOR = Tool(
         "required": ["expression"],
     },
     command=_calculator_command,
+    needs_isolation=False,  # a fixed parser (calculator_main.py) that evaluates no code
 )
 
 
@@ -153,15 +161,17 @@ def python_tool(
     parameters: dict[str, Any],
     source: str,
     report: Callable[[ExecResult, float], Outcome] | None = None,
+    needs_isolation: bool = True,
 ) -> Tool:
     """A tool whose call runs the Python program `source` in the sandbox (isolated mode,
     standard library only) with the call's arguments as a JSON object on stdin; what it
-    prints is the result (`report`, default `interpret`: a non-zero exit is a tool error)."""
+    prints is the result (`report`, default `interpret`: a non-zero exit is a tool error).
+    `needs_isolation`: see `Tool`; keep the default unless `source` only parses its input."""
 
     def command(args: dict[str, Any]) -> tuple[list[str], bytes]:
         return [sys.executable, "-I", "-S", "-c", source], json.dumps(args).encode()
 
-    return Tool(name, description, parameters, command, report)
+    return Tool(name, description, parameters, command, report, needs_isolation)
 
 
 def load_tools(cfg: ToolsConfig) -> dict[str, Tool]:
@@ -210,16 +220,24 @@ def interpret(r: ExecResult, time_limit_s: float) -> Outcome:
     return Outcome(True, out)
 
 
+@runtime_checkable
+class SandboxPicker(Protocol):
+    """Picks the sandbox of each call (`streamrl.tools.backends.WorkerSandbox`)."""
+
+    def for_call(self, tool: str, needs_isolation: bool) -> Sandbox: ...
+
+
 def run_call(
-    sandbox: Sandbox,
+    sandbox: Sandbox | SandboxPicker,
     name: str,
     arguments: str,
     time_limit_s: float,
     output_cap: int,
     tools: dict[str, Tool] = TOOLS,
 ) -> Outcome:
-    """Run one call of one of `tools`; every failure of the call's own making is a tool
-    error."""
+    """Run one call of one of `tools` in `sandbox` (a picker chooses one per tool); every
+    failure of the call's own making is a tool error. A picker's `SandboxUnavailableError`
+    (no isolation for a tool that needs it) propagates: an infrastructure failure."""
     tool = tools.get(name)
     if tool is None:
         return Outcome(False, "", f"unknown tool `{name}`; available: {sorted(tools)}")
@@ -227,6 +245,8 @@ def run_call(
         args = parse_arguments(tool.parameters, arguments)
     except ToolArgumentError as err:
         return Outcome(False, "", str(err))
+    if isinstance(sandbox, SandboxPicker):
+        sandbox = sandbox.for_call(tool.name, tool.needs_isolation)
     argv, stdin = tool.command(args)
     report = tool.report or interpret
     return report(sandbox.exec(argv, stdin, time_limit_s, output_cap), time_limit_s)
