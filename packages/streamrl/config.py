@@ -483,7 +483,10 @@ class ToolsConfig(_Section):
         description=(
             "Where a call's code runs: `container` (hardened containers through the Docker "
             "API at DOCKER_HOST), `bwrap` (bubblewrap namespaces), `subprocess` (rlimits "
-            "only, no isolation), `auto`: the first of these that works, logged."
+            "only, NO isolation: only when set explicitly, logged as an error at each start), "
+            "`auto`: container, else bwrap, probed again while the container is not up; "
+            "with neither, tools that run policy-written code fail as infrastructure errors "
+            "(the calculator still runs, as a plain subprocess)."
         ),
     )
     image: str = Field("streamrl-sandbox:1", description="Container image of the sandbox.")
