@@ -14,7 +14,7 @@ from pathlib import Path
 from streamrl.config import ConfigError, load_config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
-from streamrl_workers import generate, queuescli, toolexec
+from streamrl_workers import aclcli, generate, queuescli, toolexec
 from streamrl_workers.args import config_arguments
 
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     toolexec.add_parser(sub)
     queuescli.add_parser(sub)
+    aclcli.add_parser(sub)
     return parser
 
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "tools":
         return toolexec.main(args, cfg)
+    if args.command == "acl":
+        return aclcli.main(args, cfg)
     resume = getattr(args, "resume", None)
     if resume and args.run_dir and Path(args.run_dir).resolve() != Path(resume).resolve():
         print("streamrl: --resume names the run directory; drop --run-dir", file=sys.stderr)

@@ -6,8 +6,9 @@ dead letters back into their source stream after a fix.
     streamrl queues --config configs/tiny.toml --run-dir runs/demo [--json]
     streamrl queues --config configs/tiny.toml --run-dir runs/demo --replay-dead [--source S]
 
-Redis: REDIS_URL, else `redis.url`, else the embedded Redis of the run directory (while
-`streamrl up` runs).
+Redis: REDIS_URL, else `redis.url` (the password in REDIS_PASSWORD_FILE or
+`redis.password_file`), else the embedded Redis of the run directory (while `streamrl up`
+runs), as its operator user.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     from streamrl.names import Keys
     from streamrl.queues import format_report, inspect, replay_dead
     from streamrl.redis_server import url_from_conf
+    from streamrl.runtime import NoRedisError, resolve_redis_url
 
-    url = cfg.redis_url() or url_from_conf(run_dir / "redis")
+    try:
+        url = resolve_redis_url(cfg) or url_from_conf(run_dir / "redis")
+    except (NoRedisError, OSError, ValueError) as err:
+        print(f"streamrl queues: {err}", file=sys.stderr)
+        return 2
     if not url:
         print(
             f"streamrl queues: no Redis: set REDIS_URL or redis.url, or point --run-dir at a "

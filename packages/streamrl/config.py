@@ -12,6 +12,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -80,8 +81,15 @@ class RedisConfig(_Section):
     url: str = Field(
         "",
         description=(
-            "Redis URL; empty starts an embedded redis-server in the run directory. "
-            "The REDIS_URL environment variable overrides it."
+            "Redis URL, without a password; empty starts an embedded redis-server in the "
+            "run directory. The REDIS_URL environment variable overrides it."
+        ),
+    )
+    password_file: str = Field(
+        "",
+        description=(
+            "File holding the password of the URL's user (first line); the "
+            "REDIS_PASSWORD_FILE environment variable overrides it."
         ),
     )
     appendfsync: Literal["always", "everysec", "no"] = Field(
@@ -90,6 +98,21 @@ class RedisConfig(_Section):
     startup_timeout_s: float = Field(
         10.0, gt=0, le=120, description="Seconds to wait for the embedded server to answer."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _no_password(cls, url: str) -> str:
+        # A config file is read by others, and `streamrl up` copies --set into every
+        # worker's command line, which any local user can read.
+        if url and urlsplit(url).password:
+            raise ValueError(
+                "a password in redis.url would be shown to others (a config file, or a "
+                "command line that `streamrl up` copies into every worker's): pass the URL "
+                "in the REDIS_URL environment variable instead, or leave the password out "
+                "and name a file that holds it with redis.password_file (or "
+                "REDIS_PASSWORD_FILE)"
+            )
+        return url
 
 
 class TransportConfig(_Section):

@@ -36,12 +36,13 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.logs import configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
-from streamrl.runtime import COORDINATOR_ENV
+from streamrl.runtime import COORDINATOR_ENV, PASSWORD_FILE_ENV, NoRedisError, resolve_redis_url
 from streamrl.transport import make_client
 from streamrl.wire import TrainMetrics, WireError, decode
 
@@ -122,11 +123,13 @@ class Launcher:
     def _run(self, log: structlog.stdlib.BoundLogger) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        url = self.cfg.redis_url()
         try:
+            url = resolve_redis_url(self.cfg)
             if not url:
+                # One ACL user per worker type; this process is the operator.
                 self.redis = EmbeddedRedis(
                     self.run_dir / "redis",
+                    keys=self.keys,
                     appendfsync=self.cfg.redis.appendfsync,
                     startup_timeout_s=self.cfg.redis.startup_timeout_s,
                 ).start()
@@ -138,13 +141,13 @@ class Launcher:
                 self._resume_queues(client, log)
             else:
                 self._check_namespace(client)
-            self._spawn_all(url)
+            self._spawn_all()
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
             reason, code = self._monitor(client, log)
             self._shutdown(log)
             self._write_summary(client, reason)
             client.close()
-        except RunDirError as err:
+        except (RunDirError, NoRedisError) as err:
             print(f"\nstreamrl: {err}", file=sys.stderr)
             code = 2
         finally:
@@ -167,7 +170,8 @@ class Launcher:
                 f"run directory {self.run_dir} already holds a run; choose a new --run-dir, "
                 f"or continue it with `streamrl up --resume {self.run_dir}`"
             )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Owner only: the AOF, logs and checkpoints hold prompts, tool output, the model.
+        private_dir(self.run_dir)
 
     def _resume_queues(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
         """Before any worker starts: queues back from the snapshot if Redis lost them, and
@@ -209,8 +213,12 @@ class Launcher:
             plan += [("rollout", i) for i in range(c.rollout.num_workers)]
         return [*plan, ("feeder", 0)]
 
-    def _spawn_all(self, url: str) -> None:
-        self._env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
+    def _spawn_all(self) -> None:
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.redis is None:
+            # An external Redis: every worker gets what this process was given (REDIS_URL
+            # and REDIS_PASSWORD_FILE from the environment, or the config's).
+            self._env["REDIS_URL"] = self.cfg.redis_url()
         self._new_coordinator()
         for name, index in self._plan():
             self.procs.append(self._spawn(name, index, self._env))
@@ -221,7 +229,16 @@ class Launcher:
         if self.cfg.trainer.num_processes > 1:
             self._env[COORDINATOR_ENV] = f"127.0.0.1:{free_port()}"
 
+    def _credentials(self, name: str) -> dict[str, str]:
+        """The environment that gives a worker its own role's Redis user (the embedded
+        Redis): a URL without a password, and the file that holds it."""
+        if self.redis is None:
+            return {}
+        url, password_file = self.redis.role_url(worker_role(name))
+        return {"REDIS_URL": url, PASSWORD_FILE_ENV: str(password_file)}
+
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
+        env = {**env, **self._credentials(name)}
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
         if name in TRAINS and self.steps:
             cmd += ["--steps", str(self.steps)]

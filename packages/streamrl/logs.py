@@ -23,14 +23,25 @@ def redact_url(url: str) -> str:
     return _URL_AUTH.sub(lambda m: f"{m.group('scheme')}***@", url)
 
 
+def _redact_value(key: str, value: Any) -> Any:
+    """`value` of field `key` with its secrets masked, through nested dicts and lists."""
+    secret_name = any(s in key.lower() for s in _SECRET_KEYS)
+    # Numbers are never secrets: a count of `tokens` stays readable.
+    if secret_name and not isinstance(value, int | float):
+        return "***"
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: _redact_value(str(k), v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact_value(key, v) for v in value]
+    return value
+
+
 def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for key, value in list(event.items()):
-        secret_name = any(s in key.lower() for s in _SECRET_KEYS) and key != "event"
-        # Numbers are never secrets: a count of `tokens` stays readable.
-        if secret_name and not isinstance(value, int | float):
-            event[key] = "***"
-        elif isinstance(value, str) and "://" in value:
-            event[key] = redact_url(value)
+        if key != "event":
+            event[key] = _redact_value(key, value)
     return event
 
 

