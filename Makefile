@@ -33,8 +33,10 @@ fmt: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
+# As root, `make test` readies the sandbox host first (make sandbox-host) and requires the
+# sandbox tests to run; where it cannot, they skip and its last line says so and why.
 test: lint typecheck
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	ops/sandbox/with_sandbox.sh $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -52,7 +54,8 @@ slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 # The tool sandboxes' host side, as root: podman serving the Docker API on
-# /run/streamrl-podman.sock and the sandbox image (built, never pulled). Then:
+# /run/streamrl-podman.sock and the sandbox image (built, never pulled). `make test` runs it
+# itself; for anything else:
 #   export DOCKER_HOST=unix:///run/streamrl-podman.sock CONTAINERS_CONF=/etc/streamrl/containers.conf
 sandbox-host:
 	ops/sandbox/setup_host.sh
