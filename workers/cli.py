@@ -7,14 +7,20 @@ Config is parsed before any heavy import, so a bad flag or key fails in millisec
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
-from streamrl.errors import FATAL_EXIT_CODE, FatalError
-from streamrl.runtime import WORKER_NAMES, NoRedisError, make_context, stop_on_signals
-from streamrl_workers import aclcli, generate, queuescli, toolexec
+from streamrl.runtime import NoRedisError
+from streamrl_workers import (
+    aclcli,
+    generate,
+    health,
+    queuescli,
+    sandboxproxy,
+    toolexec,
+    workerproc,
+)
 from streamrl_workers.args import config_arguments
 
 
@@ -33,15 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its newest complete checkpoint",
     )
-    w = sub.add_parser("worker", help="run one worker process (the form compose uses)")
-    w.add_argument("name", choices=WORKER_NAMES)
-    _common(w)
-    w.add_argument("--index", type=int, default=0, help="replica index of this worker")
-    w.add_argument("--burst", action="store_true", help="exit once the input is drained")
+    workerproc.add_parser(sub)
+    health.add_parser(sub)
     generate.add_parser(sub)
     toolexec.add_parser(sub)
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
+    sandboxproxy.add_parser(sub)
     return parser
 
 
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return generate.main(args)
+    if args.command == "sandbox-proxy":  # needs no run config
+        return sandboxproxy.main(args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return toolexec.main(args, cfg)
     if args.command == "acl":
         return aclcli.main(args, cfg)
+    if args.command == "health":
+        return health.main(args, cfg)
     resume = getattr(args, "resume", None)
     if resume and args.run_dir and Path(args.run_dir).resolve() != Path(resume).resolve():
         print("streamrl: --resume names the run directory; drop --run-dir", file=sys.stderr)
@@ -77,24 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return Launcher(cfg, args.config, args.set, run_dir, args.steps, resume=bool(resume)).run()
     try:
-        ctx = make_context(
-            args.name, args.index, cfg, run_dir, max_steps=args.steps, burst=args.burst
-        )
+        return workerproc.main(args, cfg, run_dir)
     except NoRedisError as err:
         print(f"streamrl: {err}", file=sys.stderr)
         return 2
-    stop_on_signals(ctx.stop, ctx.log)
-    module = importlib.import_module(f"streamrl_workers.{args.name}")
-    try:
-        code: int = module.run(ctx)
-    except FatalError as err:
-        ctx.log.error("worker_fatal", error=f"{type(err).__name__}: {err}")
-        print(f"streamrl: {type(err).__name__}: {err}", file=sys.stderr)
-        return FATAL_EXIT_CODE
-    except Exception:
-        ctx.log.exception("worker_failed")
-        raise
-    return code
 
 
 if __name__ == "__main__":

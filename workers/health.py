@@ -17,7 +17,7 @@ import sys
 import redis
 
 from streamrl.config import Config
-from streamrl.identity import holder_of
+from streamrl.identity import holder_of, slots_held
 from streamrl.names import Keys
 from streamrl.runtime import WORKER_NAMES
 from streamrl_workers.args import config_arguments
@@ -43,9 +43,7 @@ def check(client: redis.Redis, keys: Keys, worker: str | None, index: int | None
             return f"{worker}-{index} has no live heartbeat"
         return None
     host = socket.gethostname()
-    slots = list(client.scan_iter(keys.worker_slot(worker, 0)[:-1] + "*"))
-    holders = [h.decode() for h in client.mget(slots) if isinstance(h, bytes)] if slots else []
-    if any(h.rsplit(":", 1)[0] == host for h in holders):
+    if any(h.rsplit(":", 1)[0] == host for h in slots_held(client, keys, worker).values()):
         return None
     return f"no {worker} worker of host {host} has a live heartbeat"
 

@@ -28,14 +28,6 @@ from streamrl.names import Keys
 HEARTBEAT_TTL_S = 15.0
 MAX_INDEX = 1024
 
-# KEYS[1] the slot; ARGV[1] holder id, ARGV[2] TTL in ms. Renews the claim when this holder
-# still has it (or the slot lapsed: it is taken again); returns 0 when another holder has it.
-_RENEW = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
 SCAN_BATCH = 64
 
 
@@ -61,12 +53,9 @@ def claim_index(
     """The index of worker type `worker` that `holder` runs as: the slot that names it
     already, else the lowest free one (SET NX: two replicas never win one index)."""
     ttl_ms = int(ttl_s * 1000)
-    for start in range(0, max_index, SCAN_BATCH):
-        indices = range(start, min(start + SCAN_BATCH, max_index))
-        held: list[bytes | None] = client.mget([keys.worker_slot(worker, i) for i in indices])  # type: ignore[assignment]
-        mine = [i for i, h in zip(indices, held, strict=True) if h == holder.encode()]
-        if mine and renew(client, keys, worker, mine[0], holder, ttl_s):
-            return mine[0]
+    mine = [i for i, h in sorted(slots_held(client, keys, worker).items()) if h == holder]
+    if mine and mine[0] < max_index and renew(client, keys, worker, mine[0], holder, ttl_s):
+        return mine[0]
     for index in range(max_index):
         if client.set(keys.worker_slot(worker, index), holder, nx=True, px=ttl_ms):
             return index
@@ -76,9 +65,33 @@ def claim_index(
 def renew(
     client: redis.Redis, keys: Keys, worker: str, index: int, holder: str, ttl_s: float
 ) -> bool:
-    """Renew (or take) slot `worker-index` for `holder`; False when another holder has it."""
+    """Renew (or, lapsed, take again) slot `worker-index` for `holder`; False when another
+    holder has it. WATCH/MULTI, not a script: every role may run it (streamrl.acl)."""
     key = keys.worker_slot(worker, index)
-    return bool(client.eval(_RENEW, 1, key, holder, int(ttl_s * 1000)))
+    with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                current = pipe.get(key)
+                if current is not None and current != holder.encode():
+                    pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.set(key, holder, px=int(ttl_s * 1000))
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue  # the slot changed between GET and EXEC: look again
+
+
+def slots_held(client: redis.Redis, keys: Keys, worker: str) -> dict[int, str]:
+    """Index -> holder of every live slot of worker type `worker`."""
+    out: dict[int, str] = {}
+    for start in range(0, MAX_INDEX, SCAN_BATCH):
+        indices = range(start, min(start + SCAN_BATCH, MAX_INDEX))
+        held: list[bytes | None] = client.mget([keys.worker_slot(worker, i) for i in indices])  # type: ignore[assignment]
+        out.update({i: h.decode() for i, h in zip(indices, held, strict=True) if h is not None})
+    return out
 
 
 def holder_of(client: redis.Redis, keys: Keys, worker: str, index: int) -> str | None:

@@ -159,3 +159,8 @@ class Keys:
     def tool_result(self, call_id: str) -> str:
         """List a tool worker pushes one call's result onto."""
         return self._k("toolres", call_id)
+
+    def worker_slot(self, worker: str, index: int) -> str:
+        """String key holding who runs worker `<worker>-<index>` (its holder id), with a TTL
+        its heartbeat renews: the identity claim of a replica, and its liveness."""
+        return self._k("worker", worker, str(index))

@@ -1,0 +1,87 @@
+"""`streamrl worker NAME --index auto` and `streamrl health` as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from streamrl.identity import holder_of
+from streamrl.names import Keys
+from tests.helpers import REPO, TINY
+
+
+def _cli(redis_url: str, *args: str, **kw: object) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "REDIS_URL": redis_url}
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", *args]
+    return subprocess.Popen(cmd, env=env, cwd=REPO, **kw)  # type: ignore[call-overload]
+
+
+def _health(redis_url: str, ns: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "REDIS_URL": redis_url}
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "health", "--config", str(TINY),
+           "--set", f"run.name={ns}", *args]  # fmt: skip
+    return subprocess.run(
+        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _wait(cond: object, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise TimeoutError("condition not met")
+
+
+def test_auto_indices_heartbeats_and_health(
+    redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    assert _health(redis_url, keys.ns).returncode == 0  # Redis answers
+    missing = _health(redis_url, keys.ns, "--worker", "grouper")
+    assert missing.returncode == 1 and "no grouper worker of host" in missing.stdout
+    procs = [
+        _cli(
+            redis_url,
+            "worker",
+            "grouper",
+            "--config",
+            str(TINY),
+            "--set",
+            f"run.name={keys.ns}",
+            "--run-dir",
+            str(tmp_path),
+            "--index",
+            "auto",
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
+    try:
+        _wait(lambda: None not in (holder_of(rclient, keys, "grouper", i) for i in (0, 1)))
+        holders = {holder_of(rclient, keys, "grouper", i) for i in (0, 1)}
+        assert {h.rsplit(":", 1)[1] for h in holders if h} == {str(p.pid) for p in procs}
+        assert _health(redis_url, keys.ns, "--worker", "grouper").returncode == 0
+        assert _health(redis_url, keys.ns, "--worker", "grouper", "--index", "1").returncode == 0
+        assert _health(redis_url, keys.ns, "--worker", "grouper", "--index", "2").returncode == 1
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    # a clean exit gives the identity up at once
+    assert [holder_of(rclient, keys, "grouper", i) for i in (0, 1)] == [None, None]
+    assert _health(redis_url, keys.ns, "--worker", "grouper").returncode == 1
+
+
+def test_health_fails_without_redis(tmp_path: Path) -> None:
+    start = time.monotonic()
+    r = _health("redis://127.0.0.1:1/0", "x")
+    assert r.returncode == 1 and "Redis does not answer" in r.stdout
+    assert time.monotonic() - start < 15  # a health check answers quickly, without retries
