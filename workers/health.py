@@ -19,7 +19,7 @@ import redis
 from streamrl.config import Config
 from streamrl.identity import holder_of, slots_held
 from streamrl.names import Keys
-from streamrl.runtime import WORKER_NAMES
+from streamrl.runtime import WORKER_NAMES, NoRedisError, resolve_redis_url
 from streamrl_workers.args import config_arguments
 
 
@@ -49,7 +49,11 @@ def check(client: redis.Redis, keys: Keys, worker: str | None, index: int | None
 
 
 def main(args: argparse.Namespace, cfg: Config) -> int:
-    url = cfg.redis_url()
+    try:
+        url = resolve_redis_url(cfg)  # REDIS_URL plus this role's REDIS_PASSWORD_FILE
+    except NoRedisError as err:
+        print(f"unhealthy: {err}")
+        return 1
     if not url:
         print("unhealthy: no Redis configured (REDIS_URL or redis.url)")
         return 1
