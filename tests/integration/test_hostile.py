@@ -26,9 +26,10 @@ from pathlib import Path
 
 import docker
 import pytest
+import structlog
 
 from streamrl.redis_server import EmbeddedRedis
-from streamrl.tools.backends import make_sandbox
+from streamrl.tools.backends import WorkerSandbox, builder, make_sandbox
 from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
 from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox
 from streamrl.tools.registry import Outcome, interpret, run_call
@@ -442,3 +443,38 @@ def test_auto_picks_containers_then_falls_back(engine: docker.DockerClient) -> N
     fallback = make_sandbox("auto", container=down)
     assert isinstance(fallback, BubblewrapSandbox)
     fallback.close()
+
+
+def _shell_hostname(box: WorkerSandbox) -> str:
+    out = run_call(box, "shell", '{"command": "cat /proc/sys/kernel/hostname"}', 5.0, CAP)
+    assert out.ok, out
+    return out.output.splitlines()[-1]
+
+
+def test_auto_moves_up_to_containers_once_the_engine_answers(
+    engine: docker.DockerClient, bwrap_sandbox: BubblewrapSandbox, tmp_path: Path
+) -> None:
+    """An engine that was down when the worker started is picked up later (review H3): the
+    worker starts on bwrap, probes the engine again on later calls with a backoff, and moves
+    its calls into containers once the engine's socket appears."""
+    ns = f"{NS}-up"
+    real = os.environ["DOCKER_HOST"].removeprefix("unix://")
+    link = tmp_path / "engine.sock"  # the engine's socket, once the link exists
+    cfg = ContainerConfig(namespace=ns, docker_host=f"unix://{link}")
+    box = WorkerSandbox("auto", builder(container=cfg), structlog.get_logger(), retry_min_s=0.2)
+    try:
+        assert box.active == "bwrap"
+        assert run_call(box, "calculator", '{"expression": "1+1"}', 5.0, CAP).output == "2"
+        assert _shell_hostname(box) == "sandbox"  # bwrap's
+        link.symlink_to(real)
+        deadline = time.monotonic() + 10
+        while box.active != "container" and time.monotonic() < deadline:
+            out = run_call(box, "python", '{"code": "print(6*7)"}', 5.0, CAP)
+            assert out.output == "exit status: 0\nstdout:\n42"  # served meanwhile
+            time.sleep(0.1)
+        assert box.active == "container"
+        assert len(labelled(engine, ns)) == 1  # the warm pool, now in use
+        assert _shell_hostname(box) == labelled(engine, ns)[0][:12]  # the container's
+    finally:
+        box.close()
+    assert labelled(engine, ns) == []
