@@ -44,6 +44,7 @@ import grp
 import json
 import os
 import re
+import select
 import signal
 import socket
 import struct
@@ -78,6 +79,7 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid of a unix socket's peer
 # itself and drops the rest (hop-by-hop ones, credentials, anything the engine might act on).
 _FORWARDED = ("user-agent", "accept", "accept-encoding", "content-type")
 _CHUNK = 65536
+_HANGUP_POLL_S = 0.05  # how often a half-closed exec stream checks that its client is there
 
 
 class Refused(Exception):
@@ -839,7 +841,9 @@ async def _splice(
     up_writer: asyncio.StreamWriter,
 ) -> None:
     """Bytes both ways until the engine ends the stream or the client is gone. The
-    client's half-close (its stdin is done) is passed on; the call's output still flows."""
+    client's half-close (its stdin is done) is passed on; the call's output still flows.
+    A client that closed for good (the sandbox gave up on a call past its time limit)
+    closes the engine's side too, as it would have without the proxy."""
 
     async def to_engine() -> bool:
         try:
@@ -854,16 +858,26 @@ async def _splice(
         with contextlib.suppress(ConnectionError, OSError):
             await _copy(up_reader, writer, None)
 
-    up = asyncio.create_task(to_engine())
-    down = asyncio.create_task(to_client())
+    tasks = [asyncio.create_task(to_engine()), asyncio.create_task(to_client())]
+    up, down = tasks
     try:
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-        if not down.done() and up.result():  # a clean half-close: the output still comes
-            await down
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if not down.done() and up.result():  # EOF: a half-close, or the client is gone
+            tasks.append(asyncio.create_task(_hung_up(writer)))
+            await asyncio.wait(tasks[1:], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (up, down):
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _hung_up(writer: asyncio.StreamWriter) -> None:
+    """Returns once the client has closed both directions. A unix socket reports POLLHUP
+    only then, not after the peer's shutdown(SHUT_WR), which reads as EOF just the same."""
+    poller = select.poll()
+    poller.register(writer.get_extra_info("socket").fileno(), select.POLLHUP)
+    while not poller.poll(0):
+        await asyncio.sleep(_HANGUP_POLL_S)
 
 
 async def _answer(writer: asyncio.StreamWriter, status: int, message: str) -> None:

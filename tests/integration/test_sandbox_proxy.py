@@ -1,0 +1,264 @@
+"""`streamrl sandbox-proxy` in front of the real engine (podman in CI).
+
+The real CLI serves a temporary socket; the real `ContainerSandbox` runs tool calls through
+it; a plain docker SDK client then tries what a tool worker must not do (a privileged
+container, a bind mount of /, another image, the host's network, an exec as root, another
+container) and gets 403 each time, with nothing created on the engine.
+
+Without an engine at DOCKER_HOST these tests skip, saying why; CI sets
+STREAMRL_REQUIRE_SANDBOX=1, which turns a skip into a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import pytest
+
+from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox
+
+pytestmark = pytest.mark.integration
+
+NS = f"px{uuid.uuid4().hex[:10]}"  # this module's sandbox containers
+CAP = 4096
+MEMORY = 128 * 2**20
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
+        pytest.fail(f"STREAMRL_REQUIRE_SANDBOX=1 but {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[docker.DockerClient]:
+    """A client of the real engine (DOCKER_HOST), for setting up and checking only."""
+    host = os.environ.get("DOCKER_HOST", "")
+    if not host.startswith("unix://"):
+        _unavailable(f"DOCKER_HOST={host!r} is not a unix socket (run ops/sandbox/setup_host.sh)")
+    try:
+        client = docker.from_env(timeout=30)
+        client.ping()
+    except Exception as err:
+        _unavailable(f"no container engine answers at DOCKER_HOST={host}: {err}")
+        raise
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(
+    engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """The proxy CLI serving a temp socket; yields its URL and its log file."""
+    tmp = tmp_path_factory.mktemp("proxy")
+    sock, log = tmp / "docker.sock", tmp / "proxy.log"
+    upstream = os.environ["DOCKER_HOST"]
+    argv = [sys.executable, "-m", "streamrl_workers.cli", "sandbox-proxy"]
+    argv += ["--upstream", upstream, "--listen", f"unix://{sock}"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.05)
+        yield f"unix://{sock}", log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, log.read_text()
+    assert not sock.exists()  # removed on the way out
+
+
+def labelled(engine: docker.DockerClient, ns: str = NS) -> list[str]:
+    found = engine.containers.list(all=True, filters={"label": f"{LABEL}={ns}"})
+    return [c.id or "" for c in found]
+
+
+def sandbox_config(url: str | None, ns: str = NS) -> ContainerConfig:
+    return ContainerConfig(
+        namespace=ns, memory_bytes=MEMORY, pids_limit=32, tmpfs_bytes=8 * 2**20, docker_host=url
+    )
+
+
+@pytest.fixture(scope="module")
+def sandbox(proxy: tuple[str, Path], engine: docker.DockerClient) -> Iterator[ContainerSandbox]:
+    """The real container sandbox, whose only engine is the proxy."""
+    with ContainerSandbox(sandbox_config(proxy[0])) as sb:
+        sb.reap_orphans()
+        sb.start()
+        yield sb
+    assert labelled(engine) == []
+
+
+def py(sb: ContainerSandbox, code: str, stdin: bytes = b"", limit: float = 10.0) -> Any:
+    return sb.exec(["python3", "-c", code], stdin, limit, CAP)
+
+
+def test_the_socket_is_group_only(proxy: tuple[str, Path]) -> None:
+    assert os.stat(proxy[0].removeprefix("unix://")).st_mode & 0o777 == 0o660
+
+
+def test_tool_calls_run_through_the_proxy(sandbox: ContainerSandbox) -> None:
+    r = py(sandbox, "import os; print(6 * 7, os.getuid())")
+    assert (r.exit_code, r.stdout) == (0, b"42 10001\n")
+    data = os.urandom(200_000).hex().encode()  # 400 kB: more than one socket buffer
+    code = "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())"
+    r = py(sandbox, code, stdin=data)
+    assert (r.exit_code, r.stdout) == (0, f"{hashlib.sha256(data).hexdigest()}\n".encode())
+    r = py(sandbox, "import time; print('zz', flush=True); time.sleep(60)", limit=1.0)
+    assert r.timed_out and r.stdout == b"zz\n" and r.duration_s < 5
+    r = py(sandbox, "import sys; sys.stdout.write('x' * 100_000)")
+    assert r.truncated and len(r.stdout) == CAP
+    r = py(sandbox, "import sys; sys.exit(3)")
+    assert r.exit_code == 3
+    r = py(sandbox, "print('after')")  # the recycled pool still serves
+    assert r.stdout == b"after\n"
+
+
+def _refused(call: Any) -> str:
+    with pytest.raises(docker.errors.APIError) as info:
+        call()
+    assert info.value.status_code == 403, info.value
+    text = str(info.value.explanation)
+    assert "refused by the streamrl sandbox proxy" in text
+    return text
+
+
+def test_what_a_tool_worker_must_not_do_is_refused(
+    proxy: tuple[str, Path], engine: docker.DockerClient, sandbox: ContainerSandbox
+) -> None:
+    url, log = proxy
+    client = docker.DockerClient(base_url=url, timeout=30)
+    hardened = sandbox._run_options()  # what the sandbox sends, varied one thing at a time
+    names = [f"streamrl-{NS}-evil-{i}" for i in range(5)]
+    variations: list[tuple[dict[str, Any], str]] = [
+        ({"privileged": True}, "HostConfig.Privileged is not allowed"),
+        ({"volumes": {"/": {"bind": "/host", "mode": "rw"}}}, "Volumes is not allowed"),
+        ({"image": "docker.io/library/alpine:3"}, "Image must be the sandbox image"),
+        ({"network_mode": "host"}, 'HostConfig.NetworkMode must be "none"'),
+        ({"user": "0:0"}, "User must not be root"),
+    ]
+    unrelated = engine.containers.create(
+        sandbox.cfg.image, ["sleep", "infinity"], name=f"unrelated-{NS}"
+    )
+    try:
+        for name, (change, reason) in zip(names, variations, strict=True):
+            opts = {**hardened, "name": name, **change}
+            image = opts.pop("image", sandbox.cfg.image)
+            assert reason in _refused(functools.partial(client.containers.create, image, **opts))
+        cid = sandbox.container_ids[0]
+        for user in ("0:0", "root", "0"):
+            why = _refused(functools.partial(client.api.exec_create, cid, ["id"], user=user))
+            assert "User must" in why
+        why = _refused(lambda: client.api.exec_create(cid, ["id"], user="1:1", privileged=True))
+        assert "Privileged must be false" in why
+        uid = unrelated.id or ""
+        for call in (
+            lambda: client.containers.get(uid),
+            lambda: client.api.start(uid),
+            lambda: client.api.remove_container(uid, force=True),
+            lambda: client.api.exec_create(uid, ["id"], user="1:1"),
+        ):
+            assert "is not a sandbox container: it has no streamrl.sandbox label" in _refused(call)
+        assert "must filter on the label" in _refused(lambda: client.containers.list(all=True))
+        assert "is not a request" in _refused(client.images.list)
+        assert "is not a request" in _refused(lambda: client.volumes.create("evil"))
+        assert "only the sandbox image" in _refused(lambda: client.images.get("alpine:3"))
+        unrelated.reload()
+        assert unrelated.status == "created"  # never started, still there
+    finally:
+        unrelated.remove(force=True)
+        client.close()
+    on_engine = {c.name for c in engine.containers.list(all=True)}
+    assert on_engine.isdisjoint(names)
+    assert set(labelled(engine)) == set(sandbox.container_ids)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    reasons = [e["reason"] for e in events if e["event"] == "sandbox_proxy_refused"]
+    assert any("HostConfig.Privileged is not allowed" in r for r in reasons)
+    assert any("User must not be root" in r for r in reasons)
+
+
+def _raw(url: str, request: bytes) -> tuple[int, str]:
+    """Send one raw request to the proxy; its status and the message of its JSON body."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(url.removeprefix("unix://"))
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    return status, json.loads(body)["message"] if status != 200 else body.decode()
+
+
+def test_framing_the_sdk_never_sends_is_refused(proxy: tuple[str, Path]) -> None:
+    url = proxy[0]
+    chunked = (
+        b"POST /v1.41/containers/create HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: application/json\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    )
+    status, message = _raw(url, chunked)
+    assert status == 403 and "Transfer-Encoding on a request" in message
+    status, message = _raw(url, b"GET /_ping HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+    assert status == 431 and "request head over" in message
+    big = b"POST /v1.41/containers/create HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n"
+    status, message = _raw(url, big)
+    assert status == 413 and "over the 1048576 byte limit" in message
+    status, message = _raw(url, b"GET /v1.41/_ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, message) == (200, "OK")  # and the proxy still serves
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 2)
+
+
+def test_overhead_per_tool_call(proxy: tuple[str, Path], engine: docker.DockerClient) -> None:
+    """Median wall time of one small call and of one ping, direct and through the proxy,
+    interleaved so that load on a shared machine hits both alike (printed with -s)."""
+    urls = {"direct": os.environ["DOCKER_HOST"], "proxy": proxy[0]}
+    calls: dict[str, list[float]] = {"direct": [], "proxy": []}
+    pings: dict[str, list[float]] = {"direct": [], "proxy": []}
+    sandboxes = {k: ContainerSandbox(sandbox_config(u, f"{NS}-bench")) for k, u in urls.items()}
+    try:
+        for sb in sandboxes.values():
+            sb.start()
+            py(sb, "print(1)")  # warm
+        for _ in range(50):
+            for via, sb in sandboxes.items():
+                t = time.perf_counter()
+                r = py(sb, "print(1)")
+                calls[via].append(time.perf_counter() - t)
+                assert r.stdout == b"1\n"
+                t = time.perf_counter()
+                sb.client.api.ping()
+                pings[via].append(time.perf_counter() - t)
+    finally:
+        for sb in sandboxes.values():
+            sb.close()
+    call = {k: _median_ms(v) for k, v in calls.items()}
+    ping = {k: _median_ms(v) for k, v in pings.items()}
+    print(
+        f"\nmedian of 50, direct / through the proxy: tool call {call['direct']} / "
+        f"{call['proxy']} ms, ping {ping['direct']} / {ping['proxy']} ms"
+    )
+    # Loose: only a proxy that stalls a call (a lost half-close, say) should fail this.
+    assert call["proxy"] < 2 * call["direct"] + 100
+    assert labelled(engine, f"{NS}-bench") == []
