@@ -594,14 +594,15 @@ class SandboxProxy:
             self.log.info("sandbox_proxy_stop")
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._active >= self.cfg.max_connections:
-            await _answer(writer, 503, "too many connections")
-            return
         self._active += 1
         peer = _peer(writer)
         start = time.monotonic()
         try:
-            await self._one(reader, writer, peer, start)
+            if self._active > self.cfg.max_connections:
+                self.log.warning("sandbox_proxy_busy", active=self._active, **peer)
+                await _answer(writer, 503, f"{REFUSED}: too many connections")
+            else:
+                await self._one(reader, writer, peer, start)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client or the engine left mid-request; nothing more to say
         except Exception:
