@@ -478,3 +478,39 @@ def test_auto_moves_up_to_containers_once_the_engine_answers(
     finally:
         box.close()
     assert labelled(engine, ns) == []
+
+
+# Run as a user that holds 200 threads (a JAX process of the same user holds more): bwrap
+# must still make its namespaces, and when it cannot (the limit without that user's own
+# tasks counted), the call is an infrastructure failure, not the program's exit status 1.
+_BUSY_USER = """
+import threading
+from streamrl.tools import bwrap
+from streamrl.tools.sandbox import SandboxUnavailableError
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(200)]
+for t in threads:
+    t.start()
+sb = bwrap.BubblewrapSandbox(bwrap.BubblewrapConfig(max_processes=32))
+r = sb.exec(["/bin/true"], b"", 10.0, 4096)
+print("exit", r.exit_code, r.stderr.decode().strip())
+bwrap.tasks_of = lambda uid: 0  # as before: 32 tasks for the whole user
+try:
+    sb.exec(["/bin/true"], b"", 10.0, 4096)
+    print("no error")
+except SandboxUnavailableError as err:
+    print("infra", err)
+stop.set()
+"""
+
+
+def test_bwrap_as_a_busy_non_root_user(bwrap_sandbox: BubblewrapSandbox) -> None:
+    """Review M6: RLIMIT_NPROC counts every task of the user, bwrap's new namespace too."""
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    cmd = [*(drop if os.geteuid() == 0 else []), PY, "-c", _BUSY_USER]
+    p = subprocess.run(cmd, cwd="/", capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    first, second = p.stdout.splitlines()
+    assert first == "exit 0 "
+    assert second.startswith("infra bubblewrap could not start the call: bwrap: ")
+    assert "Resource temporarily unavailable" in second

@@ -115,10 +115,16 @@ class SubprocessSandbox:
 
 
 def run_process(
-    cmd: list[str], stdin: bytes, time_limit_s: float, output_cap: int, cwd: str
+    cmd: list[str],
+    stdin: bytes,
+    time_limit_s: float,
+    output_cap: int,
+    cwd: str,
+    pass_fds: tuple[int, ...] = (),
 ) -> ExecResult:
     """Run `cmd` in its own session with a bare environment: stdin fed, each output read up
-    to `output_cap`, the whole process group killed at the time limit or the cap."""
+    to `output_cap`, the whole process group killed at the time limit or the cap.
+    `pass_fds` stay open in the command (the caller closes its own copies)."""
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -128,6 +134,7 @@ def run_process(
         cwd=cwd,
         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         start_new_session=True,
+        pass_fds=pass_fds,
     )
     out, err, timed_out, truncated = _drive(proc, stdin, start + time_limit_s, output_cap)
     return ExecResult(
