@@ -91,7 +91,8 @@ def test_killed_tool_worker_fails_fast_then_recovers(
     assert elapsed < 5
     w2 = spawn_worker("tools", redis_url, keys.ns, tmp_path, index=1)
     try:
-        wait_for_rq_worker(rclient, keys.tool_queue, n=1)
+        # The killed worker stays registered with rq until its TTL: wait for the new one.
+        wait_for_rq_worker(rclient, keys.tool_queue, n=2)
         [ok] = run(_calls(redis_url, keys, FAST, [("calculator", '{"expression": "2+2"}')]))
         assert ok.ok and ok.output == "4"
     finally:
