@@ -33,6 +33,7 @@ def run(ctx: WorkerContext) -> int:
         maintenance_interval=MAINTENANCE_INTERVAL_S,
         log=ctx.log,
     )
+    worker.take_over_name()  # a restarted container's predecessor: gone, name still held
     install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
     ctx.log.info("tools_start", queue=queue.name, tools=sorted(tools))
     try:

@@ -22,6 +22,7 @@ from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient
 from streamrl.tools.jobs import JOB_PATH
+from streamrl.tools.rqguard import ToolCallWorker
 from streamrl.wire import ToolResult
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
@@ -108,3 +109,26 @@ def test_other_jobs_are_refused_and_the_worker_keeps_serving(
         (sneaky.id, "streamrl.tools.jobs.install_tools"),
     }
     assert all(e["level"] == "error" for e in refused)
+
+
+def test_a_restarted_worker_takes_over_its_name(rclient: redis.Redis, keys: Keys) -> None:
+    """A restarted container runs the same identity and pid, so the same rq name: the dead
+    predecessor's registration must not block it until it expires."""
+    queue = Queue(keys.tool_queue, connection=rclient, serializer=JSONSerializer)
+    log = structlog.get_logger()
+
+    def worker() -> ToolCallWorker:
+        return ToolCallWorker([queue], connection=rclient, name=f"{keys.ns}-tools-0-7", log=log)
+
+    first = worker()
+    first.register_birth()  # then the container is killed: no death registered
+    second = worker()
+    try:
+        second.register_birth()
+        raise AssertionError("rq accepted a second live worker of one name")
+    except ValueError as err:
+        assert "There exists an active worker" in str(err)
+    assert second.take_over_name()
+    second.register_birth()  # takes the name at once
+    second.register_death()
+    assert not worker().take_over_name()  # a dead registration needs no take-over

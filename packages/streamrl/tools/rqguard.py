@@ -86,3 +86,20 @@ class ToolCallWorker(SimpleWorker):
         # A refused job raises RefusedJobError from `func` inside rq's own handling, which
         # records it as failed with that reason and keeps the worker serving.
         return super().perform_job(job, queue, execution)
+
+    def take_over_name(self) -> bool:
+        """Retire a live-looking rq registration under this worker's name, if any; True
+        when there was one. Only for a process that holds its identity (streamrl.identity,
+        or the launcher's indices): such a registration is its predecessor's (a restarted
+        container keeps its name), dead, and would block `register_birth` until it
+        expires."""
+        if not self.connection.exists(self.key) or self.connection.hexists(self.key, "death"):
+            return False
+        stale = SimpleWorker.find_by_key(
+            self.key, connection=self.connection, serializer=self.serializer
+        )
+        if stale is None:
+            return False
+        self.streamrl_log.warning("rq_worker_name_taken_over", name=self.name)
+        stale.register_death()
+        return True
