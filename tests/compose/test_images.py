@@ -62,8 +62,10 @@ def _run(
     opts: tuple[str, ...] = (),
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """`podman run` as compose runs a worker: read-only root, tmpfs /tmp, no network."""
-    cmd = ["run", "--rm", "--read-only", "--tmpfs", "/tmp", "--network=none", "--label", LABEL]
+    """`podman run` as compose runs a worker: read-only root, tmpfs /tmp, no network (unless
+    opts name one)."""
+    network = [] if any(o.startswith("--network") for o in opts) else ["--network=none"]
+    cmd = ["run", "--rm", "--read-only", "--tmpfs", "/tmp", *network, "--label", LABEL]
     cmd += ["--name", f"streamrl-images-test-{uuid.uuid4().hex[:8]}", *opts]
     if entrypoint:
         cmd += ["--entrypoint", entrypoint]
@@ -212,3 +214,28 @@ def test_redis_image_serves_with_an_aof_on_a_read_only_root(redis_container: str
     ls = _podman("exec", redis_container, "sh", "-c", "id -u; ls /data")
     uid, *files = ls.stdout.split()
     assert uid == "10002" and "appendonly.aof" in files, ls.stdout
+
+
+def test_light_workers_run_read_only_against_the_redis_image(redis_container: str) -> None:
+    """feeder, grouper and tools from the light image, each --burst, on the Redis image's
+    loopback (its network namespace: both containers stay off any network)."""
+    for _ in range(50):
+        if _podman("exec", redis_container, "redis-cli", "ping").stdout.strip() == "PONG":
+            break
+        time.sleep(0.1)
+    for worker in ("feeder", "grouper", "tools"):
+        res = _run(
+            LIGHT,
+            *("worker", worker, "--config", "configs/tiny.toml", "--run-dir", "/tmp/run"),
+            "--burst",
+            opts=(
+                f"--network=container:{redis_container}",
+                "-e",
+                "REDIS_URL=redis://127.0.0.1:6379/0",
+            ),
+            timeout=120,
+        )
+        out = res.stdout + res.stderr
+        assert res.returncode == 0 and f'"{worker}_stop"' in out, out[-3000:]
+    tasks = _podman("exec", redis_container, "redis-cli", "xlen", "tiny:tasks").stdout.strip()
+    assert int(tasks) > 0
