@@ -150,12 +150,14 @@ def test_full_image_has_the_model_stack_and_no_torch() -> None:
 
 
 @pytest.mark.parametrize("image", [LIGHT, FULL])
-def test_model_cache_is_writable_only_on_a_volume(image: str) -> None:
+@pytest.mark.parametrize("path", ["/home/streamrl/.cache/streamrl", "/run/streamrl"])
+def test_cache_and_run_dir_are_writable_only_on_a_volume(image: str, path: str) -> None:
     """The root is read-only: the model cache (~/.cache/streamrl, model.cache_dir's default)
-    needs a volume, which takes the directory's owner (uid 10001) from the image."""
-    probe = "touch /home/streamrl/.cache/streamrl/probe && echo writable"
-    assert "writable" not in _run(image, "-c", probe, entrypoint="sh").stdout
-    res = _run(image, "-c", probe, entrypoint="sh", opts=("-v", "/home/streamrl/.cache/streamrl"))
+    and the run directory need volumes, which take their owner (10001) from the image."""
+    probe = f"touch {path}/probe && echo writable"
+    if path.startswith("/home"):  # /run is a tmpfs under --read-only; /home is not
+        assert "writable" not in _run(image, "-c", probe, entrypoint="sh").stdout
+    res = _run(image, "-c", probe, entrypoint="sh", opts=("-v", path))
     assert res.stdout.strip() == "writable", res.stderr
 
 
@@ -213,7 +215,7 @@ def test_redis_image_serves_with_an_aof_on_a_read_only_root(redis_container: str
     assert _podman("exec", redis_container, "redis-cli", "set", "k", "v").stdout.strip() == "OK"
     ls = _podman("exec", redis_container, "sh", "-c", "id -u; ls /data")
     uid, *files = ls.stdout.split()
-    assert uid == "10002" and "appendonly.aof" in files, ls.stdout
+    assert uid == "10001" and "appendonly.aof" in files, ls.stdout
 
 
 def test_light_workers_run_read_only_against_the_redis_image(redis_container: str) -> None:

@@ -31,9 +31,7 @@ LOCAL_TAGS = {
     "localhost/streamrl-light:1",
     "localhost/streamrl-full:1",
 }
-# compose/Dockerfile (no suffix), the old recipe that pulled python:3.11-slim, is left out
-# until compose.yaml moves to these images.
-DOCKERFILES = sorted(COMPOSE.glob("Dockerfile.*"))
+DOCKERFILES = sorted(COMPOSE.glob("Dockerfile*"))
 
 
 def _norm(name: str) -> str:
