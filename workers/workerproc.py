@@ -13,9 +13,12 @@ import importlib
 import sys
 from pathlib import Path
 
+import redis
+
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.identity import Heartbeat, claim_index, default_holder
+from streamrl.logs import redact_url
 from streamrl.runtime import WORKER_NAMES, make_context, stop_on_signals
 from streamrl_workers.args import config_arguments
 
@@ -53,12 +56,24 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     holder = default_holder()
     ctx = make_context(args.name, 0 if args.index == "auto" else args.index, cfg, run_dir,
                        max_steps=args.steps, burst=args.burst)  # fmt: skip
-    if args.index == "auto":
-        index = claim_index(ctx.client(), ctx.keys, args.name, holder)
-        ctx = make_context(args.name, index, cfg, run_dir, max_steps=args.steps, burst=args.burst)
+    try:
+        if args.index == "auto":
+            index = claim_index(ctx.client(), ctx.keys, args.name, holder)
+            ctx = make_context(
+                args.name, index, cfg, run_dir, max_steps=args.steps, burst=args.burst
+            )
+        beat = Heartbeat(
+            ctx.client(), ctx.keys, args.name, ctx.index, holder, ctx.log, ctx.stop.set
+        ).start()
+    except redis.RedisError as err:  # after the client's retries: Redis is not there
+        ctx.log.error("redis_unreachable", error=f"{type(err).__name__}: {err}")
+        print(
+            f"streamrl: cannot reach Redis at {redact_url(ctx.redis_url)} (REDIS_URL or "
+            f"redis.url): {type(err).__name__}: {err}",
+            file=sys.stderr,
+        )
+        return 1
     stop_on_signals(ctx.stop, ctx.log)
-    beat = Heartbeat(ctx.client(), ctx.keys, args.name, ctx.index, holder, ctx.log, ctx.stop.set)
-    beat.start()
     ctx.log.info("worker_identity", index=ctx.index, holder=holder, auto=args.index == "auto")
     module = importlib.import_module(f"streamrl_workers.{args.name}")
     try:

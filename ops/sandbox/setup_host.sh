@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares a Debian 12 host (or CI machine) to run the tool sandboxes, as root:
 #   1. packages: podman (serving the Docker API), runc, catatonit (the containers' init),
-#      bubblewrap (the fallback backend), debootstrap (builds the image; nothing is pulled)
+#      bubblewrap (the fallback backend), debootstrap (builds the image; nothing is pulled),
+#      CNI's dnsname plugin (name resolution on the compose stack's network)
 #   2. a containers.conf for podman: runc, cgroupfs, default ulimits
 #   3. `podman system service` on $STREAMRL_PODMAN_SOCK, unless it already answers /_ping
 #   4. the sandbox image, unless podman has it: a minbase Debian with python3 and a
@@ -34,7 +35,9 @@ step() { # step NAME: prints how long the previous step took
 }
 
 # 1. Packages. catatonit is what `init=True` runs as PID 1; podman only recommends it.
-want=(podman runc catatonit bubblewrap debootstrap curl)
+# dnsname: containers of one compose network reach each other by service name (CNI).
+want=(podman runc catatonit bubblewrap debootstrap curl
+  golang-github-containernetworking-plugin-dnsname)
 missing=()
 for p in "${want[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -10,6 +10,7 @@ ever, and a run resumed from its cursor continues exactly where the data was.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import random
 from pathlib import Path
@@ -81,9 +82,7 @@ def open_rows(cfg: TaskConfig) -> Rows:
     elif path.suffix == ".jsonl":
         rows = JsonlRows(path)
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = ArrowRows(pq.read_table(path))
+        rows = ArrowRows(_module("pyarrow.parquet", path).read_table(path))
     else:
         raise DataError(
             f"field `task.dataset`: {path}: expected a .jsonl or .parquet file or a directory "
@@ -99,8 +98,19 @@ def open_rows(cfg: TaskConfig) -> Rows:
     return rows
 
 
+def _module(name: str, path: Path) -> Any:
+    """An optional dependency of the data readers, or a DataError that says where it is."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise DataError(
+            f"field `task.dataset`: reading {path} needs `{name.partition('.')[0]}`, which "
+            "this environment lacks (the light image has none: run the feeder from the full one)"
+        ) from None
+
+
 def _saved_dataset(path: Path, split: str) -> Rows:
-    import datasets
+    datasets = _module("datasets", path)
 
     try:
         loaded = datasets.load_from_disk(str(path))
