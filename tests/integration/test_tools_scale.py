@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
@@ -25,14 +25,14 @@ from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 # (what is measured is rq's spread of the calls over workers, not the sandbox).
 SUBPROCESS = 'tools.sandbox="subprocess"'
 CALLS = 6
+# Room for a call that waits in the queue behind five others on the one worker.
+WAIT = ToolsConfig(time_limit_s=10.0, result_margin_s=10.0)
 WINDOW = "import time, json; t = time.time(); time.sleep(1.0); print(json.dumps([t, time.time()]))"
 
 
 async def calls(url: str, keys: Keys, n: int) -> list[ToolResult]:
-    aclient = aioredis.Redis.from_url(url)
-    client = ToolClient(
-        redis.Redis.from_url(url), aclient, keys, ToolsConfig(), structlog.get_logger()
-    )
+    aclient = make_async_client(url)  # the rollout worker's client: timeouts fit BLPOP
+    client = ToolClient(make_client(url), aclient, keys, WAIT, structlog.get_logger())
     try:
         args = json.dumps({"code": WINDOW})
         tag = time.monotonic_ns()
