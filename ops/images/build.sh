@@ -16,6 +16,8 @@
 #   STREAMRL_IMAGES="light redis"  builds only those (base is built when one needs it)
 #   STREAMRL_IMAGES_FORCE=1        rebuilds even when the labels match (layer cache still used)
 set -euo pipefail
+# shellcheck source=ops/sandbox/rootfs.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../sandbox/rootfs.sh"
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO"
@@ -68,25 +70,13 @@ INCLUDE=python3,python3-venv
 ROOTFS="$CACHE/rootfs-bookworm-minbase-${INCLUDE//,/-}.tar"
 BASE_RECIPE="v2 bookworm minbase $INCLUDE; user streamrl 10001; strip docs, locales, apt lists"
 build_base() {
-  local want boot root old pyv
+  local want root old pyv
   want=$(printf '%s' "$BASE_RECIPE" | sha)
   if up_to_date "$BASE" "$want"; then
     return
   fi
   if [ ! -f "$ROOTFS" ]; then
-    mkdir -p "$CACHE"
-    boot=$(mktemp -d "$CACHE/debootstrap-base.XXXXXX")
-    debootstrap --variant=minbase --include="$INCLUDE" bookworm "$boot" "$MIRROR" \
-      >"$CACHE/debootstrap-base.log" 2>&1 || {
-      tail -20 "$CACHE/debootstrap-base.log" >&2
-      rm -rf "$boot"
-      exit 1
-    }
-    # What no worker needs: package caches, docs, man pages, locales.
-    rm -rf "$boot"/var/cache/apt/* "$boot"/var/lib/apt/lists/* "$boot"/usr/share/doc \
-      "$boot"/usr/share/man "$boot"/usr/share/locale "$boot"/usr/share/info
-    tar -C "$boot" -cf "$ROOTFS.tmp" . && mv "$ROOTFS.tmp" "$ROOTFS"
-    rm -rf "$boot"
+    cached_rootfs "$INCLUDE" "$ROOTFS" || exit 1
     step "debootstrap rootfs cached at $ROOTFS"
   fi
   old=$(podman image inspect --format '{{.Id}}' "$BASE" 2>/dev/null || true)

@@ -11,6 +11,8 @@
 # Idempotent: a second run takes about a second. Then, for the code and the tests:
 #   export DOCKER_HOST=unix:///run/streamrl-podman.sock CONTAINERS_CONF=/etc/streamrl/containers.conf
 set -euo pipefail
+# shellcheck source=ops/sandbox/rootfs.sh
+. "$(dirname "${BASH_SOURCE[0]}")/rootfs.sh"
 
 SOCK=${STREAMRL_PODMAN_SOCK:-/run/streamrl-podman.sock}
 CONF=${CONTAINERS_CONF:-/etc/streamrl/containers.conf}
@@ -101,19 +103,7 @@ if ! podman image exists "$IMAGE"; then
   include=python3
   base="$CACHE/rootfs-bookworm-minbase-$include.tar"
   if [ ! -f "$base" ]; then
-    mkdir -p "$CACHE"
-    boot=$(mktemp -d "$CACHE/debootstrap.XXXXXX")
-    debootstrap --variant=minbase --include="$include" bookworm "$boot" "$MIRROR" \
-      >"$CACHE/debootstrap.log" 2>&1 || {
-      tail -20 "$CACHE/debootstrap.log" >&2
-      rm -rf "$boot"
-      exit 1
-    }
-    # What a sandbox never needs: package caches, docs, locales (~130 MB of ~235 MB).
-    rm -rf "$boot"/var/cache/apt/* "$boot"/var/lib/apt/lists/* "$boot"/usr/share/doc \
-      "$boot"/usr/share/man "$boot"/usr/share/locale "$boot"/usr/share/info
-    tar -C "$boot" -cf "$base.tmp" . && mv "$base.tmp" "$base"
-    rm -rf "$boot"
+    cached_rootfs "$include" "$base" || exit 1
     step "debootstrap base cached at $base"
   fi
   root=$(mktemp -d)
