@@ -64,7 +64,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             )
         beat = Heartbeat(
             ctx.client(), ctx.keys, args.name, ctx.index, holder, ctx.log, ctx.stop.set
-        ).start()
+        ).start(take=args.index != "auto")
     except redis.RedisError as err:  # after the client's retries: Redis is not there
         ctx.log.error("redis_unreachable", error=f"{type(err).__name__}: {err}")
         print(

@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import redis
 import structlog
@@ -129,7 +130,15 @@ class Heartbeat:
         self.beats = 0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
-    def start(self) -> Heartbeat:
+    def start(self, take: bool = False) -> Heartbeat:
+        """Beat once, then on the thread. `take`: the index was given (`streamrl up`
+        assigns them, one process each), so the slot is taken whoever held it: the holder
+        is this worker's dead predecessor, whose claim has not lapsed yet."""
+        if take:
+            key = self.keys.worker_slot(self.worker, self.index)
+            before: Any = self.client.set(key, self.holder, px=int(self.ttl_s * 1000), get=True)
+            if isinstance(before, bytes) and before != self.holder.encode():
+                self.log.info("identity_taken_over", slot=key, previous=before.decode())
         self._beat()
         self._thread.start()
         return self

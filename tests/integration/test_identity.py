@@ -76,3 +76,23 @@ def test_close_releases_the_slot(rclient: redis.Redis, keys: Keys) -> None:
     index = claim_index(rclient, keys, "grouper", "me", ttl_s=30)
     Heartbeat(rclient, keys, "grouper", index, "me", LOG, on_lost=lambda: None).start().close()
     assert holder_of(rclient, keys, "grouper", index) is None
+
+
+def test_a_given_index_takes_its_slot_from_a_dead_predecessor(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """`streamrl up` restarts a crashed worker with the same index at once: its slot still
+    names the dead process (the TTL has not run out), and must not stop the new one."""
+    rclient.set(keys.worker_slot("grouper", 0), "host:111", px=30_000)  # the dead one
+    lost = threading.Event()
+    beat = Heartbeat(rclient, keys, "grouper", 0, "host:222", LOG, lost.set, ttl_s=0.6)
+    beat.start(take=True)
+    time.sleep(0.5)
+    assert not lost.is_set() and holder_of(rclient, keys, "grouper", 0) == "host:222"
+    beat.close()
+    # without `take` (an --index auto replica) a held slot is another's: reported as lost
+    rclient.set(keys.worker_slot("grouper", 1), "host:111", px=30_000)
+    other = Heartbeat(rclient, keys, "grouper", 1, "host:333", LOG, lost.set, ttl_s=0.6)
+    other.start()
+    assert lost.is_set()
+    other.close()
