@@ -222,7 +222,7 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
     )
     [traj] = trajs.read(count=1)
     trajs.commit([traj.entry_id], [(KEYS.groups, traj.msg)])
-    # a half-filled group for the snapshot (its members' key is built inside Lua)
+    # a half-filled group for the snapshot (its members' key declared to the script)
     op.hset(KEYS.groups_started, "g9", 1)
     op.hset(KEYS.group_members("g9"), "0", b"m")
     # trainer: groups read and acknowledged, weights published, snapshot taken, streams trimmed

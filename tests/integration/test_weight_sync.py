@@ -145,8 +145,8 @@ REASONS = {
     ("dir", "flip"): r"weights file .*v000001\.weights has checksum xxh3_128:[0-9a-f]{32}, exp",
     ("dir", "truncate"): r"weights file .*v000002\.weights has \d+ bytes, expected \d+",
     ("dir", "delete"): r"weights file .*v000003\.weights is missing",
-    ("redis", "flip"): r"weights t\w+:weights:v000001:0\.\.\d+ in Redis has checksum xxh3_1",
-    ("redis", "truncate"): r"weights t\w+:weights:v000002:0\.\.\d+ in Redis has \d+ bytes, exp",
+    ("redis", "flip"): r"weights \{t\w+\}:weights:v000001:0\.\.\d+ in Redis has checksum xxh3_1",
+    ("redis", "truncate"): r"weights \{t\w+\}:weights:v000002:0\.\.\d+ in Redis has \d+ bytes, exp",
     ("redis", "delete"): r"in Redis: chunks \[\d+\] are missing \(deleted or never written\)",
 }
 
