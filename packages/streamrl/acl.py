@@ -145,8 +145,8 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_reruns,
             k.tool_ledger,
             k.feeder_cursor,
+            members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
-        read_keys=(members,),  # built inside the snapshot's Lua, read by HGETALL
         categories=("stream", "string", "hash", "set", "keyspace"),
         commands=(*_SCRIPTS, "+time"),
     )

@@ -88,13 +88,27 @@ class QueueSnapshot(msgspec.Struct, frozen=True):
         return next((s for s in self.streams if s.stream == name), None)
 
 
-# KEYS: n streams, then dead, started, emitted, dropped, h hashes, s strings
-# ARGV: n, group names (n), h, s, members-key prefix, members-key suffix
+# KEYS: n streams, then dead, started, emitted, dropped, h hashes, s strings, m member
+# hashes (those of the group ids in ARGV, in their order).
+# ARGV: n, group names (n), h, s, m, group ids (m).
+# -> false when the groups being assembled are not exactly the m given (the caller reads
+# them again and retries), else the snapshot.
+# Every key the script touches is declared (Redis Cluster routes by KEYS and refuses
+# undeclared ones), so the member hashes cannot be found inside the script: the caller
+# names them from a read of `started` made just before, and the script checks that read
+# against `started` as it is now. The script runs atomically, so when the check passes,
+# the member hashes it reads are those of every group being assembled at its own instant,
+# and the snapshot is one consistent cut as before.
 _SNAPSHOT = """
 local n = tonumber(ARGV[1])
 local h = tonumber(ARGV[n + 2])
 local s = tonumber(ARGV[n + 3])
-local prefix, suffix = ARGV[n + 4], ARGV[n + 5]
+local m = tonumber(ARGV[n + 4])
+local started_key = KEYS[n + 2]
+if redis.call('HLEN', started_key) ~= m then return false end
+for j = 1, m do
+  if redis.call('HEXISTS', started_key, ARGV[n + 4 + j]) == 0 then return false end
+end
 local streams = {}
 for i = 1, n do
   local key, cg = KEYS[i], ARGV[1 + i]
@@ -126,8 +140,8 @@ end
 local dead = redis.call('XRANGE', KEYS[n + 1], '-', '+')
 local started = redis.call('HGETALL', KEYS[n + 2])
 local partial = {}
-for j = 1, #started, 2 do
-  partial[#partial + 1] = {started[j], redis.call('HGETALL', prefix .. started[j] .. suffix)}
+for j = 1, m do
+  partial[j] = {ARGV[n + 4 + j], redis.call('HGETALL', KEYS[n + 4 + h + s + j])}
 end
 local emitted = redis.call('SMEMBERS', KEYS[n + 3])
 local dropped = redis.call('SMEMBERS', KEYS[n + 4])
@@ -182,17 +196,33 @@ def _entries(raw: list[Any]) -> list[Entry]:
     return [(as_str(eid), [bytes(x) for x in fields]) for eid, fields in raw]
 
 
+# A group starts or completes between our read of `started` and the script about once per
+# grouper write; a handful of tries always finds a quiet moment.
+_SNAPSHOT_TRIES = 100
+
+
 def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
-    """One atomic read of every queue of the run (see the module docstring)."""
+    """One atomic read of every queue of the run (see the module docstring and
+    `_SNAPSHOT`: read the groups being assembled, then snapshot with their member hashes
+    declared, again while that set changed in between)."""
     pairs = consumed_streams(keys)
     hkeys, skeys = _hash_keys(keys), _string_keys(keys)
-    members = keys.group_members("\x00")
-    prefix, _, suffix = members.partition("\x00")
-    script_keys = [s for s, _ in pairs]
-    script_keys += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
-    script_keys += [*hkeys, *skeys]
-    args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys), prefix, suffix]
-    raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
+    fixed = [s for s, _ in pairs]
+    fixed += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
+    fixed += [*hkeys, *skeys]
+    for _ in range(_SNAPSHOT_TRIES):
+        gids = [as_str(g) for g in client.hkeys(keys.groups_started)]
+        script_keys = [*fixed, *(keys.group_members(g) for g in gids)]
+        args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys)]
+        args += [len(gids), *gids]
+        raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
+        if raw is not None:
+            break
+    else:
+        raise RuntimeError(
+            f"no queue snapshot in {_SNAPSHOT_TRIES} tries: the groups being assembled "
+            "changed between every read of them and the snapshot"
+        )
     streams_raw, dead, started, partial, emitted, dropped, hashes, strings, now_ms = raw
     streams = [
         StreamSnapshot(

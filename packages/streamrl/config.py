@@ -92,6 +92,13 @@ class RedisConfig(_Section):
             "REDIS_PASSWORD_FILE environment variable overrides it."
         ),
     )
+    cluster: bool = Field(
+        False,
+        description=(
+            "The URL names one node of a Redis Cluster (needs an external Redis: the "
+            "embedded server is a single one; rq, the tool queue, cannot run on a cluster)."
+        ),
+    )
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "everysec", description="AOF fsync policy of the embedded server."
     )

@@ -125,6 +125,11 @@ class Launcher:
             signal.signal(sig, self._on_signal)
         try:
             url = resolve_redis_url(self.cfg)
+            if not url and self.cfg.redis.cluster:
+                raise NoRedisError(
+                    "redis.cluster = true needs the URL of a node of the cluster (REDIS_URL "
+                    "or redis.url): the embedded Redis of `streamrl up` is a single server"
+                )
             if not url:
                 # One ACL user per worker type; this process is the operator.
                 self.redis = EmbeddedRedis(
@@ -136,7 +141,7 @@ class Launcher:
                 url = self.redis.url
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
             # Few retries: the monitor loop must stay free to restart a Redis that died.
-            client = make_client(url, retries=1)
+            client = make_client(url, retries=1, cluster=self.cfg.redis.cluster)
             if self.resume:
                 self._resume_queues(client, log)
             else:

@@ -1,7 +1,9 @@
 """Every Redis stream, consumer-group and key name of a run, built in one place.
 
-All names live under the run namespace (`<ns>:tasks`, ...), so two runs can share one Redis
-server without seeing each other's data.
+All names live under the run namespace in braces (`{<ns>}:tasks`, ...), so two runs can share
+one Redis server without seeing each other's data, and the braces are a Redis Cluster hash
+tag: every key of a run hashes to one slot, so the multi-key scripts and MULTI/EXEC blocks
+of a run work on a cluster, and different runs spread over its nodes.
 """
 
 from __future__ import annotations
@@ -23,10 +25,22 @@ class Keys:
             raise ValueError(f"invalid run namespace {self.ns!r}")
 
     def _k(self, *parts: str) -> str:
-        return ":".join((self.ns, *parts))
+        # Only the tag is hashed by a cluster; `_NS` keeps braces out of the namespace.
+        return ":".join((f"{{{self.ns}}}", *parts))
+
+    @property
+    def prefix(self) -> str:
+        """What every key of the run starts with (`{<ns>}:`)."""
+        return self._k("")
+
+    def scratch(self, *parts: str) -> str:
+        """A key of the run that no worker uses (benchmarks, tests): it shares the run's
+        hash slot and its ACL patterns like every other key."""
+        return self._k("scratch", *parts)
 
     # Key patterns (globs) for the ACL rules of `streamrl.acl`: built from `_k` like every
-    # name, so they follow it (a hash tag, say). The namespace holds no glob character.
+    # name, so they follow it. The namespace holds no glob character, and the braces of
+    # the hash tag are none either in Redis's glob matching (only `*?[\\` are).
     @property
     def every_key(self) -> str:
         """Pattern of every key of the run."""
@@ -151,9 +165,15 @@ class Keys:
         """Hash idempotency key -> encoded result of non-idempotent tool calls already run."""
         return self._k("tools", "ledger")
 
+    def tool_ledger_claim(self, key: str) -> str:
+        """String key holding the claim token of one ledger key while a call runs; a key of
+        its own because claims expire one by one."""
+        return f"{self.tool_ledger}:claim:{key}"
+
     @property
     def tool_queue(self) -> str:
-        """rq queue name of this run's tool calls."""
+        """rq queue name of this run's tool calls. rq builds its own keys from it
+        (`rq:queue:{<ns>}:tools`, `rq:job:<id>`, ...): those are not in the run's slot."""
         return self._k("tools")
 
     def tool_result(self, call_id: str) -> str:

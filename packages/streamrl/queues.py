@@ -137,7 +137,7 @@ def replay_dead(
             continue
         if source is not None and letter.source != source:
             continue
-        if not letter.source.startswith(keys.ns + ":"):
+        if not letter.source.startswith(keys.prefix):
             continue  # never write outside this run's namespace
         pipe = client.pipeline(transaction=True)
         pipe.xadd(letter.source, dict(letter.fields))  # type: ignore[arg-type]

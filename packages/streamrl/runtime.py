@@ -17,7 +17,7 @@ from streamrl.acl import read_password_file
 from streamrl.config import Config
 from streamrl.logs import configure_logging
 from streamrl.names import Keys
-from streamrl.transport import make_client
+from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
 # host:port of trainer process 0's coordination service (trainer.num_processes > 1)
 COORDINATOR_ENV = "STREAMRL_COORDINATOR"
@@ -62,7 +62,7 @@ class WorkerContext:
         return f"{self.worker_id}-{os.getpid()}"
 
     def client(self) -> redis.Redis:
-        return make_client(self.redis_url)
+        return make_client(self.redis_url, cluster=self.cfg.redis.cluster)
 
 
 def with_password(url: str, password: str) -> str:
@@ -103,6 +103,8 @@ def make_context(
             "no Redis to connect to: set REDIS_URL or redis.url "
             "(`streamrl up` starts an embedded one)"
         )
+    if cfg.redis.cluster and name == "tools":
+        raise NoRedisError(RQ_NEEDS_ONE_REDIS)
     log = configure_logging(name, worker_id=f"{name}-{index}", pid=os.getpid(), run=cfg.run.name)
     return WorkerContext(
         name=name,

@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from streamrl.config import TransportConfig
@@ -271,14 +273,46 @@ def _options(retry: Retry | AsyncRetry) -> dict[str, Any]:
     }
 
 
-def make_client(url: str, retries: int = _RETRIES, **kwargs: Any) -> redis.Redis:
+def _cluster_options(retry: Retry | AsyncRetry) -> dict[str, Any]:
+    """`_options` for a Redis Cluster client: the cluster retries a whole command (and
+    re-routes it after a failover) on connection errors with `retry`; no socket timeout,
+    as on a single server, so a blocking read (BLPOP, XREADGROUP BLOCK) outlasts 5 s."""
+    return {"socket_connect_timeout": 5, "socket_timeout": None, "retry": retry}
+
+
+def make_client(
+    url: str, retries: int = _RETRIES, *, cluster: bool = False, **kwargs: Any
+) -> redis.Redis:
     """A Redis client for `url` with timeouts that fit blocking stream reads, retrying
     commands across a short Redis outage (`retries` times, backoff up to 1 s). Every write
     the workers make is idempotent by id, so a retried command whose first attempt did land
-    does no harm."""
-    return redis.Redis.from_url(url, **_options(Retry(_BACKOFF, retries)), **kwargs)
+    does no harm. With `cluster`, a `RedisCluster` that discovers the cluster from the
+    node `url` names (every key of a run is in one slot: `streamrl.names`)."""
+    retry = Retry(_BACKOFF, retries)
+    if cluster:
+        # The commands, scripts and one-slot transactions the workers use are the same on
+        # both; the callers' annotations name the single-server client.
+        return cast(redis.Redis, RedisCluster.from_url(url, **_cluster_options(retry), **kwargs))
+    return redis.Redis.from_url(url, **_options(retry), **kwargs)
 
 
-def make_async_client(url: str, **kwargs: Any) -> aioredis.Redis:
+def make_async_client(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis:
     """The asyncio twin of `make_client`."""
-    return aioredis.Redis.from_url(url, **_options(AsyncRetry(_BACKOFF, _RETRIES)), **kwargs)
+    retry = AsyncRetry(_BACKOFF, _RETRIES)
+    if cluster:
+        client = AsyncRedisCluster.from_url(url, **_cluster_options(retry), **kwargs)
+        return cast(aioredis.Redis, client)
+    return aioredis.Redis.from_url(url, **_options(retry), **kwargs)
+
+
+def is_cluster(client: redis.Redis | aioredis.Redis) -> bool:
+    """Whether `client` is a Redis Cluster client (see `make_client`)."""
+    return isinstance(client, RedisCluster | AsyncRedisCluster)
+
+
+# rq keeps its own keys (`rq:queue:...`, `rq:job:<id>`, ...) outside the run's hash slot
+# and touches several in one transaction or script, which a cluster refuses (CROSSSLOT).
+RQ_NEEDS_ONE_REDIS = (
+    "the tool queue (rq) needs a single Redis, not a cluster (redis.cluster = true): run "
+    "tasks that call tools against a single Redis server"
+)

@@ -109,7 +109,7 @@ def test_resume_after_redis_lost_restores_the_queues(
     in_flight = sum(len(s.entries) for s in snap.streams)
     assert in_flight > 0  # the backlog the first run left
     cursor = int(rclient.get(keys.feeder_cursor) or 0)
-    rclient.delete(*rclient.keys(f"{keys.ns}:*"))  # Redis lost the run
+    rclient.delete(*rclient.keys(keys.every_key))  # Redis lost the run
 
     out = resume(run_dir, 4, *sets, env=env)
     assert "queues restored from the snapshot" in out, out

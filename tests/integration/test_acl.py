@@ -152,9 +152,9 @@ def test_writes_outside_a_role_are_refused(connect: Connect, op: redis.Redis) ->
         "feeder": [(xadd[0], KEYS.groups, *xadd[1:]), ("HSET", "rq:job:x", "func", "os.system")],
         "grouper": [(xadd[0], KEYS.weights, *xadd[1:]), ("DEL", KEYS.feeder_cursor)],
         "rollout": [(xadd[0], KEYS.groups, *xadd[1:]), ("SET", KEYS.policy_version, "9")],
-        "trainer": [("HSET", "rq:job:x", "func", "os.system"), ("GET", "other:stats")],
+        "trainer": [("HSET", "rq:job:x", "func", "os.system"), ("GET", Keys("other").stats)],
         # A tampered queue snapshot restored at --resume cannot plant an rq job (review H4).
-        OPERATOR: [("HSET", "rq:job:x", "func", "os.system"), ("SET", "other:stats", "1")],
+        OPERATOR: [("HSET", "rq:job:x", "func", "os.system"), ("SET", Keys("other").stats, "1")],
     }
     for role, commands in refused.items():
         client = connect(role)
@@ -222,7 +222,7 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
     )
     [traj] = trajs.read(count=1)
     trajs.commit([traj.entry_id], [(KEYS.groups, traj.msg)])
-    # a half-filled group for the snapshot (its members' key is built inside Lua)
+    # a half-filled group for the snapshot (its members' key declared to the script)
     op.hset(KEYS.groups_started, "g9", 1)
     op.hset(KEYS.group_members("g9"), "0", b"m")
     # trainer: groups read and acknowledged, weights published, snapshot taken, streams trimmed

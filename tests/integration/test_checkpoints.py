@@ -81,7 +81,7 @@ def test_restore_into_an_empty_redis_delivers_the_unfinished_work_again(
 ) -> None:
     ids = _populate(rclient, keys)
     snap = ck.take_snapshot(rclient, keys)
-    rclient.delete(*rclient.keys(f"{keys.ns}:*"))  # Redis lost the run
+    rclient.delete(*rclient.keys(keys.every_key))  # Redis lost the run
     assert not ck.namespace_present(rclient, keys)
     counts = ck.restore_queues(rclient, keys, snap)
     assert counts[keys.tasks] == 4 and counts[keys.groups] == 3
@@ -220,7 +220,7 @@ def test_trim_keeps_what_a_consumer_or_a_kept_checkpoint_may_need(
     rclient.xack(keys.groups, keys.CG_TRAINER, *groups[3:])
     # trajectories: a stream its consumer group never read from.
     trajs = _add(rclient, keys.trajectories, 3, "traj")
-    unread = _add(rclient, f"{keys.ns}:other", 2, "x")  # not a consumed stream
+    unread = _add(rclient, keys.scratch("other"), 2, "x")  # not a consumed stream
 
     deleted = ck.trim_streams(rclient, keys, floor)
     assert deleted == {keys.tasks: 3, keys.groups: 2}
@@ -229,7 +229,7 @@ def test_trim_keeps_what_a_consumer_or_a_kept_checkpoint_may_need(
     assert _ids(rclient, keys.tasks) == tasks[3:]
     assert _ids(rclient, keys.groups) == groups[2:]
     assert _ids(rclient, keys.trajectories) == trajs
-    assert _ids(rclient, f"{keys.ns}:other") == unread
+    assert _ids(rclient, keys.scratch("other")) == unread
     # Without the floor (no checkpoint kept): tasks from the oldest pending, groups from
     # the last delivered.
     assert ck.trim_streams(rclient, keys, None) == {keys.tasks: 1, keys.groups: 3}

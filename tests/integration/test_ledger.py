@@ -120,7 +120,7 @@ def test_infra_error_is_not_recorded(
     with pytest.raises(ToolInfraError):
         asyncio.run(step(redis_url, keys, tool))
     assert rclient.hlen(keys.tool_ledger) == 0
-    assert rclient.keys(f"{keys.tool_ledger}:claim:*") == []  # the claim went with it
+    assert rclient.keys(keys.tool_ledger_claim("*")) == []  # the claim went with it
     # The retry runs the call (it never ran); the replay after that is a hit.
     assert asyncio.run(step(redis_url, keys, tool)) == ["run 1"]
     assert asyncio.run(step(redis_url, keys, tool)) == ["run 1"]

@@ -145,8 +145,8 @@ REASONS = {
     ("dir", "flip"): r"weights file .*v000001\.weights has checksum xxh3_128:[0-9a-f]{32}, exp",
     ("dir", "truncate"): r"weights file .*v000002\.weights has \d+ bytes, expected \d+",
     ("dir", "delete"): r"weights file .*v000003\.weights is missing",
-    ("redis", "flip"): r"weights t\w+:weights:v000001:0\.\.\d+ in Redis has checksum xxh3_1",
-    ("redis", "truncate"): r"weights t\w+:weights:v000002:0\.\.\d+ in Redis has \d+ bytes, exp",
+    ("redis", "flip"): r"weights \{t\w+\}:weights:v000001:0\.\.\d+ in Redis has checksum xxh3_1",
+    ("redis", "truncate"): r"weights \{t\w+\}:weights:v000002:0\.\.\d+ in Redis has \d+ bytes, exp",
     ("redis", "delete"): r"in Redis: chunks \[\d+\] are missing \(deleted or never written\)",
 }
 
@@ -209,7 +209,7 @@ def test_chunked_redis_round_trip_and_clean_up(
     msg = pub.publish(params, 0, 0)
     assert msg.channel == "redis" and msg.nbytes == len(data)
     assert msg.chunks >= -(-len(data) // 4096) > 2
-    assert msg.path == f"{keys.ns}:weights:v000000"
+    assert msg.path == keys.weights_blob(0)
     sizes = [rclient.strlen(keys.weights_chunk(0, i)) for i in range(msg.chunks)]
     assert all(0 < n <= 4096 for n in sizes) and sum(sizes) == len(data)
     assert read_published(msg, rclient, keys).tobytes() == data
@@ -219,7 +219,7 @@ def test_chunked_redis_round_trip_and_clean_up(
         pub.publish(_scaled(params, 1 + v / 10), v, v)
     held: Any = rclient.hgetall(keys.weights_chunks)
     assert {int(k) for k in held} == {3, 4}
-    stored = {k.decode() for k in rclient.scan_iter(f"{keys.ns}:weights:v*")}
+    stored = {k.decode() for k in rclient.scan_iter(keys.weights_chunk_pattern)}
     assert stored == {keys.weights_chunk(v, i) for v in (3, 4) for i in range(msg.chunks)}
     assert [m.version for m in _published(rclient, keys)] == [3, 4]  # entries of kept only
     # A restarted trainer (a new publisher) cleans up what the last one left.

@@ -26,6 +26,7 @@ from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.jobs import JOB_PATH
 from streamrl.tools.ledger import ledger_key
+from streamrl.transport import RQ_NEEDS_ONE_REDIS, is_cluster
 from streamrl.wire import ToolResult, WireError, decode_body
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -47,10 +48,14 @@ class ToolClient:
         self.aclient = aclient
         self.log = log
         self.queue = Queue(keys.tool_queue, connection=client, serializer=JSONSerializer)
+        # Built by every rollout worker, tools or not: a cluster is refused at the first call.
+        self._on_cluster = is_cluster(client)
         self._slots = asyncio.Semaphore(cfg.max_parallel_calls)
 
     async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
         """Run one call; infrastructure failures come back as a ToolResult error."""
+        if self._on_cluster:
+            raise RuntimeError(RQ_NEEDS_ONE_REDIS)
         async with self._slots:
             result = await self._call(name, arguments, call_id)
         pipe = self.aclient.pipeline(transaction=False)

@@ -89,11 +89,6 @@ def _canonical(arguments: str | Mapping[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _claim_key(keys: Keys, key: str) -> str:
-    """The claim of one ledger key; a string of its own because claims expire one by one."""
-    return f"{keys.tool_ledger}:claim:{key}"
-
-
 def _busy(key: str, call_id: str, wait_s: float) -> ToolResult:
     return ToolResult(
         call_id=call_id,
@@ -132,13 +127,13 @@ class _Ledger:
         self.wait_s = max(0.0, wait_s)
 
     def _claim_args(self, key: str, token: str) -> tuple[list[str], list[str | int]]:
-        keys = [self.keys.tool_ledger, _claim_key(self.keys, key), self.keys.stats]
+        keys = [self.keys.tool_ledger, self.keys.tool_ledger_claim(key), self.keys.stats]
         return keys, [key, token, max(1, round(self.claim_ttl_s * 1000)), HIT_COUNTER]
 
     def _finish_args(
         self, key: str, token: str, body: bytes
     ) -> tuple[list[str], list[str | bytes]]:
-        return [self.keys.tool_ledger, _claim_key(self.keys, key)], [key, token, body]
+        return [self.keys.tool_ledger, self.keys.tool_ledger_claim(key)], [key, token, body]
 
     def _hit(self, key: str, record: bytes) -> ToolResult:
         self.log.info("tool_ledger_hit", key=key)
