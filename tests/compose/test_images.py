@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.names import Keys
 from tests.unit.test_layering import LIGHT_MODULES
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -245,5 +246,6 @@ def test_light_workers_run_read_only_against_the_redis_image(redis_container: st
         )
         out = res.stdout + res.stderr
         assert res.returncode == 0 and f'"{worker}_stop"' in out, out[-3000:]
-    tasks = _podman("exec", redis_container, "redis-cli", "xlen", "tiny:tasks").stdout.strip()
+    stream = Keys("tiny").tasks  # the run's hash-tagged name
+    tasks = _podman("exec", redis_container, "redis-cli", "xlen", stream).stdout.strip()
     assert int(tasks) > 0
