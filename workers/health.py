@@ -20,6 +20,7 @@ from streamrl.config import Config
 from streamrl.identity import holder_of, slots_held
 from streamrl.names import Keys
 from streamrl.runtime import WORKER_NAMES, NoRedisError, resolve_redis_url
+from streamrl.transport import make_client
 from streamrl_workers.args import config_arguments
 
 
@@ -57,8 +58,9 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     if not url:
         print("unhealthy: no Redis configured (REDIS_URL or redis.url)")
         return 1
-    # No retries (make_client rides out outages for ~20 s): a health check answers at once.
-    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+    # No retries (the workers' clients ride out outages for ~20 s): a health check answers
+    # at once.
+    client = make_client(url, retries=0, cluster=cfg.redis.cluster, socket_timeout=2)
     why = check(client, Keys(cfg.run.name), args.worker, args.index)
     print(f"unhealthy: {why}" if why else "healthy")
     sys.stdout.flush()

@@ -40,6 +40,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     from streamrl.queues import format_report, inspect, replay_dead
     from streamrl.redis_server import url_from_conf
     from streamrl.runtime import NoRedisError, resolve_redis_url
+    from streamrl.transport import make_client
 
     try:
         url = resolve_redis_url(cfg) or url_from_conf(run_dir / "redis")
@@ -53,7 +54,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    client = redis.Redis.from_url(url)
+    client = make_client(url, retries=3, cluster=cfg.redis.cluster)
     keys = Keys(cfg.run.name)
     try:
         if args.replay_dead:
