@@ -8,8 +8,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import docker
+import pytest
 import redis
 from rq import Worker
 
@@ -100,3 +102,27 @@ def run_generate(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+def sandbox_unavailable(why: str) -> NoReturn:
+    """Skip a test that needs the container engine, saying why; fail it where the sandbox
+    is required (STREAMRL_REQUIRE_SANDBOX=1: CI, and `make test` as root)."""
+    if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
+        pytest.fail(f"STREAMRL_REQUIRE_SANDBOX=1 but {why}")
+    pytest.skip(why)
+
+
+def sandbox_engine(timeout_s: int = 30) -> docker.DockerClient:
+    """A client of the real container engine at DOCKER_HOST, or `sandbox_unavailable`."""
+    host = os.environ.get("DOCKER_HOST", "")
+    if not host.startswith("unix://"):
+        sandbox_unavailable(
+            f"DOCKER_HOST={host!r} is not a unix socket (run ops/sandbox/setup_host.sh and "
+            "export it)"
+        )
+    try:
+        client = docker.from_env(timeout=timeout_s)
+        client.ping()
+    except Exception as err:
+        sandbox_unavailable(f"no container engine answers at DOCKER_HOST={host}: {err}")
+    return client

@@ -35,6 +35,7 @@ from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox
 from streamrl.tools.registry import Outcome, interpret, run_call
 from streamrl.tools.sandbox import ExecResult, Sandbox, SandboxUnavailableError
 from streamrl.wire import ToolResult, decode_body, encode_body
+from tests.helpers import sandbox_engine, sandbox_unavailable
 
 pytestmark = pytest.mark.integration
 
@@ -47,25 +48,6 @@ WRITABLE = ["/tmp", "/work", "/var/tmp", "/dev/shm", "/dev/mqueue"]
 NS = f"t{uuid.uuid4().hex[:10]}"
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
-        pytest.fail(f"STREAMRL_REQUIRE_SANDBOX=1 but {why}")
-    pytest.skip(why)
-
-
-def _engine() -> docker.DockerClient:
-    host = os.environ.get("DOCKER_HOST")
-    if not host:
-        _unavailable("DOCKER_HOST is not set (run ops/sandbox/setup_host.sh and export it)")
-    try:
-        client = docker.from_env(timeout=10)
-        client.ping()
-    except Exception as err:
-        _unavailable(f"no container engine answers at DOCKER_HOST={host}: {err}")
-        raise
-    return client
-
-
 def labelled(client: docker.DockerClient, ns: str = NS) -> list[str]:
     """Ids of the sandbox containers of namespace `ns`, running or not."""
     found = client.containers.list(all=True, filters={"label": f"{LABEL}={ns}"})
@@ -74,7 +56,7 @@ def labelled(client: docker.DockerClient, ns: str = NS) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[docker.DockerClient]:
-    client = _engine()
+    client = sandbox_engine(timeout_s=10)
     yield client
     client.close()
 
@@ -97,7 +79,7 @@ def bwrap_sandbox() -> BubblewrapSandbox:
             BubblewrapConfig(memory_bytes=256 * 2**20, max_processes=32, tmpfs_bytes=8 * 2**20)
         )
     except SandboxUnavailableError as err:
-        _unavailable(str(err))
+        sandbox_unavailable(str(err))
         raise
 
 

@@ -31,6 +31,7 @@ import docker.errors
 import pytest
 
 from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox
+from tests.helpers import sandbox_engine
 
 pytestmark = pytest.mark.integration
 
@@ -39,24 +40,10 @@ CAP = 4096
 MEMORY = 128 * 2**20
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
-        pytest.fail(f"STREAMRL_REQUIRE_SANDBOX=1 but {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[docker.DockerClient]:
     """A client of the real engine (DOCKER_HOST), for setting up and checking only."""
-    host = os.environ.get("DOCKER_HOST", "")
-    if not host.startswith("unix://"):
-        _unavailable(f"DOCKER_HOST={host!r} is not a unix socket (run ops/sandbox/setup_host.sh)")
-    try:
-        client = docker.from_env(timeout=30)
-        client.ping()
-    except Exception as err:
-        _unavailable(f"no container engine answers at DOCKER_HOST={host}: {err}")
-        raise
+    client = sandbox_engine()
     yield client
     client.close()
 
