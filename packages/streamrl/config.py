@@ -359,16 +359,6 @@ class RolloutConfig(_Section):
         description="Model calls in flight per rollout worker at most; 0: max_concurrency.",
     )
     max_steps: int = Field(3, ge=1, le=1000, description="Model turns per episode at most.")
-    env_threads: int = Field(
-        0,
-        ge=0,
-        le=65536,
-        description=(
-            "Threads for blocking environment steps and tool apply() calls (the event "
-            "loop's default executor); Redis commits have threads of their own. "
-            "0: max_concurrency."
-        ),
-    )
     max_prompt_length: int = Field(
         128,
         ge=1,

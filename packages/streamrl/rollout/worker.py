@@ -24,7 +24,6 @@ from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
 from streamrl.transport import Delivery, RedisStreamConsumer
@@ -97,7 +96,6 @@ class RolloutWorker:
         follower: WeightFollower,
         log: structlog.stdlib.BoundLogger,
         stop: Callable[[], bool],
-        threads: WorkerThreads | None = None,
     ) -> None:
         self.aclient = aclient
         self.keys = keys
@@ -112,8 +110,6 @@ class RolloutWorker:
             client, keys, keys.tasks, keys.CG_ROLLOUT, consumer, Task, cfg.transport, log
         )
         self.backpressure = Backpressure(aclient, keys, cfg, log)
-        r = cfg.rollout
-        self.threads = threads or WorkerThreads(r.env_threads or r.max_concurrency)
         self.active = 0
         self.started = 0
         self._capacity = asyncio.Condition()
@@ -123,13 +119,6 @@ class RolloutWorker:
 
     async def run(self) -> None:
         """Serve until `stop()` is true; re-raises the first failure of a component."""
-        self.threads.install()
-        try:
-            await self._serve()
-        finally:
-            self.threads.close()
-
-    async def _serve(self) -> None:
         if not await self.follower.wait_initial(self.stop):
             return
         self.log.info("rollout_ready", version=self.follower.loaded_version)
@@ -164,7 +153,7 @@ class RolloutWorker:
                 await asyncio.sleep(0.2)
                 continue
             await self.follower.lock.wait_open()
-            deliveries = await self.threads.redis_call(self.input.read, 1)
+            deliveries = await asyncio.to_thread(self.input.read, 1)
             for d in deliveries:
                 await self.follower.lock.wait_open()  # a sync may have begun during the read
                 self._start(d)
@@ -215,7 +204,7 @@ class RolloutWorker:
             if last:
                 p.hincrby(stats, done, 1)
 
-        await self.threads.redis_call(
+        await asyncio.to_thread(
             self.input.commit,
             [d.entry_id] if last else [],
             [(self.keys.trajectories, traj)],
@@ -240,4 +229,4 @@ class RolloutWorker:
         while True:
             await asyncio.sleep(every)
             if self._remaining:
-                await self.threads.redis_call(self.input.touch, list(self._remaining))
+                await asyncio.to_thread(self.input.touch, list(self._remaining))
