@@ -7,6 +7,11 @@ the group exactly once (SADD on the emitted set), deletes the hash and acknowled
 entry. A grouper killed between the two scripts leaves that entry pending; whoever claims it
 re-adds the member (a no-op), sees the group complete and emits it.
 
+A read batch costs two round trips, not two per trajectory: one pipeline holds the add
+scripts of the whole batch (and the drops of stale members), a second the emits and drops
+of the groups the first completed (a stale member of a group added to earlier in the batch
+starts another pair). The outcomes are those of handling the deliveries one by one, in order.
+
 A group still incomplete `group_timeout_s` after its first member arrived is handled by
 `group_timeout_policy` (drop it, re-run its missing members, or release it with the members
 present). Every grouper looks for such groups about once a second; the decision is one Lua
@@ -19,12 +24,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 import redis
 import structlog
+from redis.commands.core import Script
 
 from streamrl.config import Config
 from streamrl.names import Keys
@@ -198,15 +204,23 @@ TIMEOUT_CHECK_EVERY_S = 1.0  # how often a grouper looks for timed-out groups (a
 
 @dataclass(frozen=True)
 class _Decision:
-    """What a timed-out group should get: `action` drop, rerun or release, with the message
-    to write (the rerun task or the released group), the reason logged, and an extra stats
-    counter."""
+    """What a group should get: `action` emit or drop (a complete group), drop, rerun or
+    release (a timed-out one), with the message to write (the group, or the rerun task),
+    the reason logged, an extra stats counter, and the group emitted or released."""
 
     action: str
     reason: str
     body: bytes = b""
     kind: str = ""
     counter: str = ""
+    group: Group | None = None
+
+
+# A script with its KEYS and ARGV, to run in a pipeline.
+_Call = tuple[Script, list[Any], list[Any]]
+
+# What an add-member answer other than `complete` makes of the trajectory.
+_ADD_OUTCOMES = {"partial": "partial", "emitted": "duplicate", "dropped": "closed"}
 
 
 def build_group(members: list[Trajectory], epsilon: float, estimator: str = "grpo") -> Group | None:
@@ -285,93 +299,210 @@ class Grouper:
         return int(raw) if raw is not None else 0
 
     def handle(self, d: Delivery[Trajectory], trainer_version: int) -> Outcome:
-        t = d.msg
-        k = self.keys
+        """One delivery: the batch of one."""
+        [outcome] = self.handle_batch([d], trainer_version)
+        return outcome
+
+    def handle_batch(
+        self, deliveries: list[Delivery[Trajectory]], trainer_version: int
+    ) -> list[Outcome]:
+        """Each delivery's outcome, in order: what handling them one at a time would give.
+
+        Two pipelined round trips: the adds (and the drops of stale members), then the
+        emits and drops of the groups those adds completed. A stale member of a group added
+        to earlier in the batch waits for a second pair: dropping the group must come after
+        that add's emit, if the add completed it."""
+        out: list[Outcome] = []
+        for part in self._split(deliveries, trainer_version):
+            out.extend(self._handle_part(part))
+        return out
+
+    def _stale(self, t: Trajectory, trainer_version: int) -> str:
+        """Why `t` is too far off policy to train on; '' when it is not."""
         lag = trainer_version - t.min_version
         if t.versions and lag > self.cfg.grouper.off_policy_steps:
-            return self._drop_group(
-                d,
+            return (
                 f"stale: policy version {t.min_version} is {lag} behind "
-                f"trainer version {trainer_version}",
+                f"trainer version {trainer_version}"
             )
-        res: list[Any] = self._add(
-            keys=self._assembly_keys(t.group_id),
-            args=[
-                t.group_id,
-                t.member,
-                encode_body(t),
-                t.num_generations,
-                d.entry_id,
-                k.CG_GROUPER,
-                t.max_version,
-            ],
+        return ""
+
+    def _split(
+        self, deliveries: list[Delivery[Trajectory]], trainer_version: int
+    ) -> list[list[tuple[Delivery[Trajectory], str]]]:
+        """The deliveries with their stale reasons ('' when fresh), in parts that each run
+        in two round trips: a stale member of a group added to earlier starts a new part."""
+        parts: list[list[tuple[Delivery[Trajectory], str]]] = [[]]
+        added: set[str] = set()
+        for d in deliveries:
+            stale = self._stale(d.msg, trainer_version)
+            if stale and d.msg.group_id in added:
+                parts.append([])
+                added = set()
+            if not stale:
+                added.add(d.msg.group_id)
+            parts[-1].append((d, stale))
+        return parts
+
+    def _handle_part(self, part: list[tuple[Delivery[Trajectory], str]]) -> list[Outcome]:
+        """Adds and stale drops in one pipeline, then the completed groups' emits and drops
+        in a second. A group is scored once, by its first delivery whose add completed it;
+        a later one (a re-sent member) gets the same script, which finds the group emitted
+        or dropped, as its add would have after the emit."""
+        answers = self._run_scripts(
+            [self._drop_call(d, "") if stale else self._add_call(d) for d, stale in part]
         )
-        state = res[0].decode()
-        if state == "emitted":
-            return Outcome("duplicate", t.group_id)
-        if state in ("partial", "dropped"):
-            return Outcome("partial" if state == "partial" else "closed", t.group_id)
+        outcomes: list[Outcome] = []
+        decisions: dict[str, _Decision] = {}
+        finish: list[tuple[int, Delivery[Trajectory], bool]] = []  # index, delivery, first
+        for i, ((d, stale), res) in enumerate(zip(part, answers, strict=True)):
+            gid = d.msg.group_id
+            if stale:
+                self._log_dropped(d, stale)
+                outcomes.append(Outcome("dropped", gid))
+                continue
+            state = res[0].decode()
+            if state != "complete":
+                outcomes.append(Outcome(_ADD_OUTCOMES[state], gid))
+                continue
+            outcomes.append(Outcome("complete", gid))  # replaced once its emit or drop ran
+            first = gid not in decisions
+            if first:
+                decisions[gid] = self._complete(res[2])
+            finish.append((i, d, first))
+        calls = [self._finish_call(d, decisions[d.msg.group_id]) for _, d, _ in finish]
+        for (i, d, first), res in zip(finish, self._run_scripts(calls), strict=True):
+            outcomes[i] = self._finished(d, decisions[d.msg.group_id], first, bool(res))
+        return outcomes
+
+    def _complete(self, stored: list[bytes]) -> _Decision:
+        """What a complete group gets, from its members as stored."""
         try:
-            members = [decode_body(b, Trajectory) for b in res[2]]
+            members = [decode_body(b, Trajectory) for b in stored]
         except WireError as err:  # only a foreign writer could have put this there
-            return self._drop_group(d, f"a stored member cannot be decoded: {err}")
+            return _Decision("drop", f"a stored member cannot be decoded: {err}")
+        return self._score(members)
+
+    def _score(self, members: list[Trajectory]) -> _Decision:
+        """Emit the group with its advantages, or drop it: when no member present is scored
+        (each ended with error), or its rewards are all equal under zero_variance `drop`.
+        The one rule for a complete group and a timed-out one released."""
         gcfg = self.cfg.grouper
         group = build_group(members, gcfg.advantage_epsilon, gcfg.advantage)
         if group is None:
-            return self._drop_group(d, "every member of the group ended with status error")
+            return _Decision("drop", "every member present ended with status error")
         rewards = [m.reward for m in group.members if m.status != "error"]
         zero_variance = is_zero_variance(rewards)
         if zero_variance and gcfg.zero_variance == "drop":
-            return self._drop_group(
-                d, f"zero variance: every reward is {rewards[0]:g}", counter=ZERO_VARIANCE
-            )
-        first = self._emit(
-            keys=[
-                k.group_members(t.group_id),
-                k.groups_emitted,
-                k.groups,
-                k.trajectories,
-                k.stats,
-                k.groups_started,
-                k.groups_reruns,
-            ],
-            args=[
-                t.group_id,
-                SCHEMA_VERSION,
-                Group.KIND,
-                encode_body(group),
-                d.entry_id,
-                k.CG_GROUPER,
-                ZERO_VARIANCE if zero_variance else "",
-            ],
+            reason = f"zero variance: every reward is {rewards[0]:g}"
+            return _Decision("drop", reason, counter=ZERO_VARIANCE)
+        return _Decision(
+            "emit",
+            "",
+            body=encode_body(group),
+            kind=Group.KIND,
+            counter=ZERO_VARIANCE if zero_variance else "",
+            group=group,
         )
-        if not first:
-            return Outcome("duplicate", t.group_id)
+
+    def _add_call(self, d: Delivery[Trajectory]) -> _Call:
+        t = d.msg
+        args = [
+            t.group_id,
+            t.member,
+            encode_body(t),
+            t.num_generations,
+            d.entry_id,
+            self.keys.CG_GROUPER,
+            t.max_version,
+        ]
+        return self._add, self._assembly_keys(t.group_id), args
+
+    def _drop_call(self, d: Delivery[Trajectory], counter: str) -> _Call:
+        """Drop the group (once; `counter` in stats counts the reason too)."""
+        gid = d.msg.group_id
+        args = [gid, d.entry_id, self.keys.CG_GROUPER, counter]
+        return self._drop, self._assembly_keys(gid), args
+
+    def _finish_call(self, d: Delivery[Trajectory], decision: _Decision) -> _Call:
+        """The emit or drop of a complete group, acknowledging `d`."""
+        if decision.action == "drop":
+            return self._drop_call(d, decision.counter)
+        k = self.keys
+        gid = d.msg.group_id
+        keys = [
+            k.group_members(gid),
+            k.groups_emitted,
+            k.groups,
+            k.trajectories,
+            k.stats,
+            k.groups_started,
+            k.groups_reruns,
+        ]
+        args = [
+            gid,
+            SCHEMA_VERSION,
+            decision.kind,
+            decision.body,
+            d.entry_id,
+            k.CG_GROUPER,
+            decision.counter,
+        ]
+        return self._emit, keys, args
+
+    def _finished(
+        self, d: Delivery[Trajectory], decision: _Decision, first: bool, written: bool
+    ) -> Outcome:
+        """The outcome of the delivery that completed a group (`first`, else a re-sent
+        member), whose emit or drop script answered `written` (first to emit or drop)."""
+        gid = d.msg.group_id
+        if decision.action == "drop":
+            if not first:
+                return Outcome("closed", gid)
+            self._log_dropped(d, decision.reason)
+            return Outcome("dropped", gid)
+        if not written or decision.group is None:
+            return Outcome("duplicate", gid)
         self.log.info(
             "group_emitted",
-            group_id=t.group_id,
+            group_id=gid,
             entry_id=d.entry_id,
-            rewards=[m.reward for m in group.members],
-            versions=sorted({v for m in group.members for v in m.versions}),
+            rewards=[m.reward for m in decision.group.members],
+            versions=sorted({v for m in decision.group.members for v in m.versions}),
         )
-        return Outcome("emitted", t.group_id)
+        return Outcome("emitted", gid)
 
-    def _drop_group(self, d: Delivery[Trajectory], reason: str, counter: str = "") -> Outcome:
-        """Drop the group (once; `counter` in stats counts the reason too)."""
-        t = d.msg
-        k = self.keys
-        self._drop(
-            keys=self._assembly_keys(t.group_id),
-            args=[t.group_id, d.entry_id, k.CG_GROUPER, counter],
-        )
+    def _log_dropped(self, d: Delivery[Trajectory], reason: str) -> None:
         self.log.warning(
             "group_dropped",
-            group_id=t.group_id,
-            traj_id=t.traj_id,
+            group_id=d.msg.group_id,
+            traj_id=d.msg.traj_id,
             entry_id=d.entry_id,
             reason=reason,
         )
-        return Outcome("dropped", t.group_id)
+
+    def _run_scripts(self, calls: list[_Call]) -> list[Any]:
+        """Each call's answer, in order, from one non-transactional pipeline: one round trip.
+
+        A script's first call in the pipeline sends its body (EVAL), the others its SHA
+        (EVALSHA), so the server has every script the pipeline uses even if it restarted or
+        its script cache was flushed since the last batch, with no round trip to ask (a
+        pipeline given Script objects asks SCRIPT EXISTS before every execute). Only a
+        SCRIPT FLUSH that lands inside the pipeline makes a later call answer NOSCRIPT (it
+        did nothing): that raises like any error, and the entries left pending are claimed
+        again, as after a grouper killed between its scripts."""
+        if not calls:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        sent: set[Script] = set()
+        for script, keys, args in calls:
+            # execute_command: a cluster pipeline has no eval() that takes a script
+            if script in sent:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            else:
+                sent.add(script)
+                pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        return pipe.execute()
 
     # -- group timeout ------------------------------------------------------------------
 
@@ -467,24 +598,10 @@ class Grouper:
             return self._rerun(group_id, members, timed_out)
         if len(members) < 2:
             return _Decision("drop", f"{timed_out}; release needs 2 members, 1 present")
-        group = build_group(members, gcfg.advantage_epsilon, gcfg.advantage)
-        if group is None:
-            return _Decision("drop", f"{timed_out}; every member present ended with error")
-        rewards = [m.reward for m in group.members if m.status != "error"]
-        zero_variance = is_zero_variance(rewards)
-        if zero_variance and gcfg.zero_variance == "drop":
-            return _Decision(
-                "drop",
-                f"{timed_out}; zero variance: every reward is {rewards[0]:g}",
-                counter=ZERO_VARIANCE,
-            )
-        return _Decision(
-            "release",
-            timed_out,
-            body=encode_body(group),
-            kind=Group.KIND,
-            counter=ZERO_VARIANCE if zero_variance else "",
-        )
+        scored = self._score(members)
+        if scored.action == "drop":
+            return replace(scored, reason=f"{timed_out}; {scored.reason}")
+        return replace(scored, action="release", reason=timed_out)
 
     def _rerun(self, group_id: str, members: list[Trajectory], timed_out: str) -> _Decision:
         """The task that re-runs the missing members: the group's own task (same ids, so a
@@ -507,11 +624,12 @@ class Grouper:
     # -- loop -------------------------------------------------------------------------
 
     def step(self, block_ms: int | None = None) -> list[Outcome]:
+        """Read a batch and handle it: one read, one GET of the trainer version, two
+        pipelined round trips of scripts."""
         deliveries = self.input.read(block_ms=block_ms)
         if not deliveries:
             return []
-        version = self.trainer_version()
-        return [self.handle(d, version) for d in deliveries]
+        return self.handle_batch(deliveries, self.trainer_version())
 
     def run(self, stop: threading.Event, burst: bool = False) -> None:
         """Process until `stop` is set; with `burst`, also stop once the input is drained.
