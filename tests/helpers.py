@@ -126,3 +126,17 @@ def sandbox_engine(timeout_s: int = 30) -> docker.DockerClient:
     except Exception as err:
         sandbox_unavailable(f"no container engine answers at DOCKER_HOST={host}: {err}")
     return client
+
+
+def committed_trajectories(log: Path) -> list[dict[str, Any]]:
+    """Every trajectory a rollout worker's log says it committed (its
+    `trajectories_committed` events, one per commit of a batch), each with the batch's
+    `timestamp`."""
+    out: list[dict[str, Any]] = []
+    for line in log.read_text().splitlines():
+        if line[:1] != "{":
+            continue
+        event = json.loads(line)
+        if event.get("event") == "trajectories_committed":
+            out.extend({**t, "timestamp": event.get("timestamp")} for t in event["trajectories"])
+    return out

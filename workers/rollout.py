@@ -138,6 +138,7 @@ async def serve(
             weight_sync_s=round(follower.sync_s, 3),
             weight_stall_s=round(server.stall_s, 3),
             weights_refused=follower.refused,
+            weights_superseded=follower.superseded,
         )
         await aclient.aclose()
 

@@ -45,10 +45,10 @@ Definitions (C = rollout.max_concurrency, G = rollout.num_generations):
 - ideal async: the same draws with each episode started, in order, the moment a slot
   frees, at no cost; its efficiency (ideal / bound) is what the whole-run definition
   allows at this N: the ramp is free, but the drain of the last stragglers is not.
-- latency p50/p99: per trajectory, from its `trajectory` event in the rollout log (written
-  once the trajectory is committed, i.e. the episode's end) to the trainer's `train_step`
-  event whose `group_ids` holds its group. It includes waiting for the rest of the group
-  and for a full step of `trainer.groups_per_step` groups.
+- latency p50/p99: per trajectory, from the `trajectories_committed` event of the rollout
+  log that holds it (written once its batch is committed, just after the episode's end) to
+  the trainer's `train_step` event whose `group_ids` holds its group. It includes waiting
+  for the rest of the group and for a full step of `trainer.groups_per_step` groups.
 - in flight: mean episodes running, by Little's law: steady episodes/s x T (at most C).
 
 Null mode (`--null`): model and environment 0 ms, C = `--null-concurrency`, `--null-groups`
@@ -287,7 +287,13 @@ class Measured:
 
 def measure(run_dir: Path) -> Measured:
     logs = run_dir / "logs"
-    trajs = [e for e in events(logs / "rollout-0.log") if e.get("event") == "trajectory"]
+    # One `trajectories_committed` event per commit (a batch); older logs: `trajectory`.
+    trajs = [
+        {**t, "timestamp": e["timestamp"]}
+        for e in events(logs / "rollout-0.log")
+        if e.get("event") == "trajectories_committed"
+        for t in e["trajectories"]
+    ] or [e for e in events(logs / "rollout-0.log") if e.get("event") == "trajectory"]
     emitted = [e for e in events(logs / "grouper-0.log") if e.get("event") == "group_emitted"]
     steps = [e for e in events(logs / "trainer-0.log") if e.get("event") == "train_step"]
     first_task = min(int(e["entry_id"].split("-")[0]) for e in trajs) / 1000
@@ -362,9 +368,6 @@ def run_point(args: argparse.Namespace, work: Path, mix: str, c: int) -> dict[st
     bound = c / episode_s / g  # groups/s
     row: dict[str, Any] = {"mix": mix, "C": c, "G": g, "episode_s": episode_s}
     row["bound_gpm"] = bound * 60
-    if c < g:
-        row["skipped"] = f"max_concurrency {c} < num_generations {g} (the config refuses it)"
-        return row
     groups = args.groups or whole_steps(math.ceil(args.waves * c / g))
     groups = whole_steps(groups)
     row["groups"] = groups

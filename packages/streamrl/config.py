@@ -442,12 +442,6 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _sizes(self) -> RolloutConfig:
-        if self.max_concurrency < self.num_generations:
-            raise ValueError(
-                f"rollout.max_concurrency ({self.max_concurrency}) must be at least "
-                f"rollout.num_generations ({self.num_generations}): a task's episodes start "
-                "together"
-            )
         total = self.max_prompt_length + self.max_response_length
         if total > self.kv_cache_size:
             raise ValueError(

@@ -51,6 +51,7 @@ __all__ = [
     "RedisChannel",
     "WeightsChannel",
     "WeightsError",
+    "WeightsMissing",
     "aligned_empty",
     "as_aligned",
     "check_checksum",
@@ -69,6 +70,11 @@ Buffer = bytes | memoryview
 
 class WeightsError(ValueError):
     """Published weights that cannot be used; the message says which and why."""
+
+
+class WeightsMissing(WeightsError):
+    """A version's file or chunks are gone: deleted (pruned once newer versions were
+    published, `trainer.weights_keep`) or never written."""
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,7 @@ def fetch_published(msg: Weights, client: redis.Redis | None, keys: Keys) -> np.
     parts: list[bytes | None] = pipe.execute()
     missing = [i for i, p in enumerate(parts) if p is None]
     if missing:
-        raise WeightsError(
+        raise WeightsMissing(
             f"{describe(msg)}: chunks {missing} are missing (deleted or never written)"
         )
     size = sum(len(p) for p in parts if p is not None)
@@ -335,7 +341,7 @@ def _read_file(msg: Weights) -> np.ndarray:
     try:
         f = open(msg.path, "rb", buffering=0)  # noqa: SIM115 (closed below)
     except FileNotFoundError:
-        raise WeightsError(f"{describe(msg)} is missing") from None
+        raise WeightsMissing(f"{describe(msg)} is missing") from None
     with f:
         size = os.fstat(f.fileno()).st_size
         if size != msg.nbytes:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
-from tests.helpers import REPO
+from tests.helpers import REPO, committed_trajectories
 
 pytestmark = pytest.mark.e2e
 
@@ -51,7 +51,7 @@ def test_example_task_trains_with_its_own_tool(tmp_path: Path, warm_cache: str) 
     logs = run_dir / "logs"
     for name in ("tools-0", "tools-1"):
         assert "convert" in events(logs / f"{name}.log", "tools_start")[0]["tools"]
-    trajectories = events(logs / "rollout-0.log", "trajectory")
+    trajectories = committed_trajectories(logs / "rollout-0.log")
     assert sum(t["tool_calls"] for t in trajectories) > 0
     assert all(t["status"] != "error" for t in trajectories), [t["error"] for t in trajectories]
 
@@ -96,7 +96,7 @@ def test_broken_environment_and_rewards_cost_only_their_episodes(tmp_path: Path)
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 3 and set(s["worker_restarts"].values()) == {0}
     assert s["episodes"]["error"] == 3 * s["episodes"]["ok"] > 0
-    trajectories = events(run_dir / "logs" / "rollout-0.log", "trajectory")
+    trajectories = committed_trajectories(run_dir / "logs" / "rollout-0.log")
     errors = {t["traj_id"][-2:]: t["error"] for t in trajectories if t["status"] == "error"}
     assert "RuntimeError: environment exploded" in errors["m0"]
     assert "RewardError: reward returned nan, not a finite number" in errors["m1"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
-from tests.helpers import REPO
+from tests.helpers import REPO, committed_trajectories
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +71,7 @@ def test_stub_up_runs_a_thousand_groups(tmp_path: Path) -> None:
     # Rollout waited for version 0, then followed the trainer's versions turn by turn.
     rollout = logs / "rollout-0.log"
     assert _events(rollout, "rollout_ready")[0]["version"] == 0
-    versions = [e["versions"] for e in _events(rollout, "trajectory")]
+    versions = [t["versions"] for t in committed_trajectories(rollout)]
     assert len(versions) == 4 * GROUPS
     assert all(len(v) == 2 and 0 <= v[0] <= v[1] <= GROUPS // PER_STEP for v in versions)
     assert max(v[-1] for v in versions) > 1

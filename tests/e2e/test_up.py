@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from streamrl.names import Keys
-from tests.helpers import REPO, TINY, live_in_group
+from tests.helpers import REPO, TINY, committed_trajectories, live_in_group
 
 pytestmark = pytest.mark.e2e
 
@@ -208,11 +208,7 @@ def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path) -> None:
     if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
         assert backends == {"container"}
     assert _sandbox_containers("e2ecode") in (0, None)
-    trajectories = [
-        json.loads(line)
-        for line in (run_dir / "logs" / "rollout-0.log").read_text().splitlines()
-        if line.startswith("{") and '"event": "trajectory"' in line
-    ]
+    trajectories = committed_trajectories(run_dir / "logs" / "rollout-0.log")
     assert any(t["status"] == "ok" for t in trajectories)
 
 

@@ -65,7 +65,7 @@ FAULTS: list[tuple[str, str | None]] = [
 # The event that shows a part doing useful work again after its kill.
 RECOVERED_BY = {
     "trainer": ("trainer-0", "train_step"),
-    "rollout": ("rollout-0", "trajectory"),
+    "rollout": ("rollout-0", "trajectories_committed"),
     "grouper": ("grouper-0", "group_emitted"),
     "redis": ("grouper-0", "group_emitted"),  # trajectories flow through Redis again
 }

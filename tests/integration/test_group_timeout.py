@@ -202,9 +202,11 @@ def test_rollout_runs_only_the_rerun_members_and_acks_with_the_last(
             stop=lambda: False,
         )
         [d] = worker.input.read(1)
-        worker._start(d)
+        worker._admit(d)
+        worker._start_waiting()
         assert worker.started == 1
         await asyncio.gather(*worker._episodes)
+        await worker._commit_outbox()
         await aclient.aclose()
 
     asyncio.run(go())

@@ -196,6 +196,48 @@ def test_damaged_versions_are_refused_and_the_last_good_one_serves(
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+def test_a_missing_version_that_newer_ones_superseded_is_skipped_not_refused(
+    model: Any,
+    rclient: redis.Redis,
+    redis_url: str,
+    keys: Keys,
+    tmp_path: Path,
+    kind: str,
+) -> None:
+    """A fast trainer prunes a version (weights_keep) between its signal and the follower's
+    load: since newer versions exist, that is no damage to report; the follower skips it
+    (`weights_superseded`) and takes the newest at its next poll. The same loss with no
+    newer version stays a refusal (the damaged-versions test)."""
+    _, _, _, params = model
+    pub = WeightPublisher(rclient, keys, _channel(kind, rclient, keys, tmp_path), LOG, keep=8)
+    follower = _follower(model, rclient, redis_url, keys)
+
+    async def go() -> None:
+        try:
+            await check()
+        finally:
+            await _close(follower)
+
+    async def check() -> None:
+        pub.publish(params, 0, 0)
+        assert await follower.poll(block_ms=1000)
+        v1 = pub.publish(_scaled(params, 0.5), 1, 1)
+        pub.publish(_scaled(params, 0.25), 2, 2)
+        _damage(kind, "delete", v1, rclient, keys)  # pruned before the follower got to it
+        with capture_logs() as logs:
+            assert not await follower.load(v1)
+        assert [e["event"] for e in logs if e["event"].startswith("weights_")] == [
+            "weights_superseded"
+        ]
+        assert follower.superseded == 1 and follower.refused == 0
+        assert follower.loaded_version == 0 and follower.lock.is_open
+        assert await follower.poll(block_ms=1000)  # the newest, v2
+        assert follower.loaded_version == 2
+
+    asyncio.run(go())
+
+
 # -- chunked Redis ------------------------------------------------------------------------
 
 

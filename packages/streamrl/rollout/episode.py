@@ -97,7 +97,9 @@ class EpisodeRunner:
         agent: Agent | None = None
         try:
             agent, env = make_episode()
-            await asyncio.wait_for(self._play(tid, agent, env, st), self.cfg.episode_timeout_s)
+            # asyncio.timeout, not wait_for: no task of its own per episode (nor per step)
+            async with asyncio.timeout(self.cfg.episode_timeout_s):
+                await self._play(tid, agent, env, st)
         except CircuitOpenError:
             raise
         except TimeoutError:
@@ -185,9 +187,8 @@ class EpisodeRunner:
 
     async def _env_step(self, env: Environment, action: Action, call_prefix: str) -> StepResult:
         try:
-            return await asyncio.wait_for(
-                env.step(action, call_prefix), self.cfg.env_step_timeout_s
-            )
+            async with asyncio.timeout(self.cfg.env_step_timeout_s):
+                return await env.step(action, call_prefix)
         except TimeoutError:
             raise EpisodeError(
                 f"environment step exceeded env_step_timeout_s ({self.cfg.env_step_timeout_s:g}s)"
@@ -196,6 +197,7 @@ class EpisodeRunner:
 
 async def _close(env: Environment, log: structlog.stdlib.BoundLogger, tid: str) -> None:
     try:
-        await asyncio.wait_for(env.close(), 5.0)
+        async with asyncio.timeout(5.0):
+            await env.close()
     except Exception:
         log.exception("env_close_failed", traj_id=tid)

@@ -14,7 +14,9 @@ holds it no new episode starts. What running episodes do meanwhile is the sync m
 Loading (fetch, checksum, decode, LoRA merge) runs on threads, so the event loop stays
 free. A version that is missing, truncated, fails its checksum or does not decode is
 refused with a logged reason (`weights_refused`) and the worker keeps serving the last
-good version.
+good version. A missing version that newer ones have superseded (the trainer prunes all but
+`trainer.weights_keep`, and a fast trainer can prune one between its signal and its load)
+is not refused but skipped (`weights_superseded`): the follower takes the newest next.
 
 Versions below the policy floor (`Keys.policy_floor`, set when a trainer resumes from a
 checkpoint) belong to a discarded trainer lineage: they are never loaded, and a worker
@@ -41,6 +43,7 @@ from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.weightsync import (
     WeightsError,
+    WeightsMissing,
     check_checksum,
     describe,
     fetch_published,
@@ -188,6 +191,7 @@ class WeightFollower:
         self.syncs = 0
         self.sync_s = 0.0
         self.refused = 0
+        self.superseded = 0  # missing versions skipped because newer ones exist
 
     async def wait_initial(self, stop: Callable[[], bool]) -> bool:
         """Load the latest published version (at or above the policy floor) before the
@@ -246,16 +250,15 @@ class WeightFollower:
                 await self.lock.wait_idle()
             await self.server.swap(params, msg.version)
             swapped = True
+        except WeightsMissing as err:
+            if await self._superseded(msg.version):
+                self.superseded += 1
+                self.log.info("weights_superseded", version=msg.version, reason=str(err))
+                return False
+            self._refuse(msg, err)
+            return False
         except WeightsError as err:
-            self.refused += 1
-            self.log.error(
-                "weights_refused",
-                version=msg.version,
-                channel=msg.channel,
-                path=msg.path,
-                reason=str(err),
-                serving_version=self.loaded_version,
-            )
+            self._refuse(msg, err)
             return False
         finally:
             if not swapped:
@@ -276,6 +279,26 @@ class WeightFollower:
             sync_s=round(elapsed, 4),
         )
         return True
+
+    async def _superseded(self, version: int) -> bool:
+        """Whether a newer version than `version` has been published (the weights stream's
+        last entry: what the rollout role may read)."""
+        last: Any = await self.aclient.xrevrange(self.keys.weights, count=1)
+        try:
+            return bool(last) and decode(last[0][1], Weights).version > version
+        except WireError:
+            return False
+
+    def _refuse(self, msg: Weights, err: WeightsError) -> None:
+        self.refused += 1
+        self.log.error(
+            "weights_refused",
+            version=msg.version,
+            channel=msg.channel,
+            path=msg.path,
+            reason=str(err),
+            serving_version=self.loaded_version,
+        )
 
     async def follow(self, stop: Callable[[], bool]) -> None:
         while not stop():

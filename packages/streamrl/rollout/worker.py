@@ -2,17 +2,32 @@
 `num_generations`, or the members a re-run task names), emit trajectories, acknowledge a
 task only with the write of its last trajectory.
 
-Up to `max_concurrency` episodes run at once on one event loop. No new episode starts while
-weights sync (the follower's lock), or while too many groups wait for the trainer or are
-half filled (backpressure). Entries still being worked on are touched regularly, so a long
-episode is not mistaken for the work of a dead consumer and claimed by another worker.
+Up to `max_concurrency` episodes run at once on one event loop, in four parts that never
+wait for each other's Redis round trips:
+
+- the reader takes as many tasks as the free slots hold (plus one task read ahead) in one
+  XREADGROUP, unless rollout is backpressured (too many groups wait for the trainer or are
+  half filled, as last read by the background `_flow` check) or a weight sync holds the
+  follower's lock;
+- the starter starts waiting members as slots free, one at a time if need be: a task's
+  members need not start together (those that do share their prompt's prefill);
+- each episode, when it ends, puts its trajectory in the outbox;
+- the committer writes everything in the outbox in one MULTI/EXEC, with the
+  acknowledgement of each task whose last member is in it (so a crash loses no task: an
+  unacknowledged one is claimed and run again).
+
+Entries still being worked on are touched regularly, so a long episode is not mistaken for
+the work of a dead consumer and claimed by another worker; a task another worker claimed
+anyway is not taken back, and this worker's own entry claimed again is not run twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -81,6 +96,37 @@ class Backpressure:
         return why is not None
 
 
+# KEYS: the task stream. ARGV: consumer group, consumer, entry ids.
+# Resets the idle time of the entries this consumer still owns (XCLAIM ... JUSTID keeps
+# the delivery count) and returns those it no longer owns: another worker claimed them
+# while this one looked dead, or they are acknowledged. An unconditional XCLAIM would take
+# a claimed task back, and the two workers would pass it to and fro until its delivery
+# count sent it to the dead letters while both still ran it.
+_TOUCH_OWN = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] ~= nil and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+BACKPRESSURE_REFRESH_S = 0.05  # how often the backpressure state is read from Redis
+
+
+@dataclass
+class _Running:
+    """A task this worker read and has not acknowledged yet."""
+
+    delivery: Delivery[Task]
+    unfinished: int  # members not yet ended (waiting for a slot or running)
+    owned: bool = True  # False once another worker claimed it (then it is not touched)
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -100,6 +146,7 @@ class RolloutWorker:
         self.aclient = aclient
         self.keys = keys
         self.cfg = cfg
+        self.consumer = consumer
         self.server = server
         self.runner = runner
         self.episodes = episodes
@@ -110,10 +157,16 @@ class RolloutWorker:
             client, keys, keys.tasks, keys.CG_ROLLOUT, consumer, Task, cfg.transport, log
         )
         self.backpressure = Backpressure(aclient, keys, cfg, log)
+        self.paused = False  # backpressure, as last read by `_flow`
         self.active = 0
         self.started = 0
-        self._capacity = asyncio.Condition()
-        self._remaining: dict[str, int] = {}
+        self._touch = aclient.register_script(_TOUCH_OWN)
+        self._changed = asyncio.Condition()  # slots freed, members queued, pause lifted
+        self._tasks: dict[str, _Running] = {}  # entry id -> task read, not yet acknowledged
+        self._waiting: deque[tuple[Delivery[Task], int]] = deque()  # members without a slot
+        self._outbox: list[tuple[Delivery[Task], Trajectory, bool]] = []
+        self._outbox_ready = asyncio.Event()
+        self._closing = False  # stopping: the committer drains the outbox and returns
         self._episodes: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
 
@@ -122,15 +175,19 @@ class RolloutWorker:
         if not await self.follower.wait_initial(self.stop):
             return
         self.log.info("rollout_ready", version=self.follower.loaded_version)
+        self.paused = await self.backpressure.check()  # before the first read
         parts = [
             asyncio.create_task(self.server.serve(), name="model-server"),
             asyncio.create_task(self.follower.follow(self.stop), name="weights"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
-            asyncio.create_task(self._task_loop(), name="tasks"),
+            asyncio.create_task(self._flow(), name="backpressure"),
+            asyncio.create_task(self._reader(), name="tasks"),
+            asyncio.create_task(self._starter(), name="episodes"),
         ]
+        committer = asyncio.create_task(self._committer(), name="commits")
         try:
             while not self.stop() and self._failure is None:
-                done = [p for p in parts if p.done()]
+                done = [p for p in [*parts, committer] if p.done()]
                 for p in done:
                     p.result()  # re-raises a component's error: the process stops with it
                     raise RuntimeError(f"component {p.get_name()} stopped unexpectedly")
@@ -141,36 +198,65 @@ class RolloutWorker:
             for t in [*parts, *self._episodes]:
                 t.cancel()
             await asyncio.gather(*parts, *self._episodes, return_exceptions=True)
+            # Episodes that ended before the stop are committed (and logged), not run again;
+            # a commit in flight is not cut off between its transaction and its log line.
+            self._closing = True
+            self._outbox_ready.set()
+            if self._failure is not None or committer.done():
+                committer.cancel()
+            await asyncio.gather(committer, return_exceptions=True)
 
-    async def _task_loop(self) -> None:
+    # -- admission ---------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        """Members to read for: free slots, plus one task's members read ahead so that a
+        slot that frees starts its next episode without waiting for Redis."""
+        ahead = self.cfg.rollout.num_generations
+        return self.cfg.rollout.max_concurrency + ahead - self.active - len(self._waiting)
+
+    async def _reader(self) -> None:
+        """Read as many tasks as the free slots take, in one XREADGROUP, while rollout is
+        neither backpressured nor held by a weight sync."""
         n = self.cfg.rollout.num_generations
         while not self.stop():
-            async with self._capacity:
-                await self._capacity.wait_for(
-                    lambda: self.active + n <= self.cfg.rollout.max_concurrency
-                )
-            if await self._backpressured():
-                await asyncio.sleep(0.2)
-                continue
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._room() > 0 and not self.paused)
             await self.follower.lock.wait_open()
-            deliveries = await asyncio.to_thread(self.input.read, 1)
+            count = -(-self._room() // n)  # whole tasks, rounded up
+            deliveries = await asyncio.to_thread(self.input.read, count)
             for d in deliveries:
-                await self.follower.lock.wait_open()  # a sync may have begun during the read
-                self._start(d)
+                self._admit(d)
+            if deliveries:
+                async with self._changed:
+                    self._changed.notify_all()
 
-    async def _backpressured(self) -> bool:
-        return await self.backpressure.check()
+    def _admit(self, d: Delivery[Task]) -> None:
+        """Queue the task's members: every member, or those a re-run task names."""
+        if d.entry_id in self._tasks:
+            # This worker's own entry, claimed back after a late heartbeat: it is running.
+            self.log.warning("own_task_claimed_again", entry_id=d.entry_id)
+            return
+        members = d.msg.member_indices()
+        self._tasks[d.entry_id] = _Running(d, len(members))
+        self._waiting.extend((d, m) for m in members)
 
-    def _start(self, d: Delivery[Task]) -> None:
-        """Start the task's episodes: every member, or those a re-run task names."""
-        task = d.msg
-        members = task.member_indices()
-        self._remaining[d.entry_id] = len(members)
-        for member in members:
+    async def _starter(self) -> None:
+        """Start waiting members as slots free (not only when a whole group fits)."""
+        limit = self.cfg.rollout.max_concurrency
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: bool(self._waiting) and self.active < limit)
+            await self.follower.lock.wait_open()  # no await between this and `enter`
+            self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        limit = self.cfg.rollout.max_concurrency
+        while self._waiting and self.active < limit:
+            d, member = self._waiting.popleft()
             self.follower.lock.enter()
             self.active += 1
             self.started += 1
-            ep = asyncio.create_task(self._episode(d, member), name=f"{task.group_id}-m{member}")
+            ep = asyncio.create_task(self._episode(d, member), name=f"{d.msg.group_id}-m{member}")
             self._episodes.add(ep)
             ep.add_done_callback(self._episode_done)
 
@@ -182,51 +268,101 @@ class RolloutWorker:
     async def _episode(self, d: Delivery[Task], member: int) -> None:
         try:
             traj = await self.runner.run(d.msg, member, lambda: self.episodes.make(d.msg, member))
-            # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
-            await self._emit(d, msgspec.structs.replace(traj, cursor=d.msg.cursor))
         finally:
             self.active -= 1
             self.follower.lock.leave()
-            async with self._capacity:
-                self._capacity.notify_all()
+            async with self._changed:
+                self._changed.notify_all()
+        running = self._tasks[d.entry_id]
+        running.unfinished -= 1
+        # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
+        traj = msgspec.structs.replace(traj, cursor=d.msg.cursor)
+        self._outbox.append((d, traj, running.unfinished == 0))
+        self._outbox_ready.set()
 
-    async def _emit(self, d: Delivery[Task], traj: Trajectory) -> None:
-        self._remaining[d.entry_id] -= 1
-        last = self._remaining[d.entry_id] == 0
+    # -- output ------------------------------------------------------------------------------
+
+    async def _committer(self) -> None:
+        """Commit the trajectories that ended since the last commit, in one transaction
+        with the acknowledgement of each task whose last member is among them."""
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            await self._commit_outbox()
+            if self._closing and not self._outbox:
+                return
+
+    async def _commit_outbox(self) -> None:
+        batch, self._outbox = self._outbox, []
+        if not batch:
+            return
         stats = self.keys.stats
-
+        acks = [d.entry_id for d, _, last in batch if last]
+        statuses = Counter(t.status for _, t, _ in batch)
         # The feeder's backlog counts its own tasks done; a re-run task is not one of them.
-        done = "tasks_done" if d.msg.members is None else "rerun_tasks_done"
+        done = Counter(
+            "tasks_done" if d.msg.members is None else "rerun_tasks_done"
+            for d, _, last in batch
+            if last
+        )
 
         def counters(p: Any) -> None:
-            p.hincrby(stats, "trajectories", 1)
-            p.hincrby(stats, f"episodes_{traj.status}", 1)
-            if last:
-                p.hincrby(stats, done, 1)
+            p.hincrby(stats, "trajectories", len(batch))
+            for status, k in statuses.items():
+                p.hincrby(stats, f"episodes_{status}", k)
+            for field, k in done.items():
+                p.hincrby(stats, field, k)
 
         await asyncio.to_thread(
-            self.input.commit,
-            [d.entry_id] if last else [],
-            [(self.keys.trajectories, traj)],
-            counters,
+            self.input.commit, acks, [(self.keys.trajectories, t) for _, t, _ in batch], counters
         )
-        if last:
-            del self._remaining[d.entry_id]
+        for entry_id in acks:
+            del self._tasks[entry_id]
         self.log.info(
-            "trajectory",
-            traj_id=traj.traj_id,
-            entry_id=d.entry_id,
-            status=traj.status,
-            reward=traj.reward,
-            versions=traj.versions,
-            tokens=len(traj.token_array()),
-            tool_calls=traj.num_tool_calls,
-            error=traj.error or None,
+            "trajectories_committed",
+            trajectories=[
+                {
+                    "traj_id": t.traj_id,
+                    "entry_id": d.entry_id,
+                    "status": t.status,
+                    "reward": t.reward,
+                    "versions": t.versions,
+                    "tokens": len(t.tokens) // 4,
+                    "tool_calls": t.num_tool_calls,
+                    "error": t.error or None,
+                }
+                for d, t, _ in batch
+            ],
         )
 
+    # -- liveness ----------------------------------------------------------------------------
+
+    async def _flow(self) -> None:
+        """Keep `paused` current (backpressure read from Redis in the background, so that
+        admitting a task costs no round trip); wake the reader when a pause ends."""
+        while True:
+            paused = await self.backpressure.check()
+            if paused != self.paused:
+                self.paused = paused
+                async with self._changed:
+                    self._changed.notify_all()
+            await asyncio.sleep(BACKPRESSURE_REFRESH_S)
+
     async def _heartbeat(self) -> None:
+        """Touch the tasks this worker still owns, on the async client (no thread pool that
+        blocking work could fill may delay it past `claim_idle_ms`)."""
         every = self.cfg.transport.claim_idle_ms / 3000
         while True:
             await asyncio.sleep(every)
-            if self._remaining:
-                await asyncio.to_thread(self.input.touch, list(self._remaining))
+            ids = [e for e, r in self._tasks.items() if r.owned]
+            if not ids:
+                continue
+            lost = await self._touch(
+                keys=[self.keys.tasks], args=[self.keys.CG_ROLLOUT, self.consumer, *ids]
+            )
+            for raw in lost:
+                entry_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+                running = self._tasks.get(entry_id)
+                if running is not None:  # else acknowledged since: not lost
+                    running.owned = False
+                    self.log.warning("task_claimed_by_another_worker", entry_id=entry_id)

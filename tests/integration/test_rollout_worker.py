@@ -1,0 +1,258 @@
+"""The rollout worker's admission, commits and task ownership against a real redis-server:
+members start as slots free, trajectories that end together are committed together, the
+backpressure state read in the background holds reading, and a task is never run twice by
+its own worker nor taken back from a worker that claimed it (review M2).
+
+The episodes are scripted (a runner that sleeps and returns a trajectory): what is under
+test is the worker's loop and its Redis traffic, not the policy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, cast
+
+import redis
+import redis.asyncio as aioredis
+import structlog
+from structlog.testing import capture_logs
+
+from streamrl.config import Config, parse_config
+from streamrl.names import Keys
+from streamrl.rollout.weights import SyncLock
+from streamrl.rollout.worker import RolloutWorker
+from streamrl.tasks.registry import make_task
+from streamrl.transport import publish
+from streamrl.wire import Task, Trajectory, decode, pack_arrays
+from tests.conftest import entries
+
+G = 4
+
+
+def config(claim_idle_ms: int = 100, **rollout: Any) -> Config:
+    transport = {"block_ms": 5, "claim_idle_ms": claim_idle_ms, "claim_every_ms": 10}
+    # max_deliveries: the own-claim test claims its running task again every 100 ms.
+    return parse_config(
+        {
+            "transport": {**transport, "max_deliveries": 50},
+            "rollout": {"num_generations": G, **rollout},
+        }
+    )
+
+
+class SleepyRunner:
+    """Stands in for the EpisodeRunner: each episode sleeps `episode_s`, then ends ok."""
+
+    def __init__(self, episode_s: float) -> None:
+        self.episode_s = episode_s
+        self.ran: list[tuple[str, int]] = []
+        self.running = 0
+        self.most_running = 0
+
+    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+        self.ran.append((t.task_id, member))
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            await asyncio.sleep(self.episode_s)
+        finally:
+            self.running -= 1
+        return Trajectory(
+            traj_id=f"{t.group_id}-m{member}",
+            group_id=t.group_id,
+            task_id=t.task_id,
+            member=member,
+            num_generations=t.num_generations,
+            **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
+            prompt_len=1,
+            reward=float(member),
+            status="ok",
+            versions=[0],
+        )
+
+
+async def _forever(*_: Any) -> None:
+    await asyncio.Event().wait()
+
+
+async def _ready(_stop: Any) -> bool:
+    return True
+
+
+def make_worker(
+    redis_url: str,
+    keys: Keys,
+    cfg: Config,
+    runner: SleepyRunner,
+    stop: Callable[[], bool],
+    consumer: str = "r0",
+) -> tuple[RolloutWorker, aioredis.Redis]:
+    aclient = aioredis.Redis.from_url(redis_url)
+    follower = SimpleNamespace(
+        lock=SyncLock(), wait_initial=_ready, follow=_forever, loaded_version=0
+    )
+    worker = RolloutWorker(
+        client=redis.Redis.from_url(redis_url),
+        aclient=aclient,
+        keys=keys,
+        cfg=cfg,
+        consumer=consumer,
+        server=cast(Any, SimpleNamespace(serve=_forever)),
+        runner=cast(Any, runner),
+        episodes=cast(Any, None),
+        follower=cast(Any, follower),
+        log=structlog.get_logger(),
+        stop=stop,
+    )
+    return worker, aclient
+
+
+def write_tasks(rclient: redis.Redis, keys: Keys, cfg: Config, n: int) -> list[Task]:
+    tasks = [make_task(cfg.task, cfg.run.seed, cursor, G) for cursor in range(n)]
+    for t in tasks:
+        publish(rclient, keys.tasks, t)
+    return tasks
+
+
+def written(rclient: redis.Redis, keys: Keys) -> list[Trajectory]:
+    return [decode(f, Trajectory) for _, f in entries(rclient, keys.trajectories)]
+
+
+def pending(rclient: redis.Redis, keys: Keys) -> int:
+    return int(rclient.xpending(keys.tasks, keys.CG_ROLLOUT)["pending"])
+
+
+def run_until(worker: RolloutWorker, aclient: aioredis.Redis, done: Callable[[], bool]) -> None:
+    """Run the worker until `done()` (checked by the worker's own stop test), 20 s at most."""
+    deadline = time.monotonic() + 20
+
+    async def go() -> None:
+        try:
+            await worker.run()
+        finally:
+            await aclient.aclose()
+
+    worker.stop = lambda: done() or time.monotonic() > deadline
+    asyncio.run(go())
+    assert time.monotonic() <= deadline, "the worker did not finish in time"
+
+
+def test_members_start_as_slots_free(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    """One slot, groups of four: the members run one after another (the config used to
+    refuse max_concurrency < num_generations: a task's members had to start together)."""
+    cfg = config(max_concurrency=1)
+    [t] = write_tasks(rclient, keys, cfg, 1)
+    runner = SleepyRunner(0.02)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    run_until(worker, aclient, lambda: len(runner.ran) == G and pending(rclient, keys) == 0)
+    assert runner.most_running == 1
+    assert sorted(runner.ran) == [(t.task_id, m) for m in range(G)]
+    assert sorted(tr.member for tr in written(rclient, keys)) == list(range(G))
+    assert all(tr.cursor == t.cursor for tr in written(rclient, keys))
+    assert int(rclient.hget(keys.stats, "tasks_done") or 0) == 1
+
+
+def test_episodes_that_end_together_commit_together(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Eight episodes of two tasks end at the same moment: one commit (one MULTI/EXEC)
+    writes their trajectories and acknowledges both tasks, with the counters summed."""
+    cfg = config(max_concurrency=2 * G)
+    write_tasks(rclient, keys, cfg, 2)
+    runner = SleepyRunner(0.3)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    with capture_logs() as logs:
+        run_until(worker, aclient, lambda: pending(rclient, keys) == 0 and len(runner.ran) == 8)
+    commits = [e for e in logs if e["event"] == "trajectories_committed"]
+    assert sum(len(e["trajectories"]) for e in commits) == 2 * G
+    assert len(commits) <= 2, [len(e["trajectories"]) for e in commits]  # batched, not 8
+    assert len(written(rclient, keys)) == 2 * G
+    s = rclient.hgetall(keys.stats)
+    assert s[b"trajectories"] == b"8" and s[b"episodes_ok"] == b"8" and s[b"tasks_done"] == b"2"
+
+
+def test_backpressure_read_in_the_background_holds_reading(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """While more groups wait for the trainer than max_ready_groups, no task is read; once
+    the trainer catches up, reading resumes on its own."""
+    cfg = config(max_concurrency=G, max_ready_groups=2)
+    rclient.hset(keys.stats, mapping={"groups": 5, "groups_trained": 0})
+    write_tasks(rclient, keys, cfg, 1)
+    runner = SleepyRunner(0.01)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    paused_at: list[float] = []
+    released: list[bool] = []
+
+    def done() -> bool:  # called by the worker's loop about every 0.1 s
+        if worker.paused and not paused_at:
+            paused_at.append(time.monotonic())
+        if paused_at and not released and time.monotonic() - paused_at[0] > 0.5:
+            # Paused half a second (the loop ran meanwhile): nothing was read.
+            [group] = rclient.xinfo_groups(keys.tasks)
+            assert group["last-delivered-id"] in (b"0-0", "0-0") and not runner.ran
+            rclient.hset(keys.stats, "groups_trained", 5)
+            released.append(True)
+        return bool(released) and len(runner.ran) == G and pending(rclient, keys) == 0
+
+    with capture_logs() as logs:
+        run_until(worker, aclient, done)
+    assert released, "rollout never paused"
+    assert [e["event"] for e in logs if e["event"].startswith("backpressure")] == [
+        "backpressure_paused",
+        "backpressure_resumed",
+    ]
+    assert rclient.hget(keys.stats, "backpressure_pauses") == b"1"
+
+
+def test_own_task_claimed_again_is_not_run_twice(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Review M2: a heartbeat late by more than claim_idle_ms (a Redis stall, a saturated
+    thread pool) let the worker's own XAUTOCLAIM hand it its in-flight task again; it ran
+    every member a second time and then crashed on a KeyError. Now the claimed-again entry
+    is recognised and left to the episodes already running it."""
+    cfg = config(max_concurrency=2 * G)  # free slots: the worker goes on reading
+    [t] = write_tasks(rclient, keys, cfg, 1)
+    runner = SleepyRunner(0.6)  # idle far past claim_idle_ms (100 ms) with no heartbeat
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    worker._heartbeat = _forever  # type: ignore[method-assign]  # the late heartbeat
+    with capture_logs() as logs:
+        run_until(worker, aclient, lambda: len(runner.ran) >= G and pending(rclient, keys) == 0)
+    assert sorted(runner.ran) == [(t.task_id, m) for m in range(G)]  # each member once
+    assert sorted(tr.member for tr in written(rclient, keys)) == list(range(G))
+    assert any(e["event"] == "own_task_claimed_again" for e in logs)
+    assert worker._failure is None and rclient.xlen(keys.dead) == 0
+
+
+def test_task_claimed_by_another_worker_is_not_taken_back(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Review M2, across workers: once another consumer has claimed a task (this worker
+    looked dead), the heartbeat no longer XCLAIMs it back (the two used to pass it to and
+    fro until the dead letters took it); the worker says so and still commits what it ran."""
+    cfg = config(claim_idle_ms=1000, max_concurrency=G)  # heartbeat every 333 ms
+    write_tasks(rclient, keys, cfg, 1)
+    runner = SleepyRunner(1.5)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    owners: list[str] = []
+    claimed_at: list[float] = []
+
+    def done() -> bool:  # called by the worker's loop about every 0.1 s
+        if not claimed_at and runner.running == G:
+            [row] = rclient.xpending_range(keys.tasks, keys.CG_ROLLOUT, "-", "+", 10)
+            rclient.xclaim(keys.tasks, keys.CG_ROLLOUT, "r1", 0, [row["message_id"]], justid=True)
+            claimed_at.append(time.monotonic())
+        if claimed_at and not owners and time.monotonic() - claimed_at[0] > 0.8:
+            # Two heartbeats later, still r1's (and r1 has not been idle for claim_idle_ms).
+            [row] = rclient.xpending_range(keys.tasks, keys.CG_ROLLOUT, "-", "+", 10)
+            owners.append(str(row["consumer"], "utf-8"))  # type: ignore[arg-type]
+        return bool(owners) and pending(rclient, keys) == 0
+
+    with capture_logs() as logs:
+        run_until(worker, aclient, done)
+    assert owners == ["r1"]  # r0's heartbeat left it with r1
+    assert any(e["event"] == "task_claimed_by_another_worker" for e in logs)
+    assert len(written(rclient, keys)) == G and worker._failure is None
