@@ -15,7 +15,6 @@ the trainer's error if it fails.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
@@ -66,7 +65,7 @@ def run(ctx: WorkerContext) -> int:
     thread = threading.Thread(target=train, name="trainer", daemon=True)
     thread.start()
     try:
-        asyncio.run(rollout.serve(ctx, on_server=attach))
+        rollout.run_loop(rollout.serve(ctx, on_server=attach), ctx.cfg.rollout.event_loop)
     finally:
         ctx.stop.set()
         thread.join()

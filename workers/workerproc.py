@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -81,10 +83,23 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     except FatalError as err:
         ctx.log.error("worker_fatal", error=f"{type(err).__name__}: {err}")
         print(f"streamrl: {type(err).__name__}: {err}", file=sys.stderr)
-        return FATAL_EXIT_CODE
+        code = FATAL_EXIT_CODE
     except Exception:
         ctx.log.exception("worker_failed")
         raise
     finally:
         beat.close()
+    if code == FATAL_EXIT_CODE:
+        exit_fatal()
     return code
+
+
+def exit_fatal() -> None:
+    """Exit with FATAL_EXIT_CODE now, skipping the interpreter's finalization: a daemon
+    thread still in native code (an engine step that outlived its join, inside XLA) makes
+    it abort (SIGABRT, "terminate called after throwing an instance of ''"), and the
+    launcher would restart the worker as crashed instead of stopping the run."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(FATAL_EXIT_CODE)

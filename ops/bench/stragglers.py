@@ -104,6 +104,12 @@ MIXES: dict[str, tuple[str, dict[str, Any]]] = {
         "log-normal, median 50 ms, sigma 1.5, cap 10 s",
         {"latency": "lognormal", "latency_s": 0.05, "sigma": 1.5, "max_latency_s": 10.0},
     ),
+    # The heavy mix with each step a blocking call (time.sleep on a thread, as a sync
+    # environment or tool does): what rollout.env_threads is for.
+    "heavy-blocking": (
+        "90 % 50 ms / 10 % 1 s, blocking steps",
+        {"latency": "mixture", "mixture": [[0.9, 0.05], [0.1, 1.0]], "blocking": True},
+    ),
 }
 
 

@@ -6,6 +6,7 @@ name says it holds a secret is masked.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
@@ -16,6 +17,8 @@ import structlog
 
 _URL_AUTH = re.compile(r"(?P<scheme>[a-z+]+://)(?P<auth>[^@/]*@)")
 _SECRET_KEYS = ("password", "secret", "token", "requirepass", "redis_url")
+_SECRET_NAME = re.compile("|".join(_SECRET_KEYS), re.IGNORECASE)
+_PLAIN = (int, float, bool, type(None))  # never secrets: a count of `tokens` stays readable
 
 
 def redact_url(url: str) -> str:
@@ -23,18 +26,27 @@ def redact_url(url: str) -> str:
     return _URL_AUTH.sub(lambda m: f"{m.group('scheme')}***@", url)
 
 
-def _redact_value(key: str, value: Any) -> Any:
-    """`value` of field `key` with its secrets masked, through nested dicts and lists."""
-    secret_name = any(s in key.lower() for s in _SECRET_KEYS)
-    # Numbers are never secrets: a count of `tokens` stays readable.
-    if secret_name and not isinstance(value, int | float):
+@functools.lru_cache(maxsize=4096)
+def _is_secret_name(key: str) -> bool:
+    return _SECRET_NAME.search(key) is not None
+
+
+def _redact_value(key: str, value: Any, secret_name: bool | None = None) -> Any:
+    """`value` of field `key` with its secrets masked, through nested dicts and lists.
+    `secret_name`: whether `key` names a secret, if the caller knows (the items of a list
+    share their field's name, so a long list asks once)."""
+    if type(value) in _PLAIN:
+        return value
+    if secret_name is None:
+        secret_name = _is_secret_name(key)
+    if secret_name:
         return "***"
-    if isinstance(value, str) and "://" in value:
-        return redact_url(value)
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
     if isinstance(value, dict):
         return {k: _redact_value(str(k), v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_redact_value(key, v) for v in value]
+        return [_redact_value(key, v, False) for v in value]
     return value
 
 

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
+from streamrl.agents.flow import CircuitOpenError
 from streamrl.config import Config, parse_config
 from streamrl.names import Keys
 from streamrl.rollout.weights import SyncLock
@@ -256,3 +258,30 @@ def test_task_claimed_by_another_worker_is_not_taken_back(
     assert owners == ["r1"]  # r0's heartbeat left it with r1
     assert any(e["event"] == "task_claimed_by_another_worker" for e in logs)
     assert len(written(rclient, keys)) == G and worker._failure is None
+
+
+class FailingRunner(SleepyRunner):
+    """Member 0 of the first task fails the worker (a tripped circuit breaker, say) at the
+    moment every other episode of the wave ends too."""
+
+    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+        if t.cursor == 0 and member == 0:
+            self.ran.append((t.task_id, member))
+            await asyncio.sleep(self.episode_s)
+            raise CircuitOpenError("1 consecutive tool infrastructure errors")
+        return await super().run(t, member, make_episode)
+
+
+def test_nothing_starts_after_a_failure(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:
+    """Once an episode failed the worker, the slots that free with it start nothing, not
+    even the members already read ahead: in CI a second wave of episodes kept the engine
+    busy past the worker's stop (and the process, exiting with a daemon engine thread
+    inside XLA, aborted and was restarted instead of stopping the run)."""
+    cfg = config(max_concurrency=2 * G)
+    write_tasks(rclient, keys, cfg, 6)
+    runner = FailingRunner(0.2)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    with pytest.raises(CircuitOpenError):
+        run_until(worker, aclient, lambda: False)
+    assert len(runner.ran) == 2 * G  # the first wave only
+    assert len(worker._waiting) == G  # the task read ahead: never started

@@ -7,8 +7,7 @@ wait for each other's Redis round trips:
 
 - the reader takes as many tasks as the free slots hold (plus one task read ahead) in one
   XREADGROUP, unless rollout is backpressured (too many groups wait for the trainer or are
-  half filled, as last read by the background `_flow` check) or a weight sync holds the
-  follower's lock;
+  half filled; read before each batch) or a weight sync holds the follower's lock;
 - the starter starts waiting members as slots free, one at a time if need be: a task's
   members need not start together (those that do share their prompt's prefill);
 - each episode, when it ends, puts its trajectory in the outbox;
@@ -66,14 +65,15 @@ class Backpressure:
         self.log = log
         self.paused_since: float | None = None  # monotonic time of the pause, None: running
 
-    async def reason(self) -> str | None:
-        """Why no task may start now, or None."""
+    async def reason(self, ending: int = 0) -> str | None:
+        """Why no task may start now, or None. `ending`: groups whose episodes this worker
+        has finished but not yet committed (ready in a moment, not yet counted in Redis)."""
         rcfg = self.cfg.rollout
         pipe = self.aclient.pipeline(transaction=False)
         pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
         pipe.hlen(self.keys.groups_started)
         raw, partial = await pipe.execute()
-        ready = int(raw[0] or 0) - int(raw[1] or 0)
+        ready = int(raw[0] or 0) - int(raw[1] or 0) + ending
         if ready >= rcfg.max_ready_groups:
             return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"
         if rcfg.max_partial_groups and int(partial) >= rcfg.max_partial_groups:
@@ -82,9 +82,9 @@ class Backpressure:
             )
         return None
 
-    async def check(self) -> bool:
+    async def check(self, ending: int = 0) -> bool:
         """True while rollout must wait."""
-        why = await self.reason()
+        why = await self.reason(ending)
         if why is not None and self.paused_since is None:
             self.paused_since = time.monotonic()
             await self.aclient.hincrby(self.keys.stats, BACKPRESSURE_PAUSES, 1)
@@ -115,7 +115,7 @@ end
 return lost
 """
 
-BACKPRESSURE_REFRESH_S = 0.05  # how often the backpressure state is read from Redis
+BACKPRESSURE_POLL_S = 0.05  # how often a paused reader reads the backpressure state again
 
 
 @dataclass
@@ -157,7 +157,7 @@ class RolloutWorker:
             client, keys, keys.tasks, keys.CG_ROLLOUT, consumer, Task, cfg.transport, log
         )
         self.backpressure = Backpressure(aclient, keys, cfg, log)
-        self.paused = False  # backpressure, as last read by `_flow`
+        self.paused = False  # backpressure, as the reader last read it
         self.active = 0
         self.started = 0
         self._touch = aclient.register_script(_TOUCH_OWN)
@@ -167,6 +167,8 @@ class RolloutWorker:
         self._outbox: list[tuple[Delivery[Task], Trajectory, bool]] = []
         self._outbox_ready = asyncio.Event()
         self._closing = False  # stopping: the committer drains the outbox and returns
+        self._stopping = False  # the serve loop ended: start nothing more
+        self._ended = 0  # tasks whose members all ended, not yet committed (backpressure)
         self._episodes: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
 
@@ -175,12 +177,10 @@ class RolloutWorker:
         if not await self.follower.wait_initial(self.stop):
             return
         self.log.info("rollout_ready", version=self.follower.loaded_version)
-        self.paused = await self.backpressure.check()  # before the first read
         parts = [
             asyncio.create_task(self.server.serve(), name="model-server"),
             asyncio.create_task(self.follower.follow(self.stop), name="weights"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
-            asyncio.create_task(self._flow(), name="backpressure"),
             asyncio.create_task(self._reader(), name="tasks"),
             asyncio.create_task(self._starter(), name="episodes"),
         ]
@@ -195,6 +195,7 @@ class RolloutWorker:
             if self._failure is not None:
                 raise self._failure
         finally:
+            self._stopping = True
             for t in [*parts, *self._episodes]:
                 t.cancel()
             await asyncio.gather(*parts, *self._episodes, return_exceptions=True)
@@ -214,14 +215,29 @@ class RolloutWorker:
         ahead = self.cfg.rollout.num_generations
         return self.cfg.rollout.max_concurrency + ahead - self.active - len(self._waiting)
 
+    def _starting(self) -> bool:
+        """Whether new work may start: not once stopped, stopping or a component failed
+        (after a tripped breaker, say, a new wave of episodes would only keep the engine
+        busy past the worker's stop). Checked by the reader and the starter themselves:
+        cancelling them is not all it takes to stop them."""
+        return not (self.stop() or self._stopping or self._failure is not None)
+
     async def _reader(self) -> None:
         """Read as many tasks as the free slots take, in one XREADGROUP, while rollout is
-        neither backpressured nor held by a weight sync."""
+        neither backpressured nor held by a weight sync. Backpressure is read (on the async
+        client, no thread) before each read: one round trip per batch of tasks, and the
+        bound stays as tight as when each task was checked alone."""
         n = self.cfg.rollout.num_generations
-        while not self.stop():
+        while self._starting():
             async with self._changed:
-                await self._changed.wait_for(lambda: self._room() > 0 and not self.paused)
+                await self._changed.wait_for(lambda: self._room() > 0)
+            self.paused = await self.backpressure.check(self._ended)
+            if self.paused:
+                await asyncio.sleep(BACKPRESSURE_POLL_S)
+                continue
             await self.follower.lock.wait_open()
+            if not self._starting():
+                return
             count = -(-self._room() // n)  # whole tasks, rounded up
             deliveries = await asyncio.to_thread(self.input.read, count)
             for d in deliveries:
@@ -243,7 +259,7 @@ class RolloutWorker:
     async def _starter(self) -> None:
         """Start waiting members as slots free (not only when a whole group fits)."""
         limit = self.cfg.rollout.max_concurrency
-        while True:
+        while self._starting():
             async with self._changed:
                 await self._changed.wait_for(lambda: bool(self._waiting) and self.active < limit)
             await self.follower.lock.wait_open()  # no await between this and `enter`
@@ -251,7 +267,7 @@ class RolloutWorker:
 
     def _start_waiting(self) -> None:
         limit = self.cfg.rollout.max_concurrency
-        while self._waiting and self.active < limit:
+        while self._waiting and self.active < limit and self._starting():
             d, member = self._waiting.popleft()
             self.follower.lock.enter()
             self.active += 1
@@ -268,6 +284,11 @@ class RolloutWorker:
     async def _episode(self, d: Delivery[Task], member: int) -> None:
         try:
             traj = await self.runner.run(d.msg, member, lambda: self.episodes.make(d.msg, member))
+        except Exception as err:
+            # Set here, before the slot's release wakes the starter: nothing starts after it.
+            if self._failure is None:
+                self._failure = err
+            raise
         finally:
             self.active -= 1
             self.follower.lock.leave()
@@ -275,6 +296,8 @@ class RolloutWorker:
                 self._changed.notify_all()
         running = self._tasks[d.entry_id]
         running.unfinished -= 1
+        if running.unfinished == 0:
+            self._ended += 1
         # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
         traj = msgspec.structs.replace(traj, cursor=d.msg.cursor)
         self._outbox.append((d, traj, running.unfinished == 0))
@@ -318,6 +341,7 @@ class RolloutWorker:
         )
         for entry_id in acks:
             del self._tasks[entry_id]
+        self._ended -= len(acks)
         self.log.info(
             "trajectories_committed",
             trajectories=[
@@ -336,17 +360,6 @@ class RolloutWorker:
         )
 
     # -- liveness ----------------------------------------------------------------------------
-
-    async def _flow(self) -> None:
-        """Keep `paused` current (backpressure read from Redis in the background, so that
-        admitting a task costs no round trip); wake the reader when a pause ends."""
-        while True:
-            paused = await self.backpressure.check()
-            if paused != self.paused:
-                self.paused = paused
-                async with self._changed:
-                    self._changed.notify_all()
-            await asyncio.sleep(BACKPRESSURE_REFRESH_S)
 
     async def _heartbeat(self) -> None:
         """Touch the tasks this worker still owns, on the async client (no thread pool that
