@@ -139,6 +139,11 @@ async def serve(
             weight_stall_s=round(server.stall_s, 3),
             weights_refused=follower.refused,
             weights_superseded=follower.superseded,
+            episode_s_run=round(worker.active_s, 3),
+            task_reads=worker.reads,
+            tasks_read=worker.read_tasks,
+            empty_reads=worker.empty_reads,
+            paused_reads=worker.paused_reads,
         )
         await aclient.aclose()
 

@@ -349,13 +349,19 @@ def whole_steps(groups: int) -> int:
 
 
 def base_sets(c: int, g: int, model_s: float, extra: list[str]) -> list[str]:
-    # The backlog bound (undelivered tasks) and the ready-groups bound are opened past what
-    # C episodes can use, so only max_concurrency limits the async run.
+    # The backlog bound and the ready-groups bound are opened past what C episodes can
+    # use, so only max_concurrency limits the async run; nothing is dropped as stale (a
+    # trainer taking 25 groups per step in no time publishes a version every ~0.1 s at
+    # C = 256, and a 2 s straggler would be 17 behind configs/stub.toml's bound of 16).
     return [
         f"rollout.max_concurrency={c}",
         f"rollout.num_generations={g}",
-        f"task.max_backlog={max(64, 2 * c // g)}",
+        # The backlog counts tasks in flight too, and with stragglers a group stays open
+        # until its slowest member ends: up to one open task per running episode, plus
+        # two waves queued. Less starves rollout (0.77 instead of 0.9 at C = 256).
+        f"task.max_backlog={max(64, c + 2 * c // g)}",
         f"rollout.max_ready_groups={max(50, 2 * c // g + 2 * GROUPS_PER_STEP)}",
+        "grouper.off_policy_steps=1000000",
         f"model.stub_latency_s={model_s}",
         "model.stub_train_step_s=0.0",
         *extra,

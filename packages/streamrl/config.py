@@ -236,7 +236,12 @@ class TaskConfig(_Section):
         64,
         ge=1,
         le=1_000_000,
-        description="Feeder keeps at most this many tasks written but not yet rolled out.",
+        description=(
+            "Feeder keeps at most this many tasks written but not yet rolled out (queued or "
+            "in flight). With slow stragglers a group stays open until its last member "
+            "ends, so rollout can hold up to one task per running episode: below "
+            "rollout.num_workers x max_concurrency plus a wave, the feeder starves rollout."
+        ),
     )
 
 
@@ -359,6 +364,16 @@ class RolloutConfig(_Section):
         description="Model calls in flight per rollout worker at most; 0: max_concurrency.",
     )
     max_steps: int = Field(3, ge=1, le=1000, description="Model turns per episode at most.")
+    env_threads: int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description=(
+            "Threads for blocking environment steps and tool apply() calls (the event "
+            "loop's default executor, what asyncio.to_thread uses); the worker's Redis "
+            "reads and commits have threads of their own. 0: max_concurrency."
+        ),
+    )
     max_prompt_length: int = Field(
         128,
         ge=1,

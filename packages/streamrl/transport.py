@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,14 +135,72 @@ class RedisStreamConsumer(Generic[M]):
                 self._read_from = ">"
                 return self.read(count, block_ms)
             self._read_from = as_str(entries[-1][0])
+        out.extend(self._decode_entries(entries, 1 if not history else 2))
+        return out
+
+    async def aread(
+        self, aclient: aioredis.Redis, count: int | None = None, block_ms: int | None = None
+    ) -> list[Delivery[M]]:
+        """`read` on an asyncio client: the same claims, history and dead letters, without
+        a thread. (A busy event loop holds the GIL: a thread that must take it back several
+        times per round trip waits up to the 5 ms switch interval each time, which made a
+        rollout worker's reads 20 ms long at 800 episodes/s.) The rare writes (dead
+        letters, acknowledging deleted entries) stay synchronous, on a thread."""
+        count = count or self.cfg.read_count
+        if self.claim and time.monotonic() >= self._next_claim:
+            self._next_claim = time.monotonic() + self.cfg.claim_every_ms / 1000
+            resp: Any = await aclient.xautoclaim(
+                self.stream,
+                self.group,
+                self.name,
+                min_idle_time=self.cfg.claim_idle_ms,
+                start_id=self._claim_cursor,
+                count=count,
+            )
+            if resp[1]:
+                claimed = await asyncio.to_thread(self._claimed, resp)
+                if claimed:
+                    return claimed
+            else:
+                self._claim_cursor = as_str(resp[0])
+        block = self.cfg.block_ms if block_ms is None else block_ms
+        if self._read_from != ">":  # the history is read once, at start: the sync path
+            return await asyncio.to_thread(self.read, count, block_ms)
+        resp = await aclient.xreadgroup(
+            self.group, self.name, {self.stream: ">"}, count=count, block=block or None
+        )
+        entries = [e for _stream, es in resp or [] for e in es]
+        if any(fields is None for _, fields in entries):
+            return await asyncio.to_thread(self._decode_entries, entries, 1)
+        return self._decode_entries(entries, 1)
+
+    def _decode_entries(self, entries: list[Any], deliveries: int) -> list[Delivery[M]]:
+        out: list[Delivery[M]] = []
         for entry_id, fields in entries:
             if fields is None:  # 6.2 answers a deleted-but-pending entry with no fields
                 self.client.xack(self.stream, self.group, entry_id)
                 continue
-            d = self._decode(as_str(entry_id), fields, deliveries=1 if not history else 2)
+            d = self._decode(as_str(entry_id), fields, deliveries=deliveries)
             if d is not None:
                 out.append(d)
         return out
+
+    async def acommit(
+        self,
+        aclient: aioredis.Redis,
+        entry_ids: Sequence[str],
+        outputs: Sequence[tuple[str, Message]] = (),
+        extra: PipelineOp | None = None,
+    ) -> None:
+        """`commit` on an asyncio client (one MULTI/EXEC, no thread)."""
+        pipe: Any = aclient.pipeline(transaction=True)
+        for stream, msg in outputs:
+            pipe.xadd(stream, encode(msg))
+        if extra is not None:
+            extra(pipe)
+        if entry_ids:
+            pipe.xack(self.stream, self.group, *entry_ids)
+        await pipe.execute()
 
     def _claim(self, count: int) -> list[Delivery[M]]:
         resp: Any = self.client.xautoclaim(
@@ -152,6 +211,10 @@ class RedisStreamConsumer(Generic[M]):
             start_id=self._claim_cursor,
             count=count,
         )
+        return self._claimed(resp)
+
+    def _claimed(self, resp: Any) -> list[Delivery[M]]:
+        """Deliveries of an XAUTOCLAIM reply: counted, dead-lettered past max_deliveries."""
         self._claim_cursor = as_str(resp[0])
         entries = [(as_str(eid), fields) for eid, fields in resp[1]]
         if not entries:

@@ -1,8 +1,12 @@
 """Delivery guarantees against a real redis-server."""
 
+import asyncio
 import time
+from typing import Any
 
+import pytest
 import redis
+import redis.asyncio as aioredis
 
 from streamrl.config import TransportConfig
 from streamrl.names import Keys
@@ -29,6 +33,24 @@ def _consumer(rclient: redis.Redis, keys: Keys, name: str) -> RedisStreamConsume
     return RedisStreamConsumer(rclient, keys, keys.tasks, "cg", name, Task, FAST)
 
 
+MODES = pytest.mark.parametrize("mode", ["sync", "async"])
+
+
+def _read(c: RedisStreamConsumer[Task], mode: str, url: str, **kw: Any) -> list[Any]:
+    """`c.read(**kw)`, or the same through `aread` on an asyncio client."""
+    if mode == "sync":
+        return c.read(**kw)
+
+    async def go() -> list[Any]:
+        aclient = aioredis.Redis.from_url(url)
+        try:
+            return await c.aread(aclient, **kw)
+        finally:
+            await aclient.aclose()
+
+    return asyncio.run(go())
+
+
 def _pending(rclient: redis.Redis, keys: Keys) -> int:
     return int(rclient.xpending(keys.tasks, "cg")["pending"])
 
@@ -47,30 +69,48 @@ def test_ack_only_after_output(rclient: redis.Redis, keys: Keys) -> None:
     assert decode(fields, Control).command == "pause"
 
 
-def test_commit_is_one_transaction(rclient: redis.Redis, keys: Keys) -> None:
+@MODES
+def test_commit_is_one_transaction(
+    rclient: redis.Redis, redis_url: str, keys: Keys, mode: str
+) -> None:
     c = _consumer(rclient, keys, "a")
     publish(rclient, keys.tasks, _task(1))
     [d] = c.read()
+    out = [(keys.control, Control(command="pause"))]
+
+    async def acommit() -> None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        try:
+            await c.acommit(aclient, [d.entry_id], out)
+        finally:
+            await aclient.aclose()
+
     # Watch what the server receives: output and ack must sit inside one MULTI/EXEC.
     monitor_client = redis.Redis(connection_pool=rclient.connection_pool)
     with monitor_client.monitor() as m:
-        c.commit([d.entry_id], [(keys.control, Control(command="pause"))])
+        if mode == "sync":
+            c.commit([d.entry_id], out)
+        else:
+            asyncio.run(acommit())
         seen: list[str] = []
         while not seen or seen[-1] != "EXEC":
             seen.append(str(m.next_command()["command"]).split()[0].upper())
     assert seen[-4:] == ["MULTI", "XADD", "XACK", "EXEC"]
 
 
-def test_claim_from_dead_consumer(rclient: redis.Redis, keys: Keys) -> None:
+@MODES
+def test_claim_from_dead_consumer(
+    rclient: redis.Redis, redis_url: str, keys: Keys, mode: str
+) -> None:
     dead = _consumer(rclient, keys, "dead")
     publish(rclient, keys.tasks, _task(1))
-    [d] = dead.read()
+    [d] = _read(dead, mode, redis_url)
     # `dead` never commits. Before the idle timeout nobody else gets the entry...
     alive = _consumer(rclient, keys, "alive")
-    assert alive.read(block_ms=1) == []
+    assert _read(alive, mode, redis_url, block_ms=1) == []
     time.sleep(0.15)
     alive._next_claim = 0.0
-    [again] = alive.read(block_ms=1)
+    [again] = _read(alive, mode, redis_url, block_ms=1)
     assert again.entry_id == d.entry_id and again.deliveries == 2
     alive.commit([again.entry_id])
     assert _pending(rclient, keys) == 0
@@ -80,13 +120,16 @@ def _dead_letters(rclient: redis.Redis, keys: Keys) -> list[DeadLetter]:
     return [decode(f, DeadLetter) for _, f in entries(rclient, keys.dead)]
 
 
-def test_undecodable_entry_goes_to_dead_letters(rclient: redis.Redis, keys: Keys) -> None:
+@MODES
+def test_undecodable_entry_goes_to_dead_letters(
+    rclient: redis.Redis, redis_url: str, keys: Keys, mode: str
+) -> None:
     c = _consumer(rclient, keys, "a")
     rclient.xadd(keys.tasks, {"v": "1", "kind": "task", "data": b"\xc1garbage"})
     rclient.xadd(keys.tasks, {"v": "7", "kind": "task", "data": b"x"})
     rclient.xadd(keys.tasks, {"hello": "world"})
     publish(rclient, keys.tasks, _task(2))
-    out = c.read()
+    out = _read(c, mode, redis_url)
     assert [d.msg.task_id for d in out] == ["t2"]  # the good entry still comes through
     letters = _dead_letters(rclient, keys)
     assert [dl.reason.split(":")[0] for dl in letters] == [
@@ -101,14 +144,17 @@ def test_undecodable_entry_goes_to_dead_letters(rclient: redis.Redis, keys: Keys
     assert _pending(rclient, keys) == 1
 
 
-def test_too_many_deliveries_go_to_dead_letters(rclient: redis.Redis, keys: Keys) -> None:
+@MODES
+def test_too_many_deliveries_go_to_dead_letters(
+    rclient: redis.Redis, redis_url: str, keys: Keys, mode: str
+) -> None:
     publish(rclient, keys.tasks, _task(1))
     names = ["c1", "c2", "c3"]
     got = []
     for name in names:
         c = _consumer(rclient, keys, name)
         time.sleep(0.15)
-        got.append(c.read(block_ms=1))
+        got.append(_read(c, mode, redis_url, block_ms=1))
     # delivered to c1 (1), claimed by c2 (2 = max_deliveries), claimed by c3 (3 > 2): dead
     assert [len(g) for g in got] == [1, 1, 0]
     [letter] = _dead_letters(rclient, keys)

@@ -38,9 +38,10 @@ from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
+from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
-from streamrl.transport import Delivery, RedisStreamConsumer
+from streamrl.transport import Delivery, RedisStreamConsumer, is_cluster
 from streamrl.wire import Task, Trajectory
 
 BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
@@ -98,18 +99,21 @@ class Backpressure:
 
 # KEYS: the task stream. ARGV: consumer group, consumer, entry ids.
 # Resets the idle time of the entries this consumer still owns (XCLAIM ... JUSTID keeps
-# the delivery count) and returns those it no longer owns: another worker claimed them
-# while this one looked dead, or they are acknowledged. An unconditional XCLAIM would take
+# the delivery count) and returns those another consumer owns now: claimed while this one
+# looked dead (an entry no longer pending was acknowledged: not lost). An unconditional
+# XCLAIM would take
 # a claimed task back, and the two workers would pass it to and fro until its delivery
 # count sent it to the dead letters while both still ran it.
 _TOUCH_OWN = """
 local lost = {}
 for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] ~= nil and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    table.insert(lost, ARGV[i])
+  if p[1] ~= nil then
+    if p[1][2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    else
+      table.insert(lost, ARGV[i])
+    end
   end
 end
 return lost
@@ -142,6 +146,7 @@ class RolloutWorker:
         follower: WeightFollower,
         log: structlog.stdlib.BoundLogger,
         stop: Callable[[], bool],
+        threads: WorkerThreads | None = None,
     ) -> None:
         self.aclient = aclient
         self.keys = keys
@@ -157,8 +162,19 @@ class RolloutWorker:
             client, keys, keys.tasks, keys.CG_ROLLOUT, consumer, Task, cfg.transport, log
         )
         self.backpressure = Backpressure(aclient, keys, cfg, log)
+        self._on_cluster = is_cluster(client)
+        r = cfg.rollout
+        self.threads = threads or WorkerThreads(r.env_threads or r.max_concurrency)
         self.paused = False  # backpressure, as the reader last read it
         self.active = 0
+        # Admission figures for the stop log: episode-seconds run (the time integral of
+        # `active`), reads and the tasks they brought.
+        self.active_s = 0.0
+        self._active_since = time.monotonic()
+        self.reads = 0
+        self.read_tasks = 0
+        self.empty_reads = 0
+        self.paused_reads = 0
         self.started = 0
         self._touch = aclient.register_script(_TOUCH_OWN)
         self._changed = asyncio.Condition()  # slots freed, members queued, pause lifted
@@ -174,6 +190,13 @@ class RolloutWorker:
 
     async def run(self) -> None:
         """Serve until `stop()` is true; re-raises the first failure of a component."""
+        self.threads.install()
+        try:
+            await self._serve()
+        finally:
+            self.threads.close()
+
+    async def _serve(self) -> None:
         if not await self.follower.wait_initial(self.stop):
             return
         self.log.info("rollout_ready", version=self.follower.loaded_version)
@@ -233,18 +256,29 @@ class RolloutWorker:
                 await self._changed.wait_for(lambda: self._room() > 0)
             self.paused = await self.backpressure.check(self._ended)
             if self.paused:
+                self.paused_reads += 1
                 await asyncio.sleep(BACKPRESSURE_POLL_S)
                 continue
             await self.follower.lock.wait_open()
             if not self._starting():
                 return
             count = -(-self._room() // n)  # whole tasks, rounded up
-            deliveries = await asyncio.to_thread(self.input.read, count)
+            deliveries = await self._read(count)
+            self.reads += 1
+            self.read_tasks += len(deliveries)
+            self.empty_reads += not deliveries
             for d in deliveries:
                 self._admit(d)
             if deliveries:
                 async with self._changed:
                     self._changed.notify_all()
+
+    async def _read(self, count: int) -> list[Delivery[Task]]:
+        """Up to `count` tasks: on the asyncio client (no thread, no GIL hand-offs), or on a
+        Redis thread against a cluster (whose asyncio pipelines are not transactions)."""
+        if self._on_cluster:
+            return await self.threads.redis_call(self.input.read, count)
+        return await self.input.aread(self.aclient, count)
 
     def _admit(self, d: Delivery[Task]) -> None:
         """Queue the task's members: every member, or those a re-run task names."""
@@ -270,11 +304,17 @@ class RolloutWorker:
         while self._waiting and self.active < limit and self._starting():
             d, member = self._waiting.popleft()
             self.follower.lock.enter()
-            self.active += 1
+            self._count_active(+1)
             self.started += 1
             ep = asyncio.create_task(self._episode(d, member), name=f"{d.msg.group_id}-m{member}")
             self._episodes.add(ep)
             ep.add_done_callback(self._episode_done)
+
+    def _count_active(self, delta: int) -> None:
+        now = time.monotonic()
+        self.active_s += self.active * (now - self._active_since)
+        self._active_since = now
+        self.active += delta
 
     def _episode_done(self, ep: asyncio.Task[None]) -> None:
         self._episodes.discard(ep)
@@ -290,7 +330,7 @@ class RolloutWorker:
                 self._failure = err
             raise
         finally:
-            self.active -= 1
+            self._count_active(-1)
             self.follower.lock.leave()
             async with self._changed:
                 self._changed.notify_all()
@@ -336,9 +376,11 @@ class RolloutWorker:
             for field, k in done.items():
                 p.hincrby(stats, field, k)
 
-        await asyncio.to_thread(
-            self.input.commit, acks, [(self.keys.trajectories, t) for _, t, _ in batch], counters
-        )
+        outputs = [(self.keys.trajectories, t) for _, t, _ in batch]
+        if self._on_cluster:
+            await self.threads.redis_call(self.input.commit, acks, outputs, counters)
+        else:
+            await self.input.acommit(self.aclient, acks, outputs, counters)
         for entry_id in acks:
             del self._tasks[entry_id]
         self._ended -= len(acks)
@@ -354,6 +396,7 @@ class RolloutWorker:
                     "tokens": len(t.tokens) // 4,
                     "tool_calls": t.num_tool_calls,
                     "error": t.error or None,
+                    "episode_s": round(t.timings.get("episode_s", 0.0), 4),
                 }
                 for d, t, _ in batch
             ],
