@@ -285,3 +285,38 @@ def test_nothing_starts_after_a_failure(rclient: redis.Redis, redis_url: str, ke
         run_until(worker, aclient, lambda: False)
     assert len(runner.ran) == 2 * G  # the first wave only
     assert len(worker._waiting) == G  # the task read ahead: never started
+
+
+def test_backpressure_counts_groups_ended_but_not_yet_committed(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """A group whose episodes have all ended is ready in a moment, though Redis does not
+    count it yet (its commit is in flight, the grouper has not emitted it): the reader
+    counts it, or a burst of ending episodes would read a whole wave past the bound."""
+    cfg = config(max_concurrency=G, max_ready_groups=1)
+    write_tasks(rclient, keys, cfg, 3)
+    runner = SleepyRunner(0.5)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    release = asyncio.Event()
+    real_commit = worker.input.acommit
+
+    async def held_commit(*args: Any, **kwargs: Any) -> None:
+        await release.wait()  # the commits hang ...
+        await real_commit(*args, **kwargs)
+
+    worker.input.acommit = held_commit  # type: ignore[method-assign]
+    seen: list[tuple[bool, int]] = []
+
+    def done() -> bool:  # called by the worker's loop about every 0.1 s
+        # While the second task runs (the first one ended, its commit held), sampled from
+        # the second call on: the reader has had a turn of the loop to look.
+        if len(runner.ran) == 2 * G and runner.running == G and not release.is_set():
+            seen.append((worker.paused, worker.read_tasks))
+            if len(seen) == 3:  # ... for a few turns of the loop
+                release.set()
+        return release.is_set() and len(runner.ran) == 3 * G and pending(rclient, keys) == 0
+
+    run_until(worker, aclient, done)
+    # The first read took two tasks (one running, one ahead); the third waited, paused.
+    assert seen[1:] == [(True, 2)] * 2, seen
+    assert len(written(rclient, keys)) == 3 * G
