@@ -15,6 +15,7 @@ the trainer's error if it fails.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -65,7 +66,7 @@ def run(ctx: WorkerContext) -> int:
     thread = threading.Thread(target=train, name="trainer", daemon=True)
     thread.start()
     try:
-        rollout.run_loop(rollout.serve(ctx, on_server=attach), ctx.cfg.rollout.event_loop)
+        asyncio.run(rollout.serve(ctx, on_server=attach))
     finally:
         ctx.stop.set()
         thread.join()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from streamrl.rollout.episode import EpisodeRunner, NewDialogue
 from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
@@ -149,15 +149,5 @@ async def serve(
 
 
 def run(ctx: WorkerContext) -> int:
-    run_loop(_main(ctx), ctx.cfg.rollout.event_loop)
+    asyncio.run(_main(ctx))
     return 0
-
-
-def run_loop(main: Coroutine[Any, Any, None], kind: str) -> None:
-    """Run `main` on the configured event loop (`rollout.event_loop`)."""
-    if kind == "uvloop":
-        import uvloop
-
-        uvloop.run(main)
-    else:
-        asyncio.run(main)

@@ -444,13 +444,6 @@ class RolloutConfig(_Section):
             "model calls wait while it loads, then go on with it."
         ),
     )
-    event_loop: Literal["uvloop", "asyncio"] = Field(
-        "uvloop",
-        description=(
-            "The rollout worker's event loop: `uvloop` (libuv; about a quarter less CPU per "
-            "episode, see docs/BENCHMARKS.md) or `asyncio` (the standard library's)."
-        ),
-    )
     lora_serving: Literal["merged", "attached"] = Field(
         "merged",
         description=(
