@@ -115,9 +115,8 @@ class RedisStreamConsumer(Generic[M]):
         """Claimed idle entries first, then new ones; bad entries go to the dead letters."""
         count = count or self.cfg.read_count
         out: list[Delivery[M]] = []
-        if self.claim and time.monotonic() >= self._next_claim:
-            self._next_claim = time.monotonic() + self.cfg.claim_every_ms / 1000
-            out.extend(self._claim(count))
+        if self._claim_due():
+            out.extend(self._claimed(self.client.xautoclaim(**self._autoclaim_args(count))))
             if out:
                 return out
         block = self.cfg.block_ms if block_ms is None else block_ms
@@ -147,16 +146,8 @@ class RedisStreamConsumer(Generic[M]):
         rollout worker's reads 20 ms long at 800 episodes/s.) The rare writes (dead
         letters, acknowledging deleted entries) stay synchronous, on a thread."""
         count = count or self.cfg.read_count
-        if self.claim and time.monotonic() >= self._next_claim:
-            self._next_claim = time.monotonic() + self.cfg.claim_every_ms / 1000
-            resp: Any = await aclient.xautoclaim(
-                self.stream,
-                self.group,
-                self.name,
-                min_idle_time=self.cfg.claim_idle_ms,
-                start_id=self._claim_cursor,
-                count=count,
-            )
+        if self._claim_due():
+            resp: Any = await aclient.xautoclaim(**self._autoclaim_args(count))
             if resp[1]:
                 claimed = await asyncio.to_thread(self._claimed, resp)
                 if claimed:
@@ -194,24 +185,26 @@ class RedisStreamConsumer(Generic[M]):
     ) -> None:
         """`commit` on an asyncio client (one MULTI/EXEC, no thread)."""
         pipe: Any = aclient.pipeline(transaction=True)
-        for stream, msg in outputs:
-            pipe.xadd(stream, encode(msg))
-        if extra is not None:
-            extra(pipe)
-        if entry_ids:
-            pipe.xack(self.stream, self.group, *entry_ids)
+        self._stage_commit(pipe, entry_ids, outputs, extra)
         await pipe.execute()
 
-    def _claim(self, count: int) -> list[Delivery[M]]:
-        resp: Any = self.client.xautoclaim(
-            self.stream,
-            self.group,
-            self.name,
-            min_idle_time=self.cfg.claim_idle_ms,
-            start_id=self._claim_cursor,
-            count=count,
-        )
-        return self._claimed(resp)
+    def _claim_due(self) -> bool:
+        """Whether to look for idle entries now (at most every `claim_every_ms`)."""
+        if not self.claim or time.monotonic() < self._next_claim:
+            return False
+        self._next_claim = time.monotonic() + self.cfg.claim_every_ms / 1000
+        return True
+
+    def _autoclaim_args(self, count: int) -> dict[str, Any]:
+        """XAUTOCLAIM of up to `count` entries idle past `claim_idle_ms`, from the cursor."""
+        return {
+            "name": self.stream,
+            "groupname": self.group,
+            "consumername": self.name,
+            "min_idle_time": self.cfg.claim_idle_ms,
+            "start_id": self._claim_cursor,
+            "count": count,
+        }
 
     def _claimed(self, resp: Any) -> list[Delivery[M]]:
         """Deliveries of an XAUTOCLAIM reply: counted, dead-lettered past max_deliveries."""
@@ -270,13 +263,23 @@ class RedisStreamConsumer(Generic[M]):
     ) -> None:
         """Write `outputs` (and `extra` commands) and acknowledge `entry_ids`, atomically."""
         pipe = self.client.pipeline(transaction=True)
+        self._stage_commit(pipe, entry_ids, outputs, extra)
+        pipe.execute()
+
+    def _stage_commit(
+        self,
+        pipe: Any,
+        entry_ids: Sequence[str],
+        outputs: Sequence[tuple[str, Message]],
+        extra: PipelineOp | None,
+    ) -> None:
+        """Queue a commit's commands on `pipe` (a transaction, sync or asyncio)."""
         for stream, msg in outputs:
             publish(pipe, stream, msg)
         if extra is not None:
             extra(pipe)
         if entry_ids:
             pipe.xack(self.stream, self.group, *entry_ids)
-        pipe.execute()
 
     def touch(self, entry_ids: Sequence[str]) -> None:
         """Reset the idle time of entries this consumer is still working on, so that a long

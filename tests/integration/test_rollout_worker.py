@@ -27,8 +27,9 @@ from streamrl.rollout.weights import SyncLock
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.tasks.registry import make_task
 from streamrl.transport import publish
-from streamrl.wire import Task, Trajectory, decode, pack_arrays
+from streamrl.wire import Task, Trajectory, decode
 from tests.conftest import entries
+from tests.integration.test_group_timeout import traj
 
 G = 4
 
@@ -61,18 +62,7 @@ class SleepyRunner:
             await asyncio.sleep(self.episode_s)
         finally:
             self.running -= 1
-        return Trajectory(
-            traj_id=f"{t.group_id}-m{member}",
-            group_id=t.group_id,
-            task_id=t.task_id,
-            member=member,
-            num_generations=t.num_generations,
-            **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
-            prompt_len=1,
-            reward=float(member),
-            status="ok",
-            versions=[0],
-        )
+        return traj(t, member, float(member))
 
 
 async def _forever(*_: Any) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -114,6 +114,18 @@ async def _close(*followers: WeightFollower) -> None:
         await f.aclient.aclose()
 
 
+def _check(follower: WeightFollower, check: Callable[[], Awaitable[None]]) -> None:
+    """Run `check` on an event loop, then close the follower's client."""
+
+    async def go() -> None:
+        try:
+            await check()
+        finally:
+            await _close(follower)
+
+    asyncio.run(go())
+
+
 # -- damaged versions ---------------------------------------------------------------------
 
 
@@ -167,12 +179,6 @@ def test_damaged_versions_are_refused_and_the_last_good_one_serves(
     engine = follower.server.engine
     expected = _outputs(_engine(model, good), chat)
 
-    async def go() -> None:
-        try:
-            await check()
-        finally:
-            await _close(follower)
-
     async def check() -> None:
         pub.publish(good, 0, 0)
         assert await follower.poll(block_ms=1000)
@@ -193,7 +199,7 @@ def test_damaged_versions_are_refused_and_the_last_good_one_serves(
         assert await follower.poll(block_ms=1000)
         assert follower.server.version == 4 and _equal(engine.params, _scaled(params, 0.5))
 
-    asyncio.run(go())
+    _check(follower, check)
 
 
 @pytest.mark.parametrize("kind", ["dir", "redis"])
@@ -213,12 +219,6 @@ def test_a_missing_version_that_newer_ones_superseded_is_skipped_not_refused(
     pub = WeightPublisher(rclient, keys, _channel(kind, rclient, keys, tmp_path), LOG, keep=8)
     follower = _follower(model, rclient, redis_url, keys)
 
-    async def go() -> None:
-        try:
-            await check()
-        finally:
-            await _close(follower)
-
     async def check() -> None:
         pub.publish(params, 0, 0)
         assert await follower.poll(block_ms=1000)
@@ -235,7 +235,7 @@ def test_a_missing_version_that_newer_ones_superseded_is_skipped_not_refused(
         assert await follower.poll(block_ms=1000)  # the newest, v2
         assert follower.loaded_version == 2
 
-    asyncio.run(go())
+    _check(follower, check)
 
 
 # -- chunked Redis ------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 `env` becomes the event loop's default executor: blocking environment steps, tool `apply()`
 calls and anything else run with `asyncio.to_thread` go there, up to `rollout.env_threads`
-at once (default: `max_concurrency`, one per running episode). `redis` carries the worker's
-own Redis round trips (task reads, trajectory commits, keeping in-flight tasks claimed), a
-few threads that no flood of slow environment steps can take: on asyncio's single default
-pool (6 threads on 2 cores) a handful of blocking steps used to hold every commit back.
+at once (default: `max_concurrency`, one per running episode). The worker's own Redis
+round trips run on the asyncio client; against a Redis Cluster (whose asyncio pipelines are
+not transactions) task reads and trajectory commits run on `redis` instead, a few threads
+that no flood of slow environment steps can take: on asyncio's single default pool (6
+threads on 2 cores) a handful of blocking steps used to hold every commit back.
 """
 
 from __future__ import annotations

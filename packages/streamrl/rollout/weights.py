@@ -250,15 +250,20 @@ class WeightFollower:
                 await self.lock.wait_idle()
             await self.server.swap(params, msg.version)
             swapped = True
-        except WeightsMissing as err:
-            if await self._superseded(msg.version):
+        except WeightsError as err:
+            if isinstance(err, WeightsMissing) and await self._superseded(msg.version):
                 self.superseded += 1
                 self.log.info("weights_superseded", version=msg.version, reason=str(err))
                 return False
-            self._refuse(msg, err)
-            return False
-        except WeightsError as err:
-            self._refuse(msg, err)
+            self.refused += 1
+            self.log.error(
+                "weights_refused",
+                version=msg.version,
+                channel=msg.channel,
+                path=msg.path,
+                reason=str(err),
+                serving_version=self.loaded_version,
+            )
             return False
         finally:
             if not swapped:
@@ -288,17 +293,6 @@ class WeightFollower:
             return bool(last) and decode(last[0][1], Weights).version > version
         except WireError:
             return False
-
-    def _refuse(self, msg: Weights, err: WeightsError) -> None:
-        self.refused += 1
-        self.log.error(
-            "weights_refused",
-            version=msg.version,
-            channel=msg.channel,
-            path=msg.path,
-            reason=str(err),
-            serving_version=self.loaded_version,
-        )
 
     async def follow(self, stop: Callable[[], bool]) -> None:
         while not stop():

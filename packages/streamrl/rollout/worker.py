@@ -126,7 +126,6 @@ BACKPRESSURE_POLL_S = 0.05  # how often a paused reader reads the backpressure s
 class _Running:
     """A task this worker read and has not acknowledged yet."""
 
-    delivery: Delivery[Task]
     unfinished: int  # members not yet ended (waiting for a slot or running)
     owned: bool = True  # False once another worker claimed it (then it is not touched)
 
@@ -151,7 +150,6 @@ class RolloutWorker:
         self.aclient = aclient
         self.keys = keys
         self.cfg = cfg
-        self.consumer = consumer
         self.server = server
         self.runner = runner
         self.episodes = episodes
@@ -184,7 +182,6 @@ class RolloutWorker:
         self._outbox_ready = asyncio.Event()
         self._closing = False  # stopping: the committer drains the outbox and returns
         self._stopping = False  # the serve loop ended: start nothing more
-        self._ended = 0  # tasks whose members all ended, not yet committed (backpressure)
         self._episodes: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
 
@@ -238,6 +235,11 @@ class RolloutWorker:
         ahead = self.cfg.rollout.num_generations
         return self.cfg.rollout.max_concurrency + ahead - self.active - len(self._waiting)
 
+    def _ended(self) -> int:
+        """Tasks whose members have all ended, not yet committed: groups ready in a moment
+        that Redis does not count yet (backpressure counts them)."""
+        return sum(r.unfinished == 0 for r in self._tasks.values())
+
     def _starting(self) -> bool:
         """Whether new work may start: not once stopped, stopping or a component failed
         (after a tripped breaker, say, a new wave of episodes would only keep the engine
@@ -254,7 +256,7 @@ class RolloutWorker:
         while self._starting():
             async with self._changed:
                 await self._changed.wait_for(lambda: self._room() > 0)
-            self.paused = await self.backpressure.check(self._ended)
+            self.paused = await self.backpressure.check(self._ended())
             if self.paused:
                 self.paused_reads += 1
                 await asyncio.sleep(BACKPRESSURE_POLL_S)
@@ -287,7 +289,7 @@ class RolloutWorker:
             self.log.warning("own_task_claimed_again", entry_id=d.entry_id)
             return
         members = d.msg.member_indices()
-        self._tasks[d.entry_id] = _Running(d, len(members))
+        self._tasks[d.entry_id] = _Running(len(members))
         self._waiting.extend((d, m) for m in members)
 
     async def _starter(self) -> None:
@@ -336,8 +338,6 @@ class RolloutWorker:
                 self._changed.notify_all()
         running = self._tasks[d.entry_id]
         running.unfinished -= 1
-        if running.unfinished == 0:
-            self._ended += 1
         # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
         traj = msgspec.structs.replace(traj, cursor=d.msg.cursor)
         self._outbox.append((d, traj, running.unfinished == 0))
@@ -383,7 +383,6 @@ class RolloutWorker:
             await self.input.acommit(self.aclient, acks, outputs, counters)
         for entry_id in acks:
             del self._tasks[entry_id]
-        self._ended -= len(acks)
         self.log.info(
             "trajectories_committed",
             trajectories=[
@@ -393,7 +392,7 @@ class RolloutWorker:
                     "status": t.status,
                     "reward": t.reward,
                     "versions": t.versions,
-                    "tokens": len(t.tokens) // 4,
+                    "tokens": len(t.token_array()),
                     "tool_calls": t.num_tool_calls,
                     "error": t.error or None,
                     "episode_s": round(t.timings.get("episode_s", 0.0), 4),
@@ -414,7 +413,7 @@ class RolloutWorker:
             if not ids:
                 continue
             lost = await self._touch(
-                keys=[self.keys.tasks], args=[self.keys.CG_ROLLOUT, self.consumer, *ids]
+                keys=[self.keys.tasks], args=[self.keys.CG_ROLLOUT, self.input.name, *ids]
             )
             for raw in lost:
                 entry_id = raw.decode() if isinstance(raw, bytes) else str(raw)
