@@ -22,3 +22,30 @@ def test_secrets_are_redacted_and_counts_kept() -> None:
     assert event["worker_id"] == "tools-0" and event["tokens"] == 512
     assert event["password"] == "***" and event["api_token"] == "***"
     assert "hunter2" not in line and "s3cret" not in line and "abc" not in line
+
+
+def test_nested_secrets_are_redacted() -> None:
+    """Review L12: secrets inside dicts and lists are masked too (a field's items share its
+    name: a list under a secret name is masked whole, a URL in any list loses its
+    password), and numbers, booleans and None stay as they are."""
+    out = io.StringIO()
+    log = configure_logging("tools", stream=out)
+    log.info(
+        "skipped",
+        skipped={"docker": {"url": "tcp://u:pw1@host:2376", "password": "pw2", "ok": False}},
+        urls=["redis://:pw3@h/0", "plain"],
+        secrets=["pw4", "pw5"],
+        trajectories=[{"traj_id": "g1-m0", "tokens": 55, "error": None, "token": "pw6"}],
+    )
+    line = out.getvalue().strip()
+    event = json.loads(line)
+    assert event["skipped"]["docker"] == {
+        "url": "tcp://***@host:2376",
+        "password": "***",
+        "ok": False,
+    }
+    assert event["urls"] == ["redis://***@h/0", "plain"] and event["secrets"] == "***"
+    assert event["trajectories"] == [
+        {"traj_id": "g1-m0", "tokens": 55, "error": None, "token": "***"}
+    ]
+    assert not any(f"pw{i}" in line for i in range(1, 7))
