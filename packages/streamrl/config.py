@@ -75,6 +75,15 @@ class RunConfig(_Section):
         le=600,
         description="Wait before a restart; doubles with each restart in the window (max 60 s).",
     )
+    liveness_timeout_s: float = Field(
+        300.0,
+        ge=2,
+        le=86400,
+        description=(
+            "`streamrl up` kills and restarts a worker whose liveness beat is older than this "
+            "(a stopped process; a main loop stuck outside start-up, train steps, checkpoints)."
+        ),
+    )
 
 
 class RedisConfig(_Section):

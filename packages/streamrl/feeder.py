@@ -20,6 +20,7 @@ from typing import Any
 import redis
 import structlog
 
+from streamrl import liveness
 from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.tasks.registry import TaskSource, task_source
@@ -91,6 +92,7 @@ class Feeder:
         be written (the backlog is full, or the data has ended)."""
         self.log.info("feeder_start", task=self.cfg.task.name, dataset=self.cfg.task.dataset)
         while not stop.is_set():
+            liveness.tick()
             if self.fill() == 0:
                 if burst:
                     break

@@ -32,6 +32,7 @@ import redis
 import structlog
 from redis.commands.core import Script
 
+from streamrl import liveness
 from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.rl.advantages import ADVANTAGES, is_zero_variance
@@ -638,6 +639,7 @@ class Grouper:
         if shorter)."""
         every = min(TIMEOUT_CHECK_EVERY_S, self.cfg.grouper.group_timeout_s / 2)
         while not stop.is_set():
+            liveness.tick()
             out = self.step()
             if every > 0 and time.monotonic() >= self._next_timeout_check:
                 self._next_timeout_check = time.monotonic() + every

@@ -39,6 +39,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
+from streamrl.identity import default_holder
 from streamrl.logs import configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
@@ -73,6 +74,9 @@ class WorkerProc:
     stderr_path: Path
     restarts: list[float] = field(default_factory=list)  # monotonic times of restarts
     restart_at: float | None = None  # a restart is due then (the process has exited)
+    beat: str | None = None  # its liveness beat as last read
+    beat_at: float = field(default_factory=time.monotonic)  # when it last changed (or spawn)
+    hangs: int = 0  # times it was killed for a beat that stopped
 
     @property
     def worker_id(self) -> str:
@@ -105,6 +109,8 @@ class Launcher:
         self._stop_signal: str | None = None
         self._stopped = False
         self.started = time.monotonic()
+        self._next_watch = 0.0  # the next liveness check
+        self._watch_from = 0.0  # beats older than this do not count (Redis was away)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -274,6 +280,7 @@ class Launcher:
             ended = self._check_workers(log)
             if ended is not None:
                 return ended
+            self._watch_liveness(client, log)
             if time.monotonic() >= next_progress:
                 with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                     self._progress(client)
@@ -300,6 +307,38 @@ class Launcher:
                 print(f"\nstreamrl: {failed}", file=sys.stderr)
                 return failed, 1
         return None
+
+    def _watch_liveness(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
+        """SIGKILL a worker whose liveness beat (`streamrl.liveness`) has not changed for
+        `run.liveness_timeout_s`; `_check_workers` then restarts it like a crash. The clock
+        stops while Redis does not answer (no worker can beat then) and restarts with it."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + LIVENESS_POLL_S
+        running = [p for p in self.procs if p.restart_at is None and p.popen.poll() is None]
+        try:
+            raw: Any = client.mget([self.keys.worker_beat(p.name, p.index) for p in running])
+        except redis.RedisError:
+            self._watch_from = now
+            return
+        limit = self.cfg.run.liveness_timeout_s
+        for p, value in zip(running, raw, strict=True):
+            beat = value.decode() if isinstance(value, bytes) else None
+            if beat not in (None, p.beat) and beat.split(" ")[0] == default_holder(p.popen.pid):
+                p.beat, p.beat_at = beat, now
+            silent_s = now - max(p.beat_at, self._watch_from)
+            if silent_s <= limit:
+                continue
+            p.hangs += 1
+            log.error("worker_hung", worker=p.worker_id, pid=p.popen.pid, silent_s=silent_s)
+            print(
+                f"\nstreamrl: worker {p.worker_id} has not beaten for {silent_s:.0f}s "
+                f"(run.liveness_timeout_s = {limit:g}): killing it",
+                file=sys.stderr,
+            )
+            _signal_group(p.popen, signal.SIGKILL)
+            p.popen.wait()
 
     def _supervise(self, p: WorkerProc, rc: int, log: structlog.stdlib.BoundLogger) -> str | None:
         """A worker exited: schedule its restart, or say why the run must stop."""
@@ -351,6 +390,7 @@ class Launcher:
             log.error("redis_restart_failed", error=str(err))
             return f"the embedded Redis could not be restarted: {err}"
         self.redis_restarts.append(time.monotonic())
+        self._watch_from = time.monotonic()
         log.info(
             "redis_restarted",
             pid=self.redis.proc.pid,
@@ -362,6 +402,7 @@ class Launcher:
     def _restart(self, p: WorkerProc, log: structlog.stdlib.BoundLogger) -> None:
         fresh = self._spawn(p.name, p.index, self._env)
         p.popen, p.restart_at = fresh.popen, None
+        p.beat, p.beat_at = None, fresh.beat_at
         p.restarts.append(time.monotonic())
         log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
@@ -441,6 +482,7 @@ class Launcher:
             "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
             "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
             "worker_restarts": {p.worker_id: len(p.restarts) for p in self.procs},
+            "worker_hangs": {p.worker_id: p.hangs for p in self.procs if p.hangs},
             "redis_restarts": len(self.redis_restarts),
             "resumed": self.resume,
         }
@@ -451,6 +493,7 @@ class Launcher:
 
 
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
+LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
 MAX_BACKOFF_S = 60.0
 
 

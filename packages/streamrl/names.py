@@ -184,3 +184,10 @@ class Keys:
         """String key holding who runs worker `<worker>-<index>` (its holder id), with a TTL
         its heartbeat renews: the identity claim of a replica, and its liveness."""
         return self._k("worker", worker, str(index))
+
+    def worker_beat(self, worker: str, index: int) -> str:
+        """String key holding worker `<worker>-<index>`'s liveness beat (its holder id and
+        a count of beats), written only while the worker's loop turns: `streamrl up`
+        restarts a worker whose beat stops changing (`streamrl.liveness`). Under
+        `worker_slots`, so each worker's ACL allows it."""
+        return f"{self.worker_slot(worker, index)}:beat"

@@ -34,6 +34,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from streamrl import liveness
 from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
@@ -207,6 +208,7 @@ class RolloutWorker:
         committer = asyncio.create_task(self._committer(), name="commits")
         try:
             while not self.stop() and self._failure is None:
+                liveness.tick()  # the event loop turns (a blocking call would hold it)
                 done = [p for p in [*parts, committer] if p.done()]
                 for p in done:
                     p.result()  # re-raises a component's error: the process stops with it

@@ -19,6 +19,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
+from streamrl import liveness
 from streamrl.tools.jobs import JOB_PATH, run_tool_call
 
 
@@ -73,6 +74,12 @@ class ToolCallWorker(SimpleWorker):
     def __init__(self, *args: Any, log: structlog.stdlib.BoundLogger, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.streamrl_log = log
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        """rq's heartbeat, which its loop sends each time round (after each job, each
+        dequeue timeout): the loop's liveness tick too (`streamrl.liveness`)."""
+        liveness.tick()
+        super().heartbeat(timeout, pipeline=pipeline)
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         try:

@@ -34,6 +34,7 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl import liveness
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
@@ -110,6 +111,7 @@ class TrainerLoop:
         want = self.cfg.trainer.groups_per_step
         out: list[Delivery[Group]] = []
         while len(out) < want and not self.stop():
+            liveness.tick()
             for d in self.input.read(count=want - len(out)):
                 # Trained before, or twice in this batch (a group emitted again after Redis
                 # lost the record of its first emission): acked with the next checkpoint.
@@ -146,6 +148,7 @@ class TrainerLoop:
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
         return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
 
+    @liveness.busy()  # a step's duration (its JIT compile too) is the model's, not a stall
     def train_once(self, groups: list[Delivery[Group]] | None) -> TrainMetrics | None:
         """One step on `groups` (the leader's; None on the other processes, which get the
         batch from the leader); the step's metrics on the leader, None elsewhere."""
@@ -315,6 +318,7 @@ class PublishHook:
     adapters: Callable[[TrainState], tuple[Any, LoraConfig]] | None = None
     published: int = 0
 
+    @liveness.busy()
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         version = loop.version + 1 if self.published else loop.version
         lora: LoraConfig | None = None
@@ -344,6 +348,7 @@ class CheckpointHook:
     checkpointer: ocp.AbstractCheckpointer
     trim: bool = True  # trim the streams after each checkpoint (ckpts.trim_streams)
 
+    @liveness.busy()
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         if loop.step == 0:
             return  # nothing trained: the starting point needs no checkpoint
@@ -431,6 +436,7 @@ class ExportHook:
     max_shard_bytes: int | None = None
     lora: LoraConfig | None = None  # LoRA training: the adapters are merged into the export
 
+    @liveness.busy()
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         start = time.monotonic()
         params = loop.cluster.gather(loop.state.policy_params(self.lora))

@@ -1,0 +1,60 @@
+"""Whether a worker's main loop still turns: what its heartbeat's liveness beat says.
+
+The loop calls `tick()` each time round; a step that may rightly outlast the liveness limit
+(a train step with its JIT compile, a checkpoint, a weights publication) runs inside
+`busy()`. Until the first tick the worker is starting (imports, model load, resume) and
+counts as live. The heartbeat thread (`streamrl.identity.Heartbeat`) writes the worker's
+beat key only while `live(limit_s)`: a loop that stops turning outside a busy step stops
+the beat as surely as a stopped process does (SIGSTOP, a frozen host), and `streamrl up`
+kills and restarts a worker whose beat is older than `run.liveness_timeout_s`.
+
+One worker per process: the state is the process's own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.last_tick: float | None = None  # monotonic time of the last tick; None: starting
+        self.busy = 0  # busy() steps running now
+
+
+_state = _State()
+
+
+def tick() -> None:
+    """The loop turned once."""
+    _state.last_tick = time.monotonic()
+
+
+@contextmanager
+def busy() -> Iterator[None]:
+    """A step that may take longer than the limit without being stuck; ticks at its end.
+    Usable as a decorator too (`@busy()`)."""
+    with _state.lock:
+        _state.busy += 1
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.busy -= 1
+        tick()
+
+
+def live(limit_s: float) -> bool:
+    """Starting, in a busy step, or ticked within the last `limit_s` seconds."""
+    last = _state.last_tick
+    return last is None or _state.busy > 0 or time.monotonic() - last < limit_s
+
+
+def reset() -> None:
+    """Back to starting (tests; a process runs one worker)."""
+    with _state.lock:
+        _state.last_tick, _state.busy = None, 0
