@@ -130,7 +130,7 @@ def test_the_liveness_beat_follows_the_loop_not_the_thread(
         assert holder_of(rclient, keys, "feeder", 7) == "host:7"  # identity kept
         with liveness.busy():  # a long step: live again
             assert len(beats_within(1.0)) >= 2
-        assert rclient.get(beat_key).startswith(b"host:7 ")  # type: ignore[union-attr]
+        assert bytes(rclient.get(beat_key)).startswith(b"host:7 ")  # type: ignore[arg-type]
     finally:
         beat.close()
         liveness.reset()
