@@ -111,6 +111,15 @@ class RedisConfig(_Section):
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "everysec", description="AOF fsync policy of the embedded server."
     )
+    busy_wait_s: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description=(
+            "How long a Redis command waits out LOADING (a restarted server loading its AOF) "
+            "and BUSY (a script past its time limit) replies before it fails."
+        ),
+    )
     startup_timeout_s: float = Field(
         10.0, gt=0, le=120, description="Seconds to wait for the embedded server to answer."
     )

@@ -44,7 +44,7 @@ from streamrl.logs import configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
 from streamrl.runtime import COORDINATOR_ENV, PASSWORD_FILE_ENV, NoRedisError, resolve_redis_url
-from streamrl.transport import make_client
+from streamrl.transport import make_client, waits_out
 from streamrl.wire import TrainMetrics, WireError, decode
 
 STOP_TIMEOUT_S = 20.0
@@ -147,17 +147,22 @@ class Launcher:
                 url = self.redis.url
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
             # Few retries: the monitor loop must stay free to restart a Redis that died.
-            client = make_client(url, retries=1, cluster=self.cfg.redis.cluster)
+            # Its own reads wait out no LOADING or BUSY (they are skipped, `_monitor`); the
+            # calls before and after it do, as the workers' do.
+            cluster = self.cfg.redis.cluster
+            client = make_client(url, 1, cluster=cluster, busy_wait_s=self.cfg.redis.busy_wait_s)
+            quick = make_client(url, 1, cluster=cluster, busy_wait_s=0)
             if self.resume:
                 self._resume_queues(client, log)
             else:
                 self._check_namespace(client)
             self._spawn_all()
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
-            reason, code = self._monitor(client, log)
+            reason, code = self._monitor(quick, log)
             self._shutdown(log)
             self._write_summary(client, reason)
             client.close()
+            quick.close()
         except (RunDirError, NoRedisError) as err:
             print(f"\nstreamrl: {err}", file=sys.stderr)
             code = 2
@@ -282,8 +287,14 @@ class Launcher:
                 return ended
             self._watch_liveness(client, log)
             if time.monotonic() >= next_progress:
-                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                try:
                     self._progress(client)
+                except redis.RedisError as err:  # the line waits for the next tick
+                    if not (
+                        isinstance(err, redis.ConnectionError | redis.TimeoutError)
+                        or waits_out(err)
+                    ):
+                        raise
                 next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
             time.sleep(0.2)
 
@@ -317,6 +328,8 @@ class Launcher:
             return
         self._next_watch = now + LIVENESS_POLL_S
         running = [p for p in self.procs if p.restart_at is None and p.popen.poll() is None]
+        if not running:
+            return
         try:
             raw: Any = client.mget([self.keys.worker_beat(p.name, p.index) for p in running])
         except redis.RedisError:

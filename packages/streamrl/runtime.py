@@ -62,7 +62,8 @@ class WorkerContext:
         return f"{self.worker_id}-{os.getpid()}"
 
     def client(self) -> redis.Redis:
-        return make_client(self.redis_url, cluster=self.cfg.redis.cluster)
+        r = self.cfg.redis
+        return make_client(self.redis_url, cluster=r.cluster, busy_wait_s=r.busy_wait_s)
 
 
 def with_password(url: str, password: str) -> str:
