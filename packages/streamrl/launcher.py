@@ -36,6 +36,7 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl import rundir
 from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
@@ -117,14 +118,18 @@ class Launcher:
     def run(self) -> int:
         try:
             self._prepare_dir()
-        except RunDirError as err:
+            lock = rundir.RunDirLock(self.run_dir).acquire()
+        except (RunDirError, rundir.RunDirBusyError) as err:
             print(f"streamrl: {err}", file=sys.stderr)
             return 2
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / "launcher.log", "a") as log_file:
-            log = configure_logging("launcher", stream=log_file, run=self.cfg.run.name)
-            return self._run(log)
+        try:
+            logs = self.run_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            with open(logs / "launcher.log", "a") as log_file:
+                log = configure_logging("launcher", stream=log_file, run=self.cfg.run.name)
+                return self._run(log)
+        finally:
+            lock.release()
 
     def _run(self, log: structlog.stdlib.BoundLogger) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,6 +141,8 @@ class Launcher:
                     "redis.cluster = true needs the URL of a node of the cluster (REDIS_URL "
                     "or redis.url): the embedded Redis of `streamrl up` is a single server"
                 )
+            if self.resume:
+                self._stop_orphans(log)
             if not url:
                 # One ACL user per worker type; this process is the operator.
                 self.redis = EmbeddedRedis(
@@ -144,6 +151,7 @@ class Launcher:
                     appendfsync=self.cfg.redis.appendfsync,
                     startup_timeout_s=self.cfg.redis.startup_timeout_s,
                 ).start()
+                self._record()
                 url = self.redis.url
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
             # Few retries: the monitor loop must stay free to restart a Redis that died.
@@ -157,6 +165,7 @@ class Launcher:
             else:
                 self._check_namespace(client)
             self._spawn_all()
+            self._record()
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
             reason, code = self._monitor(quick, log)
             self._shutdown(log)
@@ -208,6 +217,21 @@ class Launcher:
         where = f"checkpoint step {ck.step}" if ck is not None else "no checkpoint"
         log.info("resume", checkpoint=None if ck is None else str(ck.path), kept=kept, floor=floor)
         print(f"streamrl: resuming {self.run_dir} from {where}; {how}", file=self.out, flush=True)
+
+    def _stop_orphans(self, log: structlog.stdlib.BoundLogger) -> None:
+        """Stop the workers and embedded Redis that a launcher of this run left running
+        when it died (`streamrl.rundir`), before anything of this one starts."""
+        found = rundir.stop_orphans(self.run_dir, log, STOP_TIMEOUT_S)
+        if found:
+            names = ", ".join(f"{n} (pid {pid})" for n, pid in sorted(found.items()))
+            print(f"streamrl: stopped what the last launcher left running: {names}", file=self.out)
+
+    def _record(self) -> None:
+        """Record the processes this launcher runs now, for a `--resume` after its death."""
+        pids = {p.worker_id: p.popen.pid for p in self.procs}
+        if self.redis is not None and self.redis.proc is not None:
+            pids[rundir.REDIS] = self.redis.proc.pid
+        rundir.record(self.run_dir, pids)
 
     def _check_namespace(self, client: redis.Redis) -> None:
         if client.exists(self.keys.stats, self.keys.tasks):
@@ -403,6 +427,7 @@ class Launcher:
             log.error("redis_restart_failed", error=str(err))
             return f"the embedded Redis could not be restarted: {err}"
         self.redis_restarts.append(time.monotonic())
+        self._record()
         self._watch_from = time.monotonic()
         log.info(
             "redis_restarted",
@@ -417,6 +442,7 @@ class Launcher:
         p.popen, p.restart_at = fresh.popen, None
         p.beat, p.beat_at = None, fresh.beat_at
         p.restarts.append(time.monotonic())
+        self._record()
         log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
     def _shutdown(self, log: structlog.stdlib.BoundLogger) -> None:

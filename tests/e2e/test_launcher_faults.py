@@ -1,11 +1,14 @@
 """The launcher's own faults, on `streamrl up` with the stub policy (configs/stub.toml):
-a worker that stops beating is killed and restarted (`run.liveness_timeout_s`)."""
+a worker that stops beating is killed and restarted (`run.liveness_timeout_s`); a launcher
+that was SIGKILLed leaves orphans that `--resume` stops first."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from streamrl import rundir
 from tests.e2e.test_up import started_pids, summary_of, up
 from tests.helpers import REPO
 
@@ -111,3 +115,47 @@ def test_a_train_step_longer_than_the_limit_is_no_hang(tmp_path: Path) -> None:
     assert s["trainer_steps"] == 2
     assert s["worker_hangs"] == {}
     assert _events(run_dir / "logs" / "launcher.log", "worker_hung") == []
+
+
+def _up_resume(run_dir: Path, steps: int, *sets: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(STUB),
+           "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+
+
+@pytest.mark.timeout(400)
+def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path) -> None:
+    """A second launcher on a run directory in use refuses. The launcher is SIGKILLed mid
+    run: its workers and its embedded Redis run on (orphans); `--resume` stops them before
+    it starts its own, and the run ends with every step."""
+    run_dir = tmp_path / "run"
+    steps, sets = 40, ("trainer.checkpoint_every=5",)
+    proc = up(run_dir, steps, *sets, config=STUB)
+    try:
+        logs = run_dir / "logs"
+        _wait_for("a checkpoint", lambda: _events(logs / "trainer-0.log", "checkpoint_written"))
+        second = _up_resume(run_dir, steps, *sets)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "in use by another `streamrl up`" in second.stderr
+        assert f"pid {proc.pid}" in second.stderr
+        workers = started_pids(run_dir)
+        redis_pid = int((run_dir / "redis" / "redis.pid").read_text())
+        proc.kill()  # SIGKILL: no shutdown of anything
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    time.sleep(1.0)
+    orphans = [pid for pid in [*workers.values(), redis_pid] if rundir.start_time(pid)]
+    assert len(orphans) == len(workers) + 1, "the orphans run on"
+
+    resumed = _up_resume(run_dir, steps, *sets)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "stopped what the last launcher left running" in resumed.stdout + resumed.stderr
+    for pid in orphans:
+        assert rundir.start_time(pid) is None, f"orphan {pid} still runs"
+    s = summary_of(run_dir)
+    assert s["resumed"] and s["trainer_steps"] == steps
+    assert not set(s["worker_pids"].values()) & set(workers.values())
