@@ -97,7 +97,8 @@ def roles(keys: Keys) -> dict[str, Role]:
     )
     rollout = Role(
         keys=(k.tasks, k.trajectories, k.dead, k.stats, *ledger, k.tool_result("*"), RQ_KEYS),
-        read_keys=(k.weights, k.weights_chunk_pattern, k.policy_floor, k.groups_started),
+        # groups: its trainer group's lag, the backpressure (streamrl.rollout.worker)
+        read_keys=(k.weights, k.weights_chunk_pattern, k.policy_floor, k.groups_started, k.groups),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace"),
         commands=(*_SCRIPTS, *_RQ),
     )
