@@ -75,6 +75,15 @@ class RunConfig(_Section):
         le=600,
         description="Wait before a restart; doubles with each restart in the window (max 60 s).",
     )
+    trainer_stop_timeout_s: float = Field(
+        600.0,
+        ge=1,
+        le=86400,
+        description=(
+            "On stop, how long `streamrl up` lets the trainer write its final checkpoint "
+            "after SIGTERM before it SIGKILLs it (the other workers get 20 s)."
+        ),
+    )
     liveness_timeout_s: float = Field(
         300.0,
         ge=2,

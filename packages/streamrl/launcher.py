@@ -1,8 +1,9 @@
 """`streamrl up`: start Redis and every worker as its own process, show progress, stop.
 
 The run ends after the trainer's `--steps` (the trainer exits 0 when it has written its
-final checkpoint), on Ctrl-C or SIGTERM (exit code 0), or with exit code 1 naming the
-worker and its log when a worker fails for good: a worker that crashes is restarted alone
+final checkpoint), on Ctrl-C or SIGTERM (exit code 0; the trainer gets
+`run.trainer_stop_timeout_s` for its final checkpoint before SIGKILL), or with exit code 1
+naming the worker and its log when a worker fails for good: a worker that crashes is restarted alone
 after a backoff (1 s, doubling), up to `run.max_restarts` times within
 `run.restart_window_s` (a restarted trainer resumes from its newest complete checkpoint);
 a worker that exits with a fatal error (exit code 3: a tripped circuit breaker, a NaN
@@ -221,7 +222,8 @@ class Launcher:
     def _stop_orphans(self, log: structlog.stdlib.BoundLogger) -> None:
         """Stop the workers and embedded Redis that a launcher of this run left running
         when it died (`streamrl.rundir`), before anything of this one starts."""
-        found = rundir.stop_orphans(self.run_dir, log, STOP_TIMEOUT_S)
+        timeout_s = max(STOP_TIMEOUT_S, self.cfg.run.trainer_stop_timeout_s)  # its checkpoint
+        found = rundir.stop_orphans(self.run_dir, log, timeout_s)
         if found:
             names = ", ".join(f"{n} (pid {pid})" for n, pid in sorted(found.items()))
             print(f"streamrl: stopped what the last launcher left running: {names}", file=self.out)
@@ -446,18 +448,21 @@ class Launcher:
         log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
     def _shutdown(self, log: structlog.stdlib.BoundLogger) -> None:
-        """SIGTERM every worker's process group, then SIGKILL what is left."""
+        """SIGTERM every worker's process group, then SIGKILL what is left: after
+        STOP_TIMEOUT_S, or `run.trainer_stop_timeout_s` for the trainer (its final
+        checkpoint)."""
         if self._stopped:
             return
         self._stopped = True
         for p in self.procs:
             _signal_group(p.popen, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        start = time.monotonic()
         for p in self.procs:
+            limit = self.cfg.run.trainer_stop_timeout_s if p.name in TRAINS else STOP_TIMEOUT_S
             try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                p.popen.wait(timeout=max(0.1, start + limit - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("worker_kill", worker=p.worker_id)
+                log.warning("worker_kill", worker=p.worker_id, after_s=limit)
         for p in self.procs:
             _signal_group(p.popen, signal.SIGKILL)
             p.popen.wait()

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from streamrl import rundir
+from streamrl import checkpoints as ckpts
+from streamrl import failpoints, rundir
 from tests.e2e.test_up import started_pids, summary_of, up
 from tests.helpers import REPO
 
@@ -46,6 +47,10 @@ def _wait_for(what: str, check: Any, timeout_s: float = 120.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _wait_for_steps(logs: Path, n: int) -> None:
+    _wait_for(f"trainer step {n}", lambda: len(_events(logs / "trainer-0.log", "train_step")) >= n)
+
+
 @pytest.mark.timeout(300)
 def test_a_stopped_trainer_is_killed_and_restarted(tmp_path: Path) -> None:
     """SIGSTOP the trainer mid-run: its beat stops, the launcher kills it once its beat is
@@ -62,10 +67,7 @@ def test_a_stopped_trainer_is_killed_and_restarted(tmp_path: Path) -> None:
     )
     try:
         logs = run_dir / "logs"
-        _wait_for(
-            "the trainer's third step",
-            lambda: len(_events(logs / "trainer-0.log", "train_step")) >= 3,
-        )
+        _wait_for_steps(logs, 3)
         pid = started_pids(run_dir)["trainer-0"]
         os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
@@ -159,3 +161,35 @@ def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path
     s = summary_of(run_dir)
     assert s["resumed"] and s["trainer_steps"] == steps
     assert not set(s["worker_pids"].values()) & set(workers.values())
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_gets_its_own_stop_timeout_for_its_final_checkpoint(tmp_path: Path) -> None:
+    """Stopped mid run, the trainer writes a final checkpoint; one that takes longer than
+    the other workers' 20 s (a failpoint pauses it 25 s before its commit) is waited for
+    up to `run.trainer_stop_timeout_s`, not SIGKILLed at 20 s (review L5)."""
+    run_dir, points = tmp_path / "run", tmp_path / "failpoints"
+    points.mkdir()
+    proc = up(
+        run_dir,
+        100_000,
+        "trainer.checkpoint_every=1000000",  # the final checkpoint only
+        "run.trainer_stop_timeout_s=120",
+        env={failpoints.ENV: str(points)},
+        config=STUB,
+    )
+    try:
+        logs = run_dir / "logs"
+        _wait_for_steps(logs, 3)
+        failpoints.arm(points, failpoints.CHECKPOINT_COMMIT, 25.0)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["worker_exit_codes"]["trainer-0"] == 0, s["worker_exit_codes"]
+    assert _events(logs / "trainer-0.log", "failpoint")  # it did pause 25 s
+    ck = ckpts.latest_complete(run_dir / "checkpoints")
+    assert ck is not None and ck.step == s["trainer_steps"]
