@@ -84,6 +84,15 @@ class RunConfig(_Section):
             "after SIGTERM before it SIGKILLs it (the other workers get 20 s)."
         ),
     )
+    log_max_mb: float = Field(
+        100.0,
+        gt=0,
+        le=1_000_000,
+        description="`streamrl up`: a worker's JSON log rolls over at this size (MiB).",
+    )
+    log_backups: int = Field(
+        5, ge=1, le=1000, description="Rolled-over logs kept per worker (`<id>.log.1`, ...)."
+    )
     liveness_timeout_s: float = Field(
         300.0,
         ge=2,

@@ -42,10 +42,16 @@ from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
-from streamrl.logs import configure_logging, redact_url
+from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
-from streamrl.runtime import COORDINATOR_ENV, PASSWORD_FILE_ENV, NoRedisError, resolve_redis_url
+from streamrl.runtime import (
+    COORDINATOR_ENV,
+    PASSWORD_FILE_ENV,
+    NoRedisError,
+    resolve_redis_url,
+    run_log,
+)
 from streamrl.transport import make_client, waits_out
 from streamrl.wire import TrainMetrics, WireError, decode
 
@@ -126,9 +132,8 @@ class Launcher:
         try:
             logs = self.run_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            with open(logs / "launcher.log", "a") as log_file:
-                log = configure_logging("launcher", stream=log_file, run=self.cfg.run.name)
-                return self._run(log)
+            file = run_log(logs, "launcher", self.cfg)
+            return self._run(configure_logging("launcher", file=file, run=self.cfg.run.name))
         finally:
             lock.release()
 
@@ -256,7 +261,9 @@ class Launcher:
         return [*plan, ("feeder", 0)]
 
     def _spawn_all(self) -> None:
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Each worker writes its JSON log itself, rolling over by size (streamrl.logs).
+        logs = str(self.run_dir / "logs")
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_DIR_ENV: logs}
         if self.redis is None:
             # An external Redis: every worker gets what this process was given (REDIS_URL
             # and REDIS_PASSWORD_FILE from the environment, or the config's).
@@ -286,11 +293,11 @@ class Launcher:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
         err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
-        with open(log_path, "ab") as out, open(err_path, "ab") as err:
+        with open(err_path, "ab") as err:  # all else it prints (its log is its own)
             popen = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
+                stdout=err,
                 stderr=err,
                 env=env,
                 start_new_session=True,

@@ -193,3 +193,21 @@ def test_the_trainer_gets_its_own_stop_timeout_for_its_final_checkpoint(tmp_path
     assert _events(logs / "trainer-0.log", "failpoint")  # it did pause 25 s
     ck = ckpts.latest_complete(run_dir / "checkpoints")
     assert ck is not None and ck.step == s["trainer_steps"]
+
+
+@pytest.mark.timeout(200)
+def test_worker_logs_roll_over(tmp_path: Path) -> None:
+    """Every worker writes its own JSON log under RUN_DIR/logs, rolling over at
+    `run.log_max_mb` and keeping `run.log_backups` old ones (review M4, logs)."""
+    run_dir = tmp_path / "run"
+    proc = up(run_dir, 8, "run.log_max_mb=0.02", "run.log_backups=2", config=STUB)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    logs = run_dir / "logs"
+    rolled = sorted(f.name for f in logs.glob("rollout-0.log*"))
+    assert rolled == ["rollout-0.log", "rollout-0.log.1", "rollout-0.log.2"]
+    for f in logs.glob("*.log*"):
+        assert f.stat().st_size <= 0.02 * 2**20, f
+        assert all(json.loads(x) for x in f.read_text().splitlines())  # whole JSON lines
+    assert _events(logs / "rollout-0.log", "rollout_stop")  # the newest is the live one
+    assert _events(logs / "launcher.log", "run_end")
