@@ -35,6 +35,8 @@ def run(ctx: WorkerContext) -> int:
         # least four times per liveness limit
         worker_ttl=15 + max(1, int(ctx.cfg.run.liveness_timeout_s / 4)),
         log=ctx.log,
+        # past this its caller has given up on it (and sent it again)
+        call_limit_s=ctx.cfg.tools.time_limit_s + ctx.cfg.tools.result_margin_s,
     )
     worker.take_over_name()  # a restarted container's predecessor: gone, name still held
     install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
