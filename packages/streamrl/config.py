@@ -588,6 +588,15 @@ class GrouperConfig(_Section):
         "grpo",
         description="Group advantage: `grpo` (r - mean) / (std + eps); `dr_grpo` r - mean.",
     )
+    min_valid_members: int = Field(
+        2,
+        ge=1,
+        le=1024,
+        description=(
+            "A group with fewer valid members (not ended in error or timeout) is dropped and "
+            "counted; 2: the fewest with a spread to learn from."
+        ),
+    )
     zero_variance: Literal["keep", "drop"] = Field(
         "keep",
         description=(
@@ -855,6 +864,16 @@ class Config(_Section):
                 "grouper.group_timeout_s > 0: a group that never completes (a member dead-"
                 "lettered) would count against it for ever and, with enough of them, stop "
                 "rollout"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _valid_members(self) -> Config:
+        if self.grouper.min_valid_members > self.rollout.num_generations:
+            raise ValueError(
+                f"grouper.min_valid_members ({self.grouper.min_valid_members}) exceeds "
+                f"rollout.num_generations ({self.rollout.num_generations}): every group "
+                "would be dropped"
             )
         return self
 
