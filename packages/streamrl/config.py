@@ -508,14 +508,29 @@ class ToolsConfig(_Section):
         default_factory=dict,
         description="Calls per second per rollout worker, by tool name (e.g. {python = 20}).",
     )
-    max_consecutive_tool_errors: int = Field(
+    breaker_window_s: float = Field(
+        60.0,
+        ge=0,
+        le=86400,
+        description=(
+            "The run stops with an error once tool infrastructure errors (no worker answered, "
+            "sandbox down) have gone on this long at breaker_error_rate or more."
+        ),
+    )
+    breaker_error_rate: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of sandbox and external calls failing with infrastructure errors that "
+            "counts as failing (over the spell, and over the window's last tenth to recover)."
+        ),
+    )
+    breaker_min_calls: int = Field(
         20,
         ge=0,
         le=1_000_000,
-        description=(
-            "Consecutive tool infrastructure errors (no worker answered, sandbox down) after "
-            "which the run stops with an error; 0: never."
-        ),
+        description="Calls a failing spell must hold before the breaker trips; 0: never trips.",
     )
     sandbox: Literal["auto", "container", "bwrap", "subprocess"] = Field(
         "auto",
