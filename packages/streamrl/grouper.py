@@ -16,7 +16,15 @@ A group still incomplete `group_timeout_s` after its first member arrived is han
 `group_timeout_policy` (drop it, re-run its missing members, or release it with the members
 present). Every grouper looks for such groups about once a second; the decision is one Lua
 script that checks the group's age, size and state again and claims it, so however many
-groupers look, a group is dropped, re-run or released once per timeout.
+groupers look, a group is dropped, re-run or released once per timeout. The same check
+emits (or drops) a complete group that nobody emitted (the entry that completed it was
+dead-lettered before its emit), once it is that old, or without a timeout once that entry
+must have been emitted or dead-lettered.
+
+A group is scored by one rule, complete or released: a member that ended in error or
+timeout is masked out of the statistics; the group is dropped, with its reason, for a
+reward or advantage that is not finite, any member too far off policy, fewer valid members
+than `min_valid_members`, or (if so configured) rewards that are all equal.
 """
 
 from __future__ import annotations
@@ -560,8 +568,8 @@ class Grouper:
         sec, usec = self.client.time()  # the clock the start times were written with
         now_ms = sec * 1000 + usec // 1000
         raw: Any = self.client.hgetall(self.keys.groups_started)
-        ages = {gid.decode(): now_ms - int(ms) for gid, ms in raw.items()}
-        old = {gid: age for gid, age in ages.items() if age >= stall_ms}
+        ages = ((gid.decode(), now_ms - int(ms)) for gid, ms in raw.items())
+        old = {gid: age for gid, age in ages if age >= stall_ms}
         if old and self.cfg.grouper.group_timeout_s <= 0:
             # Only complete groups can be due: counted, not read, to find them.
             pipe = self.client.pipeline(transaction=False)
