@@ -18,6 +18,10 @@ import numpy as np
 SCHEMA_VERSION = 1
 
 Status = Literal["ok", "timeout", "error", "truncated"]
+# Statuses of an episode that infrastructure ended, not the policy (an error: a tool or
+# engine failure, an environment that raised; a timeout: the episode's wall clock): such a
+# member is masked out of its group's mean and std and out of the loss.
+MASKED_STATUSES: frozenset[Status] = frozenset({"error", "timeout"})
 
 
 class WireError(ValueError):
@@ -102,6 +106,12 @@ class Trajectory(Message, frozen=True, kw_only=True):
 
     def logprob_array(self) -> np.ndarray:
         return np.frombuffer(self.logprobs, dtype="<f4")
+
+    @property
+    def valid(self) -> bool:
+        """Whether this member counts: in its group's statistics and in the loss (its
+        status is not one of MASKED_STATUSES)."""
+        return self.status not in MASKED_STATUSES
 
     @property
     def min_version(self) -> int:

@@ -64,7 +64,7 @@ class ScriptedEnv(Environment):
         if self.mode == "infra":
             raise ToolInfraError("no tool worker answered")
         if self.mode == "circuit":
-            raise CircuitOpenError("20 consecutive tool infrastructure errors")
+            raise CircuitOpenError("tool infrastructure errors for 60s: 20 of 20 calls failed")
         if self.mode == "hang":
             await asyncio.sleep(3600)
         return StepResult(observations=["2"], done=self.turns > 1, reward=1.0)
@@ -137,7 +137,7 @@ def test_failures_stay_inside_their_episode(setup: Any) -> None:
 def test_infra_error_ends_the_episode_and_a_tripped_breaker_stops_the_worker(setup: Any) -> None:
     [t] = asyncio.run(_run_all(setup, [ScriptedEnv(mode="infra")]))
     assert t.status == "error" and t.error == "ToolInfraError: no tool worker answered"
-    with pytest.raises(CircuitOpenError, match="20 consecutive"):
+    with pytest.raises(CircuitOpenError, match="for 60s: 20 of 20 calls failed"):
         asyncio.run(_run_all(setup, [ScriptedEnv(), ScriptedEnv(mode="circuit")]))
 
 

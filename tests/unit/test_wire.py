@@ -1,3 +1,5 @@
+from typing import get_args
+
 import msgspec
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from streamrl.wire import (
     DeadLetter,
     Group,
     Message,
+    Status,
     Task,
     TrainMetrics,
     Trajectory,
@@ -89,6 +92,13 @@ def test_trajectory_arrays() -> None:
     assert t.mask_array().tolist() == [0, 0, 1, 1]
     np.testing.assert_allclose(t.logprob_array(), [0.0, 0.0, -0.5, -1.25])
     assert (t.min_version, t.max_version) == (3, 4)
+
+
+def test_members_ended_by_infrastructure_are_not_valid() -> None:
+    # error (a tool or engine failure) and timeout (the episode's wall clock) are masked out
+    # of the group's statistics and the loss; truncated is the policy's own doing
+    valid = {st: msgspec.structs.replace(_traj(), status=st).valid for st in get_args(Status)}
+    assert valid == {"ok": True, "truncated": True, "error": False, "timeout": False}
 
 
 def test_pack_arrays_rejects_misaligned() -> None:

@@ -62,7 +62,7 @@ class ToolLimits:
     max_sandbox_calls: int = 64
     max_external_calls: int = 16
     rates: dict[str, RateLimiter] = field(default_factory=dict)
-    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(0))
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # min_calls 0: never
 
     def __post_init__(self) -> None:
         self._slots: dict[ToolKind, asyncio.Semaphore] = {
@@ -84,7 +84,8 @@ class ToolLimits:
         except ToolInfraError as err:
             self.breaker.failure(str(err))  # raises CircuitOpenError when it trips
             raise
-        self.breaker.success()
+        if slots is not None:  # a local call's success says nothing of the tool workers
+            self.breaker.success()
         return out
 
 
