@@ -202,7 +202,7 @@ def test_rollout_runs_only_the_rerun_members_and_acks_with_the_last(
             stop=lambda: False,
         )
         [d] = worker.input.read(1)
-        worker._admit(d)
+        worker._admit(d, {})
         worker._start_waiting()
         assert worker.started == 1
         await asyncio.gather(*worker._episodes)
