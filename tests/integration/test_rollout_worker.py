@@ -21,6 +21,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from streamrl.agents.flow import CircuitOpenError
+from streamrl.checkpoints import restore_queues, take_snapshot
 from streamrl.config import Config, parse_config
 from streamrl.names import Keys
 from streamrl.rollout.episode import traj_id
@@ -327,14 +328,9 @@ class ResumingRunner(SleepyRunner):
         return await super().run(t, member, make_episode)
 
 
-def test_claimed_task_runs_only_uncommitted_members_from_their_states(
-    rclient: redis.Redis, redis_url: str, keys: Keys
-) -> None:
-    """A task claimed from a dead worker: the member it committed (its marker) is not run
-    again, the member it saved at a turn boundary resumes from that state, the others
-    start over; a task whose members all committed before its ack is acknowledged without
-    running anything. The acks leave no entry in the episodes hash."""
-    cfg = config()
+def _died_mid_task(rclient: redis.Redis, keys: Keys, cfg: Config) -> Task:
+    """Two tasks a dead worker read: of the first it committed member 0 and saved member 1
+    at its first turn boundary; of the second it committed every member, not its ack."""
     t, done_task = write_tasks(rclient, keys, cfg, 2)
     ensure_group(rclient, keys.tasks, keys.CG_ROLLOUT)
     rclient.xreadgroup(keys.CG_ROLLOUT, "dead", {keys.tasks: ">"}, count=2)  # then it died
@@ -347,9 +343,33 @@ def test_claimed_task_runs_only_uncommitted_members_from_their_states(
     put(t, 1, EpisodeState(traj_id=traj_id(t, 1), versions=[0], turns=[turn]))
     for m in range(G):
         put(done_task, m, EpisodeState(traj_id=traj_id(done_task, m), committed=True))
+    return t
+
+
+@pytest.mark.parametrize("redis_lost", [False, True])
+def test_claimed_task_runs_only_uncommitted_members_from_their_states(
+    rclient: redis.Redis, redis_url: str, keys: Keys, redis_lost: bool
+) -> None:
+    """A task claimed from a dead worker: the member it committed (its marker) is not run
+    again, the member it saved at a turn boundary resumes from that state, the others
+    start over; a task whose members all committed before its ack is acknowledged without
+    running anything. The acks leave no entry in the episodes hash. The same when Redis
+    lost the run and the queues came back from a snapshot (the tasks are then delivered as
+    new ones, and the hash came back with them)."""
+    cfg = config()
+    t = _died_mid_task(rclient, keys, cfg)
+    if redis_lost:
+        snap = take_snapshot(rclient, keys)
+        rclient.delete(*rclient.keys(keys.every_key))
+        restore_queues(rclient, keys, snap)
+        assert rclient.hlen(keys.episodes) == 2 + G
     runner = ResumingRunner(0.05)
     worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
-    run_until(worker, aclient, lambda: pending(rclient, keys) == 0)
+    run_until(
+        worker,
+        aclient,
+        lambda: rclient.xlen(keys.trajectories) == 3 and pending(rclient, keys) == 0,
+    )
     assert runner.resumed == {1: 1, 2: None, 3: None}
     assert sorted(tr.traj_id for tr in written(rclient, keys)) == [traj_id(t, m) for m in (1, 2, 3)]
     assert rclient.hlen(keys.episodes) == 0
