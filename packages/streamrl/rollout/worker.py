@@ -445,7 +445,8 @@ class RolloutWorker:
         )
 
         def counters(p: Any) -> None:
-            p.hincrby(stats, "trajectories", len(batch))
+            if batch:
+                p.hincrby(stats, "trajectories", len(batch))
             for status, k in statuses.items():
                 p.hincrby(stats, f"episodes_{status}", k)
             for field, k in done.items():
@@ -481,7 +482,11 @@ class RolloutWorker:
                     "tool_calls": t.num_tool_calls,
                     "error": t.error or None,
                     "episode_s": round(t.timings.get("episode_s", 0.0), 4),
-                    **({"resumed_turn": int(t.timings["resumed_turn"])} if t in resumed else {}),
+                    **(
+                        {"resumed_turn": int(t.timings["resumed_turn"])}
+                        if "resumed_turn" in t.timings
+                        else {}
+                    ),
                 }
                 for d, t, _ in batch
             ],
