@@ -434,15 +434,12 @@ class RolloutWorker:
         if not (batch or states or bare):
             return
         stats = self.keys.stats
-        acks = [d.entry_id for d, _, last in batch if last] + [d.entry_id for d in bare]
+        acked = [*(d for d, _, last in batch if last), *bare]  # tasks this commit acknowledges
+        acks = [d.entry_id for d in acked]
         resumed = [t for _, t, _ in batch if "resumed_turn" in t.timings]
         statuses = Counter(t.status for _, t, _ in batch)
         # The feeder's backlog counts its own tasks done; a re-run task is not one of them.
-        done = Counter(
-            "tasks_done" if d.msg.members is None else "rerun_tasks_done"
-            for d, _, last in batch
-            if last
-        )
+        done = Counter("tasks_done" if d.msg.members is None else "rerun_tasks_done" for d in acked)
 
         def counters(p: Any) -> None:
             if batch:
@@ -456,7 +453,7 @@ class RolloutWorker:
                 saved_s = sum(t.timings["saved_s"] for t in resumed)
                 p.hincrbyfloat(stats, RESUMED_SAVED_S, round(saved_s, 6))
             if self._resuming:
-                self._stage_episode_states(p, states, batch, bare)
+                self._stage_episode_states(p, states, batch, acked)
 
         outputs = [(self.keys.trajectories, t) for _, t, _ in batch]
         if self._on_cluster:
@@ -497,13 +494,12 @@ class RolloutWorker:
         p: Any,
         states: dict[str, bytes],
         batch: list[tuple[Delivery[Task], Trajectory, bool]],
-        bare: list[Delivery[Task]],
+        acked: list[Delivery[Task]],
     ) -> None:
         """Queue the episode-state writes of a commit: the turn boundaries' states; for a
         committed trajectory, the marker that keeps its member from running again while its
         task is not acknowledged; for an acknowledged task, no entry of any member."""
         key = self.keys.episodes
-        acked = [*(d for d, _, last in batch if last), *bare]
         done = {d.entry_id for d in acked}
         marks = {
             t.traj_id: encode_state(EpisodeState(traj_id=t.traj_id, committed=True))
