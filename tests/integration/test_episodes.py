@@ -261,11 +261,12 @@ def test_resume_on_the_real_engine(setup: Any) -> None:
         )
         server = EngineServer(engine, version, log)
         runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
-        runner.on_turn = states.append
         serving = asyncio.create_task(server.serve())
         try:
             task = scripted_task(0, "scripted")
-            return await runner.run(task, 0, lambda: (ToolAgent(), SavingEnv()), resume=resume)
+            return await runner.run(
+                task, 0, lambda: (ToolAgent(), SavingEnv()), resume=resume, on_turn=states.append
+            )
         finally:
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)

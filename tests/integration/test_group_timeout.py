@@ -169,7 +169,7 @@ class ScriptedRunner:
     def __init__(self) -> None:
         self.ran: list[tuple[str, int]] = []
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         self.ran.append((t.task_id, member))
         return msgspec.structs.replace(traj(t, member, REWARDS[member]), cursor=-1)  # no cursor
 

@@ -56,7 +56,7 @@ class SleepyRunner:
         self.running = 0
         self.most_running = 0
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         self.ran.append((t.task_id, member))
         self.running += 1
         self.most_running = max(self.most_running, self.running)
@@ -256,7 +256,7 @@ class FailingRunner(SleepyRunner):
     """Member 0 of the first task fails the worker (a tripped circuit breaker, say) at the
     moment every other episode of the wave ends too."""
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         if t.cursor == 0 and member == 0:
             self.ran.append((t.task_id, member))
             await asyncio.sleep(self.episode_s)
@@ -321,9 +321,8 @@ class ResumingRunner(SleepyRunner):
         super().__init__(episode_s)
         self.resumed: dict[int, int | None] = {}
 
-    async def run(
-        self, t: Task, member: int, make_episode: object, resume: EpisodeState | None = None
-    ) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **kw: Any) -> Trajectory:
+        resume: EpisodeState | None = kw["resume"]
         self.resumed[member] = None if resume is None else resume.turn
         return await super().run(t, member, make_episode)
 

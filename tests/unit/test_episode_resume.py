@@ -81,8 +81,12 @@ def test_resumed_episode_goes_on_from_its_saved_turn() -> None:
 
     async def go() -> tuple[Trajectory, Trajectory]:
         first = _runner(StubServer(0.0, 8, version=2))
-        first.on_turn = lambda s: states.append(decode_state(encode_state(s)))
-        whole = await first.run(scripted_task(0, "stub"), 0, make)
+        whole = await first.run(
+            scripted_task(0, "stub"),
+            0,
+            make,
+            on_turn=lambda s: states.append(decode_state(encode_state(s))),
+        )
         # The worker died after the second turn boundary: play on from it at version 5.
         calls.clear()
         resumed = await _runner(StubServer(0.0, 8, version=5)).run(
@@ -124,7 +128,7 @@ def test_an_environment_without_state_is_not_saved() -> None:
 
     states: list[EpisodeState] = []
     runner = _runner(StubServer(0.0, 8, version=0))
-    runner.on_turn = states.append
-    traj = asyncio.run(runner.run(scripted_task(0, "stub"), 0, lambda: (CountingAgent(), Plain())))
+    pair = (CountingAgent(), Plain())
+    traj = asyncio.run(runner.run(scripted_task(0, "stub"), 0, lambda: pair, on_turn=states.append))
     assert traj.status == "truncated" and len(traj.versions) == 6
     assert states == []  # it cannot be resumed: nothing is written for it

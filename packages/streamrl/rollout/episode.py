@@ -10,7 +10,7 @@ it stops the worker, and with it the run.
 Model calls are limited to `max_model_calls` in flight per worker, apart from the tool
 calls' own limits (`streamrl.agents.envs.ToolLimits`).
 
-With `on_turn` set (`rollout.resume_episodes`), each turn boundary of an episode whose
+With `on_turn` given (`rollout.resume_episodes`), each turn boundary of an episode whose
 environment can save its state hands an `EpisodeState` to it (the worker writes it to
 Redis). `run(..., resume=state)` plays on from such a state: the agent and the dialogue are
 replayed the saved turns (their sampled ids and the environment's answers; nothing is
@@ -51,6 +51,8 @@ if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never 
 NewDialogue = Callable[[list[dict[str, Any]]], "Dialogue"]
 # The agent and environment of one episode (built fresh for each).
 NewEpisode = Callable[[], tuple[Agent, Environment]]
+# Where an episode's state at each turn boundary goes (the rollout worker's next commit).
+OnTurn = Callable[[EpisodeState], None]
 
 
 class EpisodeError(RuntimeError):
@@ -78,7 +80,7 @@ class _State:
     turns: list[SavedTurn] = field(default_factory=list)
     run_seed: int = 0
     elapsed_s: float = 0.0  # play time before this worker's (a resumed episode's)
-    saving: bool = True  # False once the environment said it cannot be resumed
+    on_turn: OnTurn | None = None  # where turn boundaries' states go; None: not saved
 
 
 class EpisodeRunner:
@@ -100,8 +102,6 @@ class EpisodeRunner:
         self.worker = worker
         self.log = log
         self._model_slots = asyncio.Semaphore(cfg.max_model_calls or cfg.max_concurrency)
-        # Where each turn boundary's state goes (the worker's Redis writes); None: not saved.
-        self.on_turn: Callable[[EpisodeState], None] | None = None
 
     async def run(
         self,
@@ -109,10 +109,12 @@ class EpisodeRunner:
         member: int,
         make_episode: NewEpisode,
         resume: EpisodeState | None = None,
+        on_turn: OnTurn | None = None,
     ) -> Trajectory:
-        """Play one episode to its end (from `resume`'s turn boundary when given); never
-        raises for the episode's own failures."""
-        st = _State(run_seed=self.run_seed)
+        """Play one episode to its end (from `resume`'s turn boundary when given), handing
+        the state at each turn boundary to `on_turn`; never raises for the episode's own
+        failures."""
+        st = _State(run_seed=self.run_seed, on_turn=on_turn)
         tid = traj_id(task, member)
         start = time.monotonic()
         timeout_s = self.cfg.episode_timeout_s
@@ -239,14 +241,14 @@ class EpisodeRunner:
 
     def _save(self, tid: str, env: Environment, st: _State, start: float) -> None:
         """Hand the turn boundary's state to `on_turn`, if the environment has one."""
-        if self.on_turn is None or not st.saving:
+        if st.on_turn is None:
             return
         env_state = env.save_state()
-        if env_state is None:
-            st.saving = False
+        if env_state is None:  # it cannot be resumed: nothing more to save
+            st.on_turn = None
             return
         tr = st.transcript
-        self.on_turn(
+        st.on_turn(
             EpisodeState(
                 traj_id=tid,
                 **pack_arrays(tr.tokens, tr.mask, tr.logprobs),

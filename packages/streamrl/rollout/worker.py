@@ -194,8 +194,6 @@ class RolloutWorker:
         self._bare_acks: list[Delivery[Task]] = []  # tasks whose members all committed
         self._resuming = cfg.rollout.resume_episodes
         self._saved_groups: set[str] = set()  # groups with states at start (see _look_up)
-        if self._resuming:
-            runner.on_turn = self._save_state
         self._outbox_ready = asyncio.Event()
         self._closing = False  # stopping: the committer drains the outbox and returns
         self._stopping = False  # the serve loop ended: start nothing more
@@ -388,10 +386,8 @@ class RolloutWorker:
             return self.episodes.make(d.msg, member)
 
         try:
-            if state is None:
-                traj = await self.runner.run(d.msg, member, make)
-            else:
-                traj = await self.runner.run(d.msg, member, make, resume=state)
+            on_turn = self._save_state if self._resuming else None
+            traj = await self.runner.run(d.msg, member, make, resume=state, on_turn=on_turn)
         except Exception as err:
             # Set here, before the slot's release wakes the starter: nothing starts after it.
             if self._failure is None:
