@@ -65,13 +65,17 @@ def _wait(what: str, ok: Any, timeout_s: float = 120) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("index", [1, 0], ids=["another-worker", "same-worker-restarted"])
 def test_episodes_resume_on_the_worker_that_claims_their_task(
     redis_url: str,
     rclient: redis.Redis,
     keys: Keys,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    index: int,
 ) -> None:
+    """`index` 1: another worker claims the tasks; 0: the killed one restarted (what the
+    launcher does), claiming its own consumer's entries."""
     effects = tmp_path / "effects.txt"
     fp_dir = tmp_path / "failpoints"
     fp_dir.mkdir()
@@ -102,7 +106,7 @@ def test_episodes_resume_on_the_worker_that_claims_their_task(
     # The trainer moves on: the resumed turns are sampled at version 1.
     publisher.publish(params, 1, 1)
     monkeypatch.delenv(failpoints.ENV)
-    second = spawn_worker("rollout", redis_url, keys.ns, tmp_path, *SETS, config=STUB, index=1)
+    second = spawn_worker("rollout", redis_url, keys.ns, tmp_path, *SETS, config=STUB, index=index)
     try:
         _wait(
             "every trajectory",
@@ -113,7 +117,7 @@ def test_episodes_resume_on_the_worker_that_claims_their_task(
         )
     finally:
         assert stop(second) == 0
-    log1 = tmp_path / "rollout-1.log"
+    log1 = tmp_path / f"rollout-{index}.log"  # the killed worker's too with index 0
 
     # (a) Every member's trajectory is committed once.
     trajs = [decode(f, Trajectory) for _, f in entries(rclient, keys.trajectories)]
