@@ -96,7 +96,16 @@ def roles(keys: Keys) -> dict[str, Role]:
         categories=("stream", "string", "hash"),
     )
     rollout = Role(
-        keys=(k.tasks, k.trajectories, k.dead, k.stats, *ledger, k.tool_result_pattern, RQ_KEYS),
+        keys=(
+            k.tasks,
+            k.trajectories,
+            k.dead,
+            k.stats,
+            k.episodes,
+            *ledger,
+            k.tool_result_pattern,
+            RQ_KEYS,
+        ),
         read_keys=(k.weights, k.weights_chunk_pattern, k.policy_floor, k.groups_started),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace"),
         commands=(*_SCRIPTS, *_RQ),
@@ -144,6 +153,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_dropped,
             k.groups_reruns,
             k.tool_ledger,
+            k.episodes,
             k.feeder_cursor,
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),

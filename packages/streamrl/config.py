@@ -435,6 +435,13 @@ class RolloutConfig(_Section):
             "never complete count until grouper.group_timeout_s clears them."
         ),
     )
+    resume_episodes: bool = Field(
+        True,
+        description=(
+            "Save each episode's state at every turn boundary; a task claimed from a dead "
+            "worker resumes its members from their last completed turn instead of anew."
+        ),
+    )
     sync_mode: Literal["continue", "finish", "pause"] = Field(
         "continue",
         description=(

@@ -166,6 +166,12 @@ class Keys:
         return self._k("policy", "floor")
 
     @property
+    def episodes(self) -> str:
+        """Hash trajectory id -> encoded `EpisodeState` of each unfinished episode at its
+        last turn boundary (or the marker of a member committed before its task's ack)."""
+        return self._k("episodes")
+
+    @property
     def tool_ledger(self) -> str:
         """Hash idempotency key -> encoded result of non-idempotent tool calls already run."""
         return self._k("tools", "ledger")

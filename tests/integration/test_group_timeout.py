@@ -169,7 +169,7 @@ class ScriptedRunner:
     def __init__(self) -> None:
         self.ran: list[tuple[str, int]] = []
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         self.ran.append((t.task_id, member))
         return msgspec.structs.replace(traj(t, member, REWARDS[member]), cursor=-1)  # no cursor
 
@@ -202,7 +202,7 @@ def test_rollout_runs_only_the_rerun_members_and_acks_with_the_last(
             stop=lambda: False,
         )
         [d] = worker.input.read(1)
-        worker._admit(d)
+        worker._admit(d, {})
         worker._start_waiting()
         assert worker.started == 1
         await asyncio.gather(*worker._episodes)

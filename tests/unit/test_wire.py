@@ -5,11 +5,14 @@ import numpy as np
 import pytest
 
 from streamrl.wire import (
+    EPISODE_STATE_VERSION,
     SCHEMA_VERSION,
     Control,
     DeadLetter,
+    EpisodeState,
     Group,
     Message,
+    SavedTurn,
     Status,
     Task,
     TrainMetrics,
@@ -17,7 +20,9 @@ from streamrl.wire import (
     Weights,
     WireError,
     decode,
+    decode_state,
     encode,
+    encode_state,
     pack_arrays,
 )
 
@@ -135,3 +140,41 @@ def test_no_pickle_anywhere() -> None:
     # Bodies are msgpack maps: the first byte is a msgpack map marker, never pickle's 0x80.
     for msg in MESSAGES:
         assert encode(msg)["data"][:1] != b"\x80"
+
+
+def _state() -> EpisodeState:
+    return EpisodeState(
+        traj_id="g1-m0",
+        **pack_arrays([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 0, 0], [0, 0, -0.5, -1.25, 0, 0]),
+        prompt_len=2,
+        versions=[3],
+        turns=[SavedTurn(start=2, end=4, observations=["42", "error: no"], info={"n": 1.0})],
+        env={"records": [["add", {"a": 1, "b": [2, 3]}, True, "5", ""]], "steps": 1},
+        num_tool_calls=1,
+        run_seed=7,
+        model_s=0.25,
+        env_s=1.5,
+        elapsed_s=2.0,
+        worker="rollout-0",
+    )
+
+
+def test_episode_state_round_trip() -> None:
+    state = _state()
+    back = decode_state(encode_state(state))
+    assert back == state
+    assert back.turn == 1 and back.schema == EPISODE_STATE_VERSION
+    assert np.frombuffer(back.logprobs, "<f4")[3] == -1.25
+    marker = EpisodeState(traj_id="g1-m1", committed=True)
+    assert decode_state(encode_state(marker)) == marker
+    assert len(encode_state(marker)) < len(encode_state(state))
+
+
+def test_episode_state_refuses_other_schemas_and_garbage() -> None:
+    other = msgspec.structs.replace(_state(), schema=EPISODE_STATE_VERSION + 1)
+    with pytest.raises(WireError, match="episode state schema 2 != 1"):
+        decode_state(encode_state(other))
+    with pytest.raises(WireError, match="cannot decode episode state"):
+        decode_state(b"\x93garbage")
+    with pytest.raises(WireError, match="cannot decode episode state"):
+        decode_state(msgspec.msgpack.encode({"schema": 1, "traj_id": 5}))

@@ -139,6 +139,20 @@ class ToolEnvironment(Environment):
         )
         return StepResult(observations=[r.render() for r in results], done=False)
 
+    def save_state(self) -> dict[str, Any] | None:
+        """The calls made so far, with their outputs (the scorer reads them)."""
+        return {
+            "records": [
+                [r.name, r.args, r.output.ok, r.output.output, r.output.error] for r in self.records
+            ]
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.records = [
+            ToolRecord(name, args, ToolOutput(ok, output, error))
+            for name, args, ok, output, error in state["records"]
+        ]
+
     def _finish_answer(self, calls: list[ToolCall | ToolCallError]) -> str | None:
         finish = self.tools.get("finish")
         for c in calls:
