@@ -155,6 +155,12 @@ class Keys:
         return self._k("groups", "dropped")
 
     @property
+    def groups_waiting(self) -> str:
+        """How many groups wait for the trainer (its consumer group's lag in `groups`), as
+        a grouper last read it from Redis (with a TTL): what rollout's backpressure reads."""
+        return self._k("groups", "waiting")
+
+    @property
     def groups_reruns(self) -> str:
         """Hash group id -> times its missing members were re-run after group_timeout."""
         return self._k("groups", "reruns")

@@ -77,6 +77,7 @@ def test_rollout_pauses_on_half_filled_groups(
             assert pauses(rclient, keys) == 2  # the pause goes on, with another reason
             rclient.xgroup_create(keys.groups, Keys.CG_TRAINER, "0")  # the trainer takes one
             rclient.xreadgroup(Keys.CG_TRAINER, "trainer", {keys.groups: ">"}, count=1)
+            assert g.publish_waiting() == 2
             assert not await bp.check()
         await aclient.aclose()
         return logs
@@ -140,9 +141,10 @@ def test_ready_groups_are_what_the_trainer_has_not_taken(
     rclient: redis.Redis, redis_url: str, keys: Keys
 ) -> None:
     """Groups waiting for the trainer are read from the groups stream (its trainer group's
-    undelivered entries), not from counters: a trainer restart that rewinds and trains
-    groups again counts `groups_trained` twice for them (review M5), and then a counter
-    difference says fewer groups wait than do, and rollout would not pause."""
+    undelivered entries, which a grouper publishes), not from counters: a trainer restart
+    that rewinds and trains groups again counts `groups_trained` twice for them (review
+    M5), and then a counter difference says fewer groups wait than do, and rollout would
+    not pause."""
     cfg = parse_config({"transport": {"block_ms": 5}, "rollout": {"max_ready_groups": 1}})
     g = Grouper(rclient, keys, cfg, "g0", structlog.get_logger())
     for i in range(3):
@@ -150,6 +152,7 @@ def test_ready_groups_are_what_the_trainer_has_not_taken(
     assert rclient.xlen(keys.groups) == 3
 
     async def reason() -> str | None:
+        g.publish_waiting()  # what the grouper's loop does every WAITING_EVERY_S
         aclient = aioredis.Redis.from_url(redis_url)
         try:
             return await Backpressure(aclient, keys, cfg, structlog.get_logger()).reason()

@@ -58,23 +58,12 @@ EPISODES_RESUMED = "episodes_resumed"  # stats counter: episodes resumed from a 
 RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool time not redone
 
 
-# KEYS: the groups stream. ARGV: an exclusive start id `(<id>`, the most entries to count.
-# How many entries follow that id, counted in Redis (their payloads stay there).
-_COUNT_AFTER = """
-return #redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-"""
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class Backpressure:
     """Whether rollout may start a new task: not while `max_ready_groups` groups wait for
-    the trainer (read from the groups stream: `waiting`), nor while `max_partial_groups`
-    groups are half filled (HLEN of the groups-started hash). Each move into the paused
-    state is counted once in stats (`backpressure_pauses`) and logged with its reason, as
-    is the resume."""
+    the trainer (the trainer consumer group's lag, as a grouper publishes it:
+    `Grouper.publish_waiting`), nor while `max_partial_groups` groups are half filled (HLEN
+    of the groups-started hash). Each move into the paused state is counted once in stats
+    (`backpressure_pauses`) and logged with its reason, as is the resume."""
 
     def __init__(
         self,
@@ -88,7 +77,6 @@ class Backpressure:
         self.cfg = cfg
         self.log = log
         self.paused_since: float | None = None  # monotonic time of the pause, None: running
-        self._count_after = aclient.register_script(_COUNT_AFTER)
 
     async def reason(self, ending: int = 0) -> str | None:
         """Why no task may start now, or None. `ending`: groups whose episodes this worker
@@ -96,9 +84,12 @@ class Backpressure:
         rcfg = self.cfg.rollout
         pipe = self.aclient.pipeline(transaction=False)
         pipe.hlen(self.keys.groups_started)
-        pipe.xlen(self.keys.groups)
-        partial, length = await pipe.execute()
-        ready = await self.waiting(int(length)) + ending
+        pipe.get(self.keys.groups_waiting)
+        pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
+        partial, waiting, counted = await pipe.execute()
+        if waiting is None:  # no grouper has counted lately: the counters, roughly
+            waiting = int(counted[0] or 0) - int(counted[1] or 0)
+        ready = int(waiting) + ending
         if ready >= rcfg.max_ready_groups:
             return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"
         if rcfg.max_partial_groups and int(partial) >= rcfg.max_partial_groups:
@@ -106,27 +97,6 @@ class Backpressure:
                 f"{partial} groups are half filled (max_partial_groups {rcfg.max_partial_groups})"
             )
         return None
-
-    async def waiting(self, length: int) -> int:
-        """Groups the trainer has not taken yet: its consumer group's lag in the groups
-        stream (of `length` entries), counted up to the bound where Redis does not say it
-        (6.2; entries deleted past the group's position on 7).
-        Redis' own count, unlike `groups - groups_trained`, which a trainer restart
-        that trains groups again after its cut drifts. Its pending entries are taken (in
-        its batch, or trained and acknowledged with the next checkpoint)."""
-        if length == 0:
-            return 0  # (or no stream yet: XINFO would fail)
-        groups: Any = await self.aclient.xinfo_groups(self.keys.groups)
-        trainer = next((g for g in groups if _text(g["name"]) == Keys.CG_TRAINER), None)
-        if trainer is None:  # no trainer has joined yet: every entry waits
-            return int(length)
-        after, bound = f"({_text(trainer['last-delivered-id'])}", self.cfg.rollout.max_ready_groups
-        if "lag" not in trainer:  # Redis 6.2
-            return int(await self._count_after(keys=[self.keys.groups], args=[after, bound]))
-        if trainer["lag"] is None:
-            entries: Any = await self.aclient.xrange(self.keys.groups, min=after, count=bound)
-            return len(entries)
-        return int(trainer["lag"])
 
     async def check(self, ending: int = 0) -> bool:
         """True while rollout must wait."""
