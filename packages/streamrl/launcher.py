@@ -2,21 +2,24 @@
 
 The run ends after the trainer's `--steps` (the trainer exits 0 when it has written its
 final checkpoint), on Ctrl-C or SIGTERM (exit code 0; the trainer gets
-`run.trainer_stop_timeout_s` for its final checkpoint before SIGKILL), or with exit code 1
-naming the worker and its log when a worker fails for good: a worker that crashes is restarted alone
-after a backoff (1 s, doubling), up to `run.max_restarts` times within
-`run.restart_window_s` (a restarted trainer resumes from its newest complete checkpoint);
-a worker that exits with a fatal error (exit code 3: a tripped circuit breaker, a NaN
-loss) is not restarted. The embedded Redis is restarted from its AOF when it dies; the
-workers ride out the gap (`streamrl.transport.make_client`). Every worker runs in its own
-session, so stopping one kills its whole process group (tool subprocesses included) and
-nothing is left behind.
+`run.trainer_stop_timeout_s` for its final checkpoint before SIGKILL, the others 20 s), or
+with exit code 1 naming the worker and its log when a worker fails for good: a worker that
+crashes is restarted alone after a backoff (1 s, doubling), up to `run.max_restarts` times
+within `run.restart_window_s` (a restarted trainer resumes from its newest complete
+checkpoint); a worker whose liveness beat stops for `run.liveness_timeout_s`
+(`streamrl.liveness`) is SIGKILLed and restarted the same way; a worker that exits with a
+fatal error (exit code 3: a tripped circuit breaker, a NaN loss) is not restarted. The
+embedded Redis is restarted from its AOF when it dies; the workers ride out the gap
+(`streamrl.transport.make_client`). Every worker runs in its own session, so stopping one
+kills its whole process group (tool subprocesses included) and nothing is left behind.
 
-`streamrl up --resume RUN_DIR` continues a stopped or crashed run: the embedded Redis
-comes back from the run directory's AOF; if Redis holds none of the run's data (an
-external one that was flushed, a lost AOF), the queues are restored from the newest
-complete checkpoint's snapshot. The policy floor is raised above every version published
-before, so the rollout workers wait for the trainer's restored policy before any episode.
+The launcher holds a lock on the run directory and records the processes it starts
+(`streamrl.rundir`). `streamrl up --resume RUN_DIR` continues a stopped or crashed run:
+it first stops what a launcher that died left running, then the embedded Redis comes back
+from the run directory's AOF; if Redis holds none of the run's data (an external one that
+was flushed, a lost AOF), the queues are restored from the newest complete checkpoint's
+snapshot. The policy floor is raised above every version published before, so the rollout
+workers wait for the trainer's restored policy before any episode.
 """
 
 from __future__ import annotations
