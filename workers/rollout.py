@@ -133,6 +133,7 @@ async def serve(
         follower=follower,
         log=ctx.log,
         stop=ctx.stop.is_set,
+        liveness=ctx.liveness,
     )
     try:
         await worker.run()

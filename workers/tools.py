@@ -35,6 +35,7 @@ def run(ctx: WorkerContext) -> int:
         # least four times per liveness limit
         worker_ttl=15 + max(1, int(ctx.cfg.run.liveness_timeout_s / 4)),
         log=ctx.log,
+        liveness=ctx.liveness,
         # past this its caller has given up on it (and sent it again)
         call_limit_s=ctx.cfg.tools.time_limit_s + ctx.cfg.tools.result_margin_s,
     )

@@ -73,6 +73,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             holder,
             ctx.log,
             ctx.stop.set,
+            liveness=ctx.liveness,
             liveness_s=cfg.run.liveness_timeout_s,
         ).start(take=args.index != "auto")
     except redis.RedisError as err:  # after the client's retries: Redis is not there

@@ -41,8 +41,8 @@ import redis
 import structlog
 from redis.commands.core import Script
 
-from streamrl import liveness
 from streamrl.config import Config
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 from streamrl.rl.advantages import ADVANTAGES, is_zero_variance, masked_advantages
 from streamrl.tasks.registry import make_task
@@ -730,14 +730,18 @@ class Grouper:
             return []
         return self.handle_batch(deliveries, self.trainer_version())
 
-    def run(self, stop: threading.Event, burst: bool = False) -> None:
+    def run(
+        self, stop: threading.Event, burst: bool = False, liveness: Liveness | None = None
+    ) -> None:
         """Process until `stop` is set; with `burst`, also stop once the input is drained.
+        Ticks `liveness` each time round.
 
         Timed-out (or complete but stuck) groups are looked for every TIMEOUT_CHECK_EVERY_S
         (or half of `stall_ms`, if shorter)."""
         every = min(TIMEOUT_CHECK_EVERY_S, self.stall_ms() / 2000)
+        alive = liveness or Liveness()
         while not stop.is_set():
-            liveness.tick()
+            alive.tick()
             out = self.step()
             if time.monotonic() >= self._next_timeout_check:
                 self._next_timeout_check = time.monotonic() + every

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import structlog
 
-from streamrl import liveness
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 
 HEARTBEAT_TTL_S = 15.0
@@ -112,8 +112,8 @@ class Heartbeat:
     """Renews a worker's slot every `ttl_s / 3` on a daemon thread until `stop` is set.
     When another holder has taken the slot (two processes claim one identity), `on_lost`
     is called once and the heartbeat ends. A Redis error is logged and retried next beat:
-    the slot lapses only if Redis stays away for `ttl_s`. With `liveness_s`, every beat
-    (at least every `liveness_s / 4`) also writes the beat key while the loop is live."""
+    the slot lapses only if Redis stays away for `ttl_s`. With `liveness`, every beat (at
+    least every `liveness_s / 4`) also writes the beat key while the loop is live."""
 
     def __init__(
         self,
@@ -125,7 +125,8 @@ class Heartbeat:
         log: structlog.stdlib.BoundLogger,
         on_lost: Callable[[], None],
         ttl_s: float = HEARTBEAT_TTL_S,
-        liveness_s: float | None = None,
+        liveness: Liveness | None = None,
+        liveness_s: float = 300.0,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -135,8 +136,9 @@ class Heartbeat:
         self.log = log
         self.on_lost = on_lost
         self.ttl_s = ttl_s
+        self.liveness = liveness
         self.liveness_s = liveness_s
-        self.every_s = ttl_s / 3 if liveness_s is None else min(ttl_s / 3, liveness_s / 4)
+        self.every_s = ttl_s / 3 if liveness is None else min(ttl_s / 3, liveness_s / 4)
         self.stop = threading.Event()
         self.beats = 0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -168,7 +170,7 @@ class Heartbeat:
     def _beat(self) -> bool:
         if renew(self.client, self.keys, self.worker, self.index, self.holder, self.ttl_s):
             self.beats += 1
-            if self.liveness_s is not None and liveness.live(self.liveness_s):
+            if self.liveness is not None and self.liveness.live(self.liveness_s):
                 self.client.set(
                     self.keys.worker_beat(self.worker, self.index),
                     f"{self.holder} {self.beats}",

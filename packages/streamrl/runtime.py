@@ -15,6 +15,7 @@ import structlog
 
 from streamrl.acl import read_password_file
 from streamrl.config import Config
+from streamrl.liveness import Liveness
 from streamrl.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.names import Keys
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
@@ -46,6 +47,7 @@ class WorkerContext:
     max_steps: int = 0
     burst: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
+    liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
 
     @property
     def keys(self) -> Keys:

@@ -8,8 +8,8 @@ import time
 import redis
 import structlog
 
-from streamrl import liveness
 from streamrl.identity import Heartbeat, claim_index, holder_of, renew
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 
 LOG = structlog.get_logger()
@@ -105,7 +105,7 @@ def test_the_liveness_beat_follows_the_loop_not_the_thread(
     """The beat key changes while the worker starts, while its loop ticks and during a busy
     step; it stops when the loop stops ticking, though the heartbeat thread runs on (and
     the identity slot stays renewed)."""
-    liveness.reset()
+    alive = Liveness()
     beat_key = keys.worker_beat("feeder", 7)
 
     def beats_within(s: float) -> set[bytes]:
@@ -119,18 +119,17 @@ def test_the_liveness_beat_follows_the_loop_not_the_thread(
         return seen
 
     beat = Heartbeat(
-        rclient, keys, "feeder", 7, "host:7", LOG, lambda: None, ttl_s=30, liveness_s=0.8
+        rclient, keys, "feeder", 7, "host:7", LOG, lambda: None, 30, alive, liveness_s=0.8
     ).start(take=True)
     try:
         assert len(beats_within(0.7)) >= 2  # starting: no tick yet, live
-        liveness.tick()
+        alive.tick()
         assert len(beats_within(0.5)) >= 2  # the loop just ticked
         time.sleep(0.9)  # the loop stops ticking: the beat stops
         assert len(beats_within(1.0)) == 1
         assert holder_of(rclient, keys, "feeder", 7) == "host:7"  # identity kept
-        with liveness.busy():  # a long step: live again
+        with alive.busy():  # a long step: live again
             assert len(beats_within(1.0)) >= 2
         assert bytes(rclient.get(beat_key)).startswith(b"host:7 ")  # type: ignore[arg-type]
     finally:
         beat.close()
-        liveness.reset()

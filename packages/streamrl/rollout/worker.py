@@ -41,9 +41,9 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from streamrl import liveness
 from streamrl.config import Config
 from streamrl.failpoints import EPISODE_SAVED, afailpoint
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner, traj_id
@@ -161,8 +161,10 @@ class RolloutWorker:
         log: structlog.stdlib.BoundLogger,
         stop: Callable[[], bool],
         threads: WorkerThreads | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.aclient = aclient
+        self.liveness = liveness or Liveness()  # ticked by the supervising loop
         self.keys = keys
         self.cfg = cfg
         self.server = server
@@ -230,7 +232,7 @@ class RolloutWorker:
         committer = asyncio.create_task(self._committer(), name="commits")
         try:
             while not self.stop() and self._failure is None:
-                liveness.tick()  # the event loop turns (a blocking call would hold it)
+                self.liveness.tick()  # the event loop turns (a blocking call would hold it)
                 done = [p for p in [*parts, committer] if p.done()]
                 for p in done:
                     p.result()  # re-raises a component's error: the process stops with it

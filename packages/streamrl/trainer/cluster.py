@@ -17,7 +17,6 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from streamrl import liveness
 from streamrl.runtime import COORDINATOR_ENV
 
 
@@ -59,7 +58,6 @@ class Cluster:
     def leader(self) -> bool:
         return self.index == 0
 
-    @liveness.busy()  # the others wait here while the leader collects (it ticks)
     def broadcast(self, tree: Any) -> Any:
         """The leader's value of `tree` on every process (others pass same-shaped ones)."""
         if self.count == 1:
