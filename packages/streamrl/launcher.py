@@ -479,9 +479,10 @@ class Launcher:
 
     # -- reporting -------------------------------------------------------------------------
 
-    def _stats(self, client: redis.Redis) -> dict[str, int]:
+    def _stats(self, client: redis.Redis) -> dict[str, int | float]:
+        """The run's counters: whole ones, and sums of seconds (HINCRBYFLOAT)."""
         raw: Any = client.hgetall(self.keys.stats)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {k.decode(): _number(v) for k, v in raw.items()}
 
     def _metrics(self, client: redis.Redis) -> list[TrainMetrics]:
         out = []
@@ -549,6 +550,14 @@ class Launcher:
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
 MAX_BACKOFF_S = 60.0
+
+
+def _number(raw: bytes) -> int | float:
+    """A counter's value: an int, or a float for a sum kept by HINCRBYFLOAT."""
+    try:
+        return int(raw)
+    except ValueError:
+        return float(raw)
 
 
 def restart_decision(

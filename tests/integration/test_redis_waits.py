@@ -5,6 +5,7 @@ launcher's monitor does not die of it (review H2, L3)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from redis.backoff import ExponentialBackoff
 
 from streamrl.config import Config
 from streamrl.launcher import Launcher
+from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis
 from streamrl.transport import WaitingRetry, make_async_client, make_client
 
@@ -167,3 +169,19 @@ def test_the_launcher_monitor_rides_out_busy(tmp_path: Path) -> None:
 class _NullLog:
     def __getattr__(self, _name: str) -> Any:
         return lambda *a, **k: None
+
+
+def test_the_launcher_reads_counters_that_are_not_whole(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """The stats hash holds whole counters and sums of seconds (HINCRBYFLOAT, as
+    `episodes_resumed_saved_s`): the launcher's progress line and summary read both (a
+    float made `_stats` raise, and the launcher died mid run with its workers)."""
+    out = io.StringIO()
+    launcher = Launcher(Config(), "configs/stub.toml", [], tmp_path, 1, out=out)
+    launcher.keys = keys
+    rclient.hincrby(keys.stats, "groups", 3)
+    rclient.hincrbyfloat(keys.stats, "episodes_resumed_saved_s", 1.25)
+    assert launcher._stats(rclient) == {"groups": 3, "episodes_resumed_saved_s": 1.25}
+    launcher._progress(rclient)
+    assert "step 0/1" in out.getvalue()
