@@ -41,17 +41,26 @@ from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
 from streamrl.names import Keys
-from streamrl.rl.losses import check_rollout_logps
+from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState, build_batch
-from streamrl.transport import Delivery, RedisStreamConsumer, publish
-from streamrl.wire import Group, TrainMetrics
+from streamrl.transport import Delivery, RedisStreamConsumer, publish, stage_dead_letter
+from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
 
 TRAINER_CONSUMER = "trainer"
 
+# Stats counters of what the trainer sets aside (its dead letters count under the
+# transport's DEAD_LETTERS, its drops under the grouper's GROUPS_DROPPED too).
+ROWS_MASKED = "trainer_rows_masked"  # rows trained without their (missing) rollout log-probs
+GROUPS_STALE = "trainer_groups_stale"  # groups too far off policy when the trainer took them
+NONFINITE_STEPS = "trainer_nonfinite_steps"  # steps skipped: loss or gradient norm not finite
+GROUPS_DROPPED = "groups_dropped"
 
-class NonFiniteLossError(FatalError):
+Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # one member's tokens, mask, rollout log-probs
+
+
+class NonFiniteStepsError(FatalError):
     pass
 
 
@@ -79,10 +88,17 @@ class TrainerLoop:
     max_steps: int = 0
     hooks: list[Hook] = field(default_factory=list)
     version: int = 0
-    unacked: list[str] = field(default_factory=list)
-    trained_ids: set[str] = field(default_factory=set)
+    # entry id -> the step under which its group is recorded (lineage or set_aside), for
+    # every group consumed since the last checkpoint: acknowledged with the next one
+    unacked: dict[str, int] = field(default_factory=dict)
+    # group id -> that step, for every group trained or set aside: never trained again
+    consumed: dict[str, int] = field(default_factory=dict)
     # (step, group ids trained at it) for every step of the current state's history
     lineage: list[tuple[int, list[str]]] = field(default_factory=list)
+    # (step, group ids set aside while that step was assembled: dead-lettered or dropped)
+    set_aside: list[tuple[int, list[str]]] = field(default_factory=list)
+    # group ids of each step skipped in a row for a non-finite loss or gradient norm
+    nonfinite: list[list[str]] = field(default_factory=list)
     cluster: Cluster = field(default_factory=Cluster)
 
     def __post_init__(self) -> None:
@@ -106,43 +122,96 @@ class TrainerLoop:
         return int(self.state.step)
 
     def collect(self) -> list[Delivery[Group]]:
-        """The next `groups_per_step` groups never trained before (fewer if stopped)."""
+        """The next `groups_per_step` groups to train on (fewer if stopped); the others read
+        on the way are set aside (`_admit`)."""
         want = self.cfg.trainer.groups_per_step
         out: list[Delivery[Group]] = []
         while len(out) < want and not self.stop():
             for d in self.input.read(count=want - len(out)):
-                # Trained before, or twice in this batch (a group emitted again after Redis
-                # lost the record of its first emission): acked with the next checkpoint.
-                if d.msg.group_id in self.trained_ids or any(
-                    o.msg.group_id == d.msg.group_id for o in out
-                ):
-                    self.log.warning(
-                        "group_already_trained", group_id=d.msg.group_id, entry_id=d.entry_id
-                    )
-                    self.unacked.append(d.entry_id)
-                    continue
-                out.append(d)
+                if self._admit(d, out):
+                    out.append(d)
         return out
+
+    def _admit(self, d: Delivery[Group], taken: list[Delivery[Group]]) -> bool:
+        """Whether to train on `d`. Each group is judged on its own, so a bad one never
+        takes the good ones of its batch down with it. Not trained, acknowledged with the
+        next checkpoint like a trained one, and skipped if delivered again: a group
+        trained before or twice in this batch (emitted again after Redis lost the record
+        of its first emission); one too far off policy (dropped and counted); one the
+        trainer cannot use (dead-lettered with the reason)."""
+        gid, step = d.msg.group_id, self.step + 1
+        if gid in self.consumed or any(o.msg.group_id == gid for o in taken):
+            self.log.warning("group_already_trained", group_id=gid, entry_id=d.entry_id)
+            self.unacked[d.entry_id] = self.consumed.get(gid, step)
+            return False
+        stale = self._stale(d.msg)
+        if stale:
+            self._set_aside([d], stale, dead=False)
+            return False
+        try:
+            group_rows(d.msg, self.cfg.trainer.use_rollout_logps)
+        except ValueError as err:
+            self._set_aside([d], f"group unusable by the trainer: {err}", dead=True)
+            return False
+        return True
+
+    def _stale(self, group: Group) -> str:
+        """Why `group` is too far off policy to train on now ('' when it is not): any
+        member whose oldest turn is more than `grouper.off_policy_steps` versions behind
+        the trainer's (the grouper checks at emission; the trainer may have moved on)."""
+        limit = self.cfg.grouper.off_policy_steps
+        lags = [self.version - t.min_version for t in group.members if t.versions]
+        if lags and max(lags) > limit:
+            return (
+                f"stale at the trainer: a member is {max(lags)} policy versions behind "
+                f"trainer version {self.version} (grouper.off_policy_steps {limit})"
+            )
+        return ""
+
+    def _set_aside(self, groups: list[Delivery[Group]], reason: str, *, dead: bool) -> None:
+        """Record `groups` as consumed without training, under the step being assembled:
+        dead-lettered (`dead`) or dropped, counted, logged; acknowledged with the next
+        checkpoint (a crash before it delivers them again, and sets them aside again)."""
+        step = self.step + 1
+        pipe = self.client.pipeline(transaction=True)
+        for d in groups:
+            if dead:
+                letter = DeadLetter(
+                    source=self.keys.groups,
+                    entry_id=d.entry_id,
+                    reason=reason,
+                    fields=encode(d.msg),
+                    consumer=TRAINER_CONSUMER,
+                    deliveries=d.deliveries,
+                )
+                stage_dead_letter(pipe, self.keys, letter)
+            else:
+                pipe.sadd(self.keys.groups_dropped, d.msg.group_id)
+                pipe.hincrby(self.keys.stats, GROUPS_DROPPED, 1)
+                pipe.hincrby(self.keys.stats, GROUPS_STALE, 1)
+        pipe.execute()
+        for d in groups:
+            self.consumed[d.msg.group_id] = step
+            self.unacked[d.entry_id] = step
+            event = "dead_letter" if dead else "group_dropped"
+            self.log.error(event, group_id=d.msg.group_id, entry_id=d.entry_id, reason=reason)
+        self.set_aside.append((step, [d.msg.group_id for d in groups]))
 
     def _batch(self, groups: list[Delivery[Group]]) -> tuple[Batch, list[float], list[int]]:
         """The step's batch (rows padded to the step's multiple), rewards, min versions."""
-        items, advantages, rewards, min_versions = [], [], [], []
+        items: list[Row] = []
+        advantages: list[float] = []
+        rewards, min_versions, masked = [], [], 0
         for d in groups:
-            for traj, adv in zip(d.msg.members, d.msg.advantages, strict=True):
-                mask = traj.mask_array() if traj.status != "error" else None
-                items.append(
-                    (
-                        traj.token_array(),
-                        _zeros_like(traj) if mask is None else mask,
-                        traj.logprob_array(),
-                    )
-                )
-                advantages.append(adv)
-                rewards.append(traj.reward)
-                min_versions.append(traj.min_version)
-        if self.cfg.trainer.use_rollout_logps:
-            for _, mask, logps in items:
-                check_rollout_logps(logps, mask)
+            rows, n = group_rows(d.msg, self.cfg.trainer.use_rollout_logps)
+            items += rows
+            masked += n
+            advantages += d.msg.advantages
+            rewards += [t.reward for t in d.msg.members]
+            min_versions += [t.min_version for t in d.msg.members]
+        if masked:
+            self.client.hincrby(self.keys.stats, ROWS_MASKED, masked)
+            self.log.warning("rows_masked", rows=masked, reason="rollout log-probs all 0.0")
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
         return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
 
@@ -156,15 +225,22 @@ class TrainerLoop:
             arrays = [np.asarray(getattr(batch, f)) for f in fields]
         shared = self.cluster.broadcast_arrays(arrays if groups is not None else None)
         batch = Batch(**dict(zip(fields, shared, strict=True)))
-        self.state, m = self.train_step(self.state, batch)
-        loss = scalar(m["loss"])
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(f"loss is {loss} at step {self.step}: stopping the run")
+        before = self.step
+        state, m = self.train_step(self.state, batch)
+        loss, grad_norm = scalar(m["loss"]), scalar(m["grad_norm"])
+        advanced = int(state.step) == before + 1
+        if not (advanced and math.isfinite(loss) and math.isfinite(grad_norm)):
+            if not advanced:  # the step kept the old state itself (it may donate its input)
+                self.state = state
+            self._skip(groups, loss, grad_norm)
+            return None
+        self.state = state
+        self.nonfinite.clear()
         if groups is None:
             return None
         for d in groups:
-            self.trained_ids.add(d.msg.group_id)
-            self.unacked.append(d.entry_id)
+            self.consumed[d.msg.group_id] = self.step
+            self.unacked[d.entry_id] = self.step
         self.lineage.append((self.step, [d.msg.group_id for d in groups]))
         return TrainMetrics(
             step=self.step,
@@ -175,10 +251,30 @@ class TrainerLoop:
             num_sequences=len(rewards),
             num_tokens=int(scalar(m["num_tokens"])),
             clip_fraction=scalar(m["clip_fraction"]),
-            grad_norm=scalar(m["grad_norm"]),
+            grad_norm=grad_norm,
             max_policy_lag=self.version - min(min_versions),
             step_time_s=time.monotonic() - start,
         )
+
+    def _skip(self, groups: list[Delivery[Group]] | None, loss: float, grad_norm: float) -> None:
+        """A step whose loss or gradient norm is not finite: the state stays that of the
+        last good step, no hook runs, and its groups are dead-lettered (a bad batch does
+        not come back for ever; a cause in the state shows as the next steps failing too).
+        After `trainer.max_nonfinite_steps` such steps in a row the run stops."""
+        step, limit = self.step + 1, self.cfg.trainer.max_nonfinite_steps
+        reason = f"non-finite step {step}: loss {loss}, grad_norm {grad_norm}; state kept"
+        ids = [] if groups is None else [d.msg.group_id for d in groups]
+        self.nonfinite.append(ids)
+        if groups is not None:
+            self.client.hincrby(self.keys.stats, NONFINITE_STEPS, 1)
+            self._set_aside(groups, reason, dead=True)
+            self.log.error("train_step_skipped", step=step, reason=reason, group_ids=ids)
+        if len(self.nonfinite) >= limit:
+            raise NonFiniteStepsError(
+                f"{len(self.nonfinite)} steps in a row had a non-finite loss or gradient norm "
+                f"(trainer.max_nonfinite_steps {limit}), the last: {reason}; their groups "
+                f"(dead-lettered): {self.nonfinite}. Stopping the run"
+            )
 
     def record(self, metrics: TrainMetrics) -> None:
         pipe = self.client.pipeline(transaction=True)
@@ -198,6 +294,7 @@ class TrainerLoop:
             "version": self.version,
             "seed": self.cfg.run.seed,
             "lineage": [[step, ids] for step, ids in self.lineage],
+            "set_aside": [[step, ids] for step, ids in self.set_aside],
         }
 
     def resume(self, root: Path, checkpointer: ocp.AbstractCheckpointer) -> int | None:
@@ -235,7 +332,10 @@ class TrainerLoop:
                 params=tree["params"], opt_state=tree["opt_state"], step=tree["step"]
             )
             self.lineage = [(int(s), [str(g) for g in ids]) for s, ids in meta["lineage"]]
-            self.trained_ids = {g for _, ids in self.lineage for g in ids}
+            # checkpoints written before the trainer set groups aside have no record of it
+            aside = meta.get("set_aside", [])
+            self.set_aside = [(int(s), [str(g) for g in ids]) for s, ids in aside]
+            self.consumed = {g: s for s, ids in (*self.lineage, *self.set_aside) for g in ids}
         if not c.leader:
             return self.step if restored is not None else None
         published = self.client.get(self.keys.policy_version)
@@ -262,7 +362,7 @@ class TrainerLoop:
             checkpoint=None if restored is None else str(restored[0].path),
             version=version,
             groups_rewound_to=start,
-            trained_groups=len(self.trained_ids),
+            trained_groups=sum(len(ids) for _, ids in self.lineage),
         )
         return self.step
 
@@ -288,9 +388,12 @@ class TrainerLoop:
             groups = self._next_groups()
             if groups is None:
                 break
+            before = self.step
             metrics = self.train_once(groups if self.cluster.leader else None)
             if metrics is not None:
                 self.record(metrics)
+            if self.step == before:
+                continue  # a skipped step: nothing new to publish, checkpoint or export
             for hook in self.hooks:
                 if hook.every and self.step % hook.every == 0:
                     hook(self, final=False)
@@ -300,8 +403,37 @@ class TrainerLoop:
         self.log.info("trainer_done", step=self.step, version=self.version)
 
 
-def _zeros_like(traj: Any) -> np.ndarray:
-    return np.zeros(len(traj.token_array()), dtype=np.uint8)
+def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
+    """The group's batch rows, one per member, and how many of them are masked out for
+    missing rollout log-probs (`missing_logp_rows`; with `rollout_logps`, the ratio's
+    denominator). An error member's mask is all 0 (it counts for its group's statistics
+    only). ValueError saying why when the group cannot be trained on: malformed arrays,
+    members and advantages that do not match, a non-finite advantage, rollout log-probs
+    that `check_rollout_logps` refuses."""
+    if len(group.members) != len(group.advantages):
+        raise ValueError(f"{len(group.members)} members but {len(group.advantages)} advantages")
+    if not all(math.isfinite(a) for a in group.advantages):
+        raise ValueError(f"non-finite advantages {group.advantages}")
+    rows: list[Row] = []
+    masked = 0
+    for t in group.members:
+        try:
+            tokens, mask, logps = t.token_array(), t.mask_array(), t.logprob_array()
+            if not len(tokens) == len(mask) == len(logps):
+                raise ValueError(
+                    f"tokens, mask and logprobs differ in length "
+                    f"({len(tokens)}, {len(mask)}, {len(logps)})"
+                )
+            if t.status == "error":
+                mask = np.zeros(len(tokens), np.uint8)
+            elif rollout_logps:
+                check_rollout_logps(logps, mask)
+                if missing_logp_rows(logps, mask)[0]:
+                    mask, masked = np.zeros(len(tokens), np.uint8), masked + 1
+        except ValueError as err:
+            raise ValueError(f"member {t.member}: {err}") from None
+        rows.append((tokens, mask, logps))
+    return rows, masked
 
 
 @dataclass

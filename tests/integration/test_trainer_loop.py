@@ -1,0 +1,157 @@
+"""The trainer's loop on real Redis and real Orbax checkpoints, with scripted steps: a
+non-finite step keeps the state and runs no hook, and too many in a row stop the run
+naming their groups."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import redis
+import structlog
+
+from streamrl import checkpoints as ckpts
+from streamrl.config import Config, parse_config
+from streamrl.names import Keys
+from streamrl.trainer.loop import (
+    NONFINITE_STEPS,
+    CheckpointHook,
+    NonFiniteStepsError,
+    PublishHook,
+    TrainerLoop,
+)
+from streamrl.trainer.publish import WeightPublisher
+from streamrl.trainer.step import Batch, TrainState
+from streamrl.trainer.stub import stub_state
+from streamrl.transport import publish
+from streamrl.weightsync import DirChannel
+from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
+
+LOG = structlog.get_logger()
+
+
+def group(gid: str, versions: tuple[list[int], ...] = ([0], [0])) -> Group:
+    members = [
+        Trajectory(
+            traj_id=f"{gid}-{k}",
+            group_id=gid,
+            task_id=f"t-{gid}",
+            member=k,
+            num_generations=len(versions),
+            **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.7]),
+            prompt_len=1,
+            reward=float(k),
+            status="ok",
+            versions=v,
+        )
+        for k, v in enumerate(versions)
+    ]
+    advantages = [float(k) - 0.5 for k in range(len(versions))]
+    return Group(group_id=gid, task_id=f"t-{gid}", members=members, advantages=advantages)
+
+
+class ScriptedStep:
+    """A train step that plays `script`: "ok" advances the stub state; "nan" returns a
+    finite loss with NaN params and a NaN gradient norm (review M1: what a finite loss
+    with non-finite gradients gave)."""
+
+    row_multiple = 1
+
+    def __init__(self, script: list[str]) -> None:
+        self.script: Iterator[str] = iter(script)
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        bad = next(self.script) == "nan"
+        params = jnp.full((16,), jnp.nan if bad else 1.0, jnp.float32)
+        metrics = {
+            "loss": 1.0,
+            "grad_norm": math.nan if bad else 0.5,
+            "clip_fraction": 0.0,
+            "num_tokens": float(np.sum(batch.mask)),
+        }
+        return state.replace(step=state.step + 1, params={"stub": params}), metrics
+
+
+def config(**trainer: Any) -> Config:
+    return parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": 1, **trainer},
+            "transport": {"block_ms": 50},
+        }
+    )
+
+
+@pytest.fixture
+def checkpointer() -> Iterator[ocp.StandardCheckpointer]:
+    c = ocp.StandardCheckpointer()
+    yield c
+    c.close()
+
+
+def make_loop(
+    cfg: Config,
+    rclient: redis.Redis,
+    keys: Keys,
+    root: Path,
+    step: Any,
+    checkpointer: ocp.StandardCheckpointer,
+    max_steps: int = 100,
+) -> TrainerLoop:
+    publisher = WeightPublisher(rclient, keys, DirChannel(root.parent / "weights"), LOG)
+    return TrainerLoop(
+        client=rclient,
+        keys=keys,
+        cfg=cfg,
+        state=stub_state(),
+        train_step=step,
+        log=LOG,
+        stop=lambda: False,
+        pad_id=0,
+        max_steps=max_steps,
+        hooks=[
+            PublishHook(1, publisher),
+            CheckpointHook(1, root, cfg.trainer.keep_checkpoints, checkpointer),
+        ],
+    )
+
+
+def dead_groups(client: redis.Redis, keys: Keys) -> list[str]:
+    raw: Any = client.xrange(keys.dead)
+    return [decode(decode(f, DeadLetter).fields, Group).group_id for _, f in raw]
+
+
+def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    for i in range(6):
+        publish(rclient, keys.groups, group(f"g{i}"))
+    root = tmp_path / "checkpoints"
+    cfg = config(max_nonfinite_steps=3)
+    loop = make_loop(
+        cfg, rclient, keys, root, ScriptedStep(["nan", "ok", "nan", "nan", "nan"]), checkpointer
+    )
+    with pytest.raises(NonFiniteStepsError, match="3 steps in a row") as err:
+        loop.run()
+    # The error names the groups of the failed steps in a row.
+    assert "['g2'], ['g3'], ['g4']" in str(err.value)
+    # One good step: one checkpoint, one version over the initial 0; nothing NaN in either.
+    assert [s for s, _ in ckpts.step_dirs(root)] == [1]
+    assert rclient.get(keys.policy_version) == b"1"
+    assert loop.step == 1 and bool(jnp.all(loop.state.params["stub"] == 1.0))
+    restored = checkpointer.restore((root / "step_00000001" / ckpts.STATE).resolve())
+    assert np.all(np.asarray(restored["params"]["stub"]) == 1.0)
+    # The failed steps' groups are dead-lettered, counted; g0's was acknowledged with
+    # checkpoint 1, the last three wait for the next checkpoint.
+    assert dead_groups(rclient, keys) == ["g0", "g2", "g3", "g4"]
+    assert rclient.hget(keys.stats, NONFINITE_STEPS) == b"4"
+    meta = ckpts.verify(root / "step_00000001").meta()
+    assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, ["g0"]]]
+    pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
+    assert pending["pending"] == 3
