@@ -275,7 +275,7 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
     logged_drops = {
         e["group_id"]
         for name, es in logs.events.items()
-        if name.startswith("grouper")
+        if name.startswith(("grouper", "trainer"))  # the trainer drops what went stale
         for e in es
         if e["event"] == "group_dropped" and e.get("reason")
     }

@@ -20,6 +20,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.config import Config, parse_config
 from streamrl.names import Keys
 from streamrl.trainer.loop import (
+    GROUPS_STALE,
     NONFINITE_STEPS,
     CheckpointHook,
     NonFiniteStepsError,
@@ -155,3 +156,34 @@ def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
     assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, ["g0"]]]
     pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
     assert pending["pending"] == 3
+
+
+def test_a_group_too_stale_when_taken_is_dropped_not_trained(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    # Issue 15 item 4: every member is checked when the trainer takes the group (the
+    # trainer may have moved on since the grouper emitted it), the oldest one included.
+    publish(rclient, keys.groups, group("g0", ([5], [4])))
+    publish(rclient, keys.groups, group("g1", ([3], [5])))  # member 0: 3 behind version 6
+    publish(rclient, keys.groups, group("g2", ([5], [4])))
+    root = tmp_path / "checkpoints"
+    cfg = parse_config(
+        {
+            **{"model": {"kind": "stub", "init": "checkpoint"}},
+            "trainer": {"groups_per_step": 1},
+            "grouper": {"off_policy_steps": 2},
+            "transport": {"block_ms": 50},
+        }
+    )
+    loop = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok", "ok"]), checkpointer, 2)
+    loop.version = 5  # what a resumed trainer publishes first
+    loop.run()
+    meta = ckpts.verify(root / "step_00000002").meta()
+    assert meta["lineage"] == [[1, ["g0"]], [2, ["g2"]]]
+    assert meta["set_aside"] == [[2, ["g1"]]]  # taken at version 6: dropped, counted
+    assert rclient.hget(keys.stats, GROUPS_STALE) == b"1"
+    assert rclient.hget(keys.stats, "groups_dropped") == b"1"
+    assert rclient.sismember(keys.groups_dropped, "g1")
+    assert rclient.xlen(keys.dead) == 0
+    pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
+    assert pending["pending"] == 0  # acknowledged with checkpoint 2
