@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ def config(**trainer: Any) -> Config:
         {
             "model": {"kind": "stub", "init": "checkpoint"},
             "trainer": {"groups_per_step": 1, **trainer},
+            "grouper": {"off_policy_steps": 1000},  # the groups' version 0 stays fresh
             "transport": {"block_ms": 50},
         }
     )
@@ -187,3 +189,54 @@ def test_a_group_too_stale_when_taken_is_dropped_not_trained(
     assert rclient.xlen(keys.dead) == 0
     pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
     assert pending["pending"] == 0  # acknowledged with checkpoint 2
+
+
+def test_the_lineage_keeps_a_window_and_still_skips_duplicates(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    # Review M4: meta.json's lineage and the trainer's set of consumed ids hold the groups
+    # a resume can deliver again (from the oldest kept checkpoint's cut on), not the run.
+    steps, keep = 40, 2
+    root = tmp_path / "checkpoints"
+    cfg = config(keep_checkpoints=keep)
+    for i in range(steps):
+        publish(rclient, keys.groups, group(f"g{i}"))
+        if i in (10, 30):  # a group emitted again (Redis lost the record of its emission)
+            publish(rclient, keys.groups, group(f"g{i - 1}"))
+    loop = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"] * steps), checkpointer, steps)
+    sizes: list[tuple[int, int]] = []
+
+    @dataclass
+    class Probe:  # runs after the checkpoint hook: what the loop holds then
+        every: int = 1
+
+        def __call__(self, loop: TrainerLoop, final: bool) -> None:
+            sizes.append((len(loop.lineage), len(loop.consumed)))
+
+    loop.hooks.append(Probe())
+    with structlog.testing.capture_logs() as logs:
+        loop.run()
+    assert loop.step == steps
+    # Every group trained once: the duplicates were skipped, not trained.
+    trained = [e["group_ids"] for e in logs if e["event"] == "train_step"]
+    assert trained == [[f"g{i}"] for i in range(steps)]
+    skipped = [e["group_id"] for e in logs if e["event"] == "group_already_trained"]
+    assert skipped == ["g9", "g29"]
+    # The window: the steps from the oldest kept checkpoint's cut on (keep steps at
+    # checkpoint_every 1; a duplicate pending at a cut reaches back to its group's step,
+    # 2 more here, until that checkpoint is pruned), however long the run.
+    assert len(sizes) == steps and sizes[-1] == (keep, keep)
+    assert max(n for n, _ in sizes) <= keep + 2 and max(n for _, n in sizes) <= keep + 2
+    meta = ckpts.verify(root / f"step_{steps:08d}").meta()
+    assert len(meta["lineage"]) <= keep + 1 and meta["lineage_from"] == steps
+    assert meta["lineage"][-1] == [steps, [f"g{steps - 1}"]]
+
+    # A resumed trainer (Redis kept) is delivered the groups after the cut again and skips
+    # them: the window holds them.
+    publish(rclient, keys.groups, group("g-new"))
+    again = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"]), checkpointer, steps + 1)
+    assert again.resume(root, checkpointer) == steps
+    with structlog.testing.capture_logs() as logs:
+        again.run()
+    trained = [e["group_ids"] for e in logs if e["event"] == "train_step"]
+    assert trained == [["g-new"]]

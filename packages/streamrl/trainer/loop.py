@@ -17,6 +17,7 @@ new episode once it has synced.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -289,13 +290,30 @@ class TrainerLoop:
         )
 
     def checkpoint_meta(self) -> dict[str, Any]:
+        """meta.json: the lineage (and set_aside) of the window the loop holds, and
+        `lineage_from`, the oldest step a resume from this checkpoint needs: that of the
+        oldest group pending at its cut (those after the cut are delivered again)."""
         return {
             "step": self.step,
             "version": self.version,
             "seed": self.cfg.run.seed,
             "lineage": [[step, ids] for step, ids in self.lineage],
             "set_aside": [[step, ids] for step, ids in self.set_aside],
+            "lineage_from": min(self.unacked.values(), default=self.step + 1),
         }
+
+    def forget_before(self, step: int) -> None:
+        """Keep the records (lineage, set_aside, consumed ids) of `step` on only.
+
+        The window: a group can be delivered again only from the cut of a kept checkpoint
+        on, and the oldest such group of each is recorded at its `lineage_from` step or
+        later (`window_start`); a group emitted again after that is still skipped while
+        its step is in the window. So the records stay bounded by the steps since the
+        oldest kept checkpoint's cut (about (keep_checkpoints + 1) x checkpoint_every
+        steps of groups), not the run."""
+        self.lineage = [(s, ids) for s, ids in self.lineage if s >= step]
+        self.set_aside = [(s, ids) for s, ids in self.set_aside if s >= step]
+        self.consumed = {g: s for g, s in self.consumed.items() if s >= step}
 
     def resume(self, root: Path, checkpointer: ocp.AbstractCheckpointer) -> int | None:
         """Continue a run that already went on: restore the newest usable checkpoint under
@@ -401,6 +419,19 @@ class TrainerLoop:
             if not hook.every or self.step % hook.every != 0:
                 hook(self, final=True)
         self.log.info("trainer_done", step=self.step, version=self.version)
+
+
+def window_start(root: Path) -> int:
+    """The oldest `lineage_from` of the checkpoints under `root`: the first step whose
+    records a resume from any of them may need (0, all, for a checkpoint without it)."""
+    starts = []
+    for _step, path in ckpts.step_dirs(root):
+        try:
+            meta = json.loads((path / ckpts.META).read_text())
+            starts.append(int(meta["lineage_from"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0  # unreadable or older: keep everything
+    return min(starts, default=0)
 
 
 def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
@@ -516,6 +547,7 @@ class CheckpointHook:
         )
         loop.unacked.clear()
         ckpts.prune(self.root, self.keep, loop.log)
+        loop.forget_before(window_start(self.root))
         if self.trim:
             floor = ckpts.oldest_snapshot(self.root)
             trimmed = ckpts.trim_streams(loop.client, loop.keys, floor)
