@@ -356,6 +356,7 @@ class TrainerLoop:
             self.consumed = {g: s for s, ids in (*self.lineage, *self.set_aside) for g in ids}
         if not c.leader:
             return self.step if restored is not None else None
+        self._restore_queues(root, restored)
         published = self.client.get(self.keys.policy_version)
         if restored is None and published is None:
             return None  # a fresh run
@@ -383,6 +384,25 @@ class TrainerLoop:
             trained_groups=sum(len(ids) for _, ids in self.lineage),
         )
         return self.step
+
+    def _restore_queues(self, root: Path, restored: tuple[Any, ...] | None) -> None:
+        """When `streamrl up --resume` found that Redis lost the run (`RESTORE_PENDING`),
+        write back the queue snapshot of the checkpoint the state came from (none: the run
+        starts afresh), so that queues and state are one cut; then let the workers start."""
+        pending = root / ckpts.RESTORE_PENDING
+        if not pending.exists():
+            return
+        if not self.client.xlen(self.keys.groups):  # made empty by this trainer's consumer
+            self.client.delete(self.keys.groups)
+        if ckpts.namespace_present(self.client, self.keys):
+            self.log.warning("queues_already_present", path=str(pending))
+        elif restored is None:
+            self.log.error("queues_not_restored", reason="no checkpoint could be restored")
+        else:
+            counts = ckpts.restore_queues(self.client, self.keys, restored[2])
+            self.log.info("queues_restored", step=self.step, path=str(restored[0].path),
+                          entries=counts)  # fmt: skip
+        pending.unlink()
 
     def _next_groups(self) -> list[Delivery[Group]] | None:
         """The leader's groups for the next step; None when the run stops there. Every
