@@ -67,7 +67,8 @@ class NonFiniteStepsError(FatalError):
 
 class Hook(Protocol):
     """Runs after every `every`-th step, and at the end of the run unless the last step
-    was such a step (`final=True`); `every` 0: at the end only."""
+    was such a step (`final=True`); `every` 0: at the end only. Never after a skipped
+    (non-finite) step."""
 
     every: int
 
@@ -263,7 +264,10 @@ class TrainerLoop:
         not come back for ever; a cause in the state shows as the next steps failing too).
         After `trainer.max_nonfinite_steps` such steps in a row the run stops."""
         step, limit = self.step + 1, self.cfg.trainer.max_nonfinite_steps
-        reason = f"non-finite step {step}: loss {loss}, grad_norm {grad_norm}; state kept"
+        reason = (
+            f"non-finite step {step} (loss {loss}, grad_norm {grad_norm}, or the update): "
+            "the state was kept"
+        )
         ids = [] if groups is None else [d.msg.group_id for d in groups]
         self.nonfinite.append(ids)
         if groups is not None:
