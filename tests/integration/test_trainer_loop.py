@@ -20,6 +20,7 @@ import structlog
 from streamrl import checkpoints as ckpts
 from streamrl.config import Config, parse_config
 from streamrl.names import Keys
+from streamrl.queues import replay_dead
 from streamrl.trainer.loop import (
     GROUPS_STALE,
     NONFINITE_STEPS,
@@ -133,8 +134,7 @@ def dead_groups(client: redis.Redis, keys: Keys) -> list[str]:
 def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
     rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
 ) -> None:
-    for i in range(6):
-        publish(rclient, keys.groups, group(f"g{i}"))
+    entries = [publish(rclient, keys.groups, group(f"g{i}")).decode() for i in range(6)]
     root = tmp_path / "checkpoints"
     cfg = config(max_nonfinite_steps=3)
     loop = make_loop(
@@ -155,7 +155,7 @@ def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
     assert dead_groups(rclient, keys) == ["g0", "g2", "g3", "g4"]
     assert rclient.hget(keys.stats, NONFINITE_STEPS) == b"4"
     meta = ckpts.verify(root / "step_00000001").meta()
-    assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, ["g0"]]]
+    assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, [entries[0]]]]
     pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
     assert pending["pending"] == 3
 
@@ -166,7 +166,7 @@ def test_a_group_too_stale_when_taken_is_dropped_not_trained(
     # Issue 15 item 4: every member is checked when the trainer takes the group (the
     # trainer may have moved on since the grouper emitted it), the oldest one included.
     publish(rclient, keys.groups, group("g0", ([5], [4])))
-    publish(rclient, keys.groups, group("g1", ([3], [5])))  # member 0: 3 behind version 6
+    stale = publish(rclient, keys.groups, group("g1", ([3], [5]))).decode()  # 3 behind v6
     publish(rclient, keys.groups, group("g2", ([5], [4])))
     root = tmp_path / "checkpoints"
     cfg = parse_config(
@@ -182,7 +182,7 @@ def test_a_group_too_stale_when_taken_is_dropped_not_trained(
     loop.run()
     meta = ckpts.verify(root / "step_00000002").meta()
     assert meta["lineage"] == [[1, ["g0"]], [2, ["g2"]]]
-    assert meta["set_aside"] == [[2, ["g1"]]]  # taken at version 6: dropped, counted
+    assert meta["set_aside"] == [[2, [stale]]]  # taken at version 6: dropped, counted
     assert rclient.hget(keys.stats, GROUPS_STALE) == b"1"
     assert rclient.hget(keys.stats, "groups_dropped") == b"1"
     assert rclient.sismember(keys.groups_dropped, "g1")
@@ -240,3 +240,22 @@ def test_the_lineage_keeps_a_window_and_still_skips_duplicates(
         again.run()
     trained = [e["group_ids"] for e in logs if e["event"] == "train_step"]
     assert trained == [["g-new"]]
+
+
+def test_a_dead_lettered_group_replayed_by_the_operator_trains(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    # A non-finite step's groups are dead-lettered; once the cause is mended the operator
+    # replays them (`streamrl queues --replay-dead`): a new entry of the same group, which
+    # the trainer must train, not skip as already handled.
+    first = [publish(rclient, keys.groups, group(f"g{i}")).decode() for i in range(2)]
+    root = tmp_path / "checkpoints"
+    step = ScriptedStep(["nan", "ok", "ok"])
+    loop = make_loop(config(), rclient, keys, root, step, checkpointer, max_steps=1)
+    loop.run()
+    meta = ckpts.verify(root / "step_00000001").meta()
+    assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, [first[0]]]]
+    assert replay_dead(rclient, keys) != []
+    loop.max_steps = 2
+    loop.run()
+    assert [ids for _, ids in loop.lineage] == [["g1"], ["g0"]]

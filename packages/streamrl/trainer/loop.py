@@ -93,11 +93,14 @@ class TrainerLoop:
     # entry id -> the step under which its group is recorded (lineage or set_aside), for
     # every group consumed since the last checkpoint: acknowledged with the next one
     unacked: dict[str, int] = field(default_factory=dict)
-    # group id -> that step, for every group trained or set aside: never trained again
+    # group id -> that step, for every group trained: never trained again
     consumed: dict[str, int] = field(default_factory=dict)
+    # entry id -> that step, for every entry set aside: not judged again when delivered
+    # again (by id: a dead letter the operator replays is a new entry, and is judged anew)
+    aside: dict[str, int] = field(default_factory=dict)
     # (step, group ids trained at it) for every step of the current state's history
     lineage: list[tuple[int, list[str]]] = field(default_factory=list)
-    # (step, group ids set aside while that step was assembled: dead-lettered or dropped)
+    # (step, entry ids set aside while that step was assembled: dead-lettered or dropped)
     set_aside: list[tuple[int, list[str]]] = field(default_factory=list)
     # group ids of each step skipped in a row for a non-finite loss or gradient norm
     nonfinite: list[list[str]] = field(default_factory=list)
@@ -142,6 +145,10 @@ class TrainerLoop:
         of its first emission); one too far off policy (dropped and counted); one the
         trainer cannot use (dead-lettered with the reason)."""
         gid, step = d.msg.group_id, self.step + 1
+        if d.entry_id in self.aside:
+            self.log.warning("group_already_set_aside", group_id=gid, entry_id=d.entry_id)
+            self.unacked[d.entry_id] = self.aside[d.entry_id]
+            return False
         if gid in self.consumed or any(o.msg.group_id == gid for o in taken):
             self.log.warning("group_already_trained", group_id=gid, entry_id=d.entry_id)
             self.unacked[d.entry_id] = self.consumed.get(gid, step)
@@ -193,11 +200,11 @@ class TrainerLoop:
                 pipe.hincrby(self.keys.stats, GROUPS_STALE, 1)
         pipe.execute()
         for d in groups:
-            self.consumed[d.msg.group_id] = step
+            self.aside[d.entry_id] = step
             self.unacked[d.entry_id] = step
             event = "dead_letter" if dead else "group_dropped"
             self.log.error(event, group_id=d.msg.group_id, entry_id=d.entry_id, reason=reason)
-        self.set_aside.append((step, [d.msg.group_id for d in groups]))
+        self.set_aside.append((step, [d.entry_id for d in groups]))
 
     def _batch(self, groups: list[Delivery[Group]]) -> tuple[Batch, list[float], list[int]]:
         """The step's batch (rows padded to the step's multiple), rewards, min versions."""
@@ -307,7 +314,7 @@ class TrainerLoop:
         }
 
     def forget_before(self, step: int) -> None:
-        """Keep the records (lineage, set_aside, consumed ids) of `step` on only.
+        """Keep the records (lineage, set_aside and their ids) of `step` on only.
 
         The window: a group can be delivered again only from the cut of a kept checkpoint
         on, and the oldest such group of each is recorded at its `lineage_from` step or
@@ -318,6 +325,7 @@ class TrainerLoop:
         self.lineage = [(s, ids) for s, ids in self.lineage if s >= step]
         self.set_aside = [(s, ids) for s, ids in self.set_aside if s >= step]
         self.consumed = {g: s for g, s in self.consumed.items() if s >= step}
+        self.aside = {e: s for e, s in self.aside.items() if s >= step}
 
     def resume(self, root: Path, checkpointer: ocp.AbstractCheckpointer) -> int | None:
         """Continue a run that already went on: restore the newest usable checkpoint under
@@ -356,8 +364,9 @@ class TrainerLoop:
             self.lineage = [(int(s), [str(g) for g in ids]) for s, ids in meta["lineage"]]
             # checkpoints written before the trainer set groups aside have no record of it
             aside = meta.get("set_aside", [])
-            self.set_aside = [(int(s), [str(g) for g in ids]) for s, ids in aside]
-            self.consumed = {g: s for s, ids in (*self.lineage, *self.set_aside) for g in ids}
+            self.set_aside = [(int(s), [str(e) for e in ids]) for s, ids in aside]
+            self.consumed = {g: s for s, ids in self.lineage for g in ids}
+            self.aside = {e: s for s, ids in self.set_aside for e in ids}
         if not c.leader:
             return self.step if restored is not None else None
         self._restore_queues(root, restored)
