@@ -187,7 +187,7 @@ def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
 
 
 def _hash_keys(keys: Keys) -> list[str]:
-    return [keys.stats, keys.groups_reruns, keys.tool_ledger]
+    return [keys.stats, keys.groups_reruns, keys.tool_ledger, keys.episodes]
 
 
 def _string_keys(keys: Keys) -> list[str]:

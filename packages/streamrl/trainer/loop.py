@@ -470,10 +470,10 @@ def window_start(root: Path) -> int:
 def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
     """The group's batch rows, one per member, and how many of them are masked out for
     missing rollout log-probs (`missing_logp_rows`; with `rollout_logps`, the ratio's
-    denominator). An error member's mask is all 0 (it counts for its group's statistics
-    only). ValueError saying why when the group cannot be trained on: malformed arrays,
-    members and advantages that do not match, a non-finite advantage, rollout log-probs
-    that `check_rollout_logps` refuses."""
+    denominator). A member that is not `valid` (an error, a timeout) has an all-0 mask.
+    ValueError saying why when the group cannot be trained on: malformed arrays, members
+    and advantages that do not match, a non-finite advantage, rollout log-probs that
+    `check_rollout_logps` refuses."""
     if len(group.members) != len(group.advantages):
         raise ValueError(f"{len(group.members)} members but {len(group.advantages)} advantages")
     if not all(math.isfinite(a) for a in group.advantages):
@@ -488,7 +488,7 @@ def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
                     f"tokens, mask and logprobs differ in length "
                     f"({len(tokens)}, {len(mask)}, {len(logps)})"
                 )
-            if t.status == "error":
+            if not t.valid:  # an error or timeout: counted in its group's statistics only
                 mask = np.zeros(len(tokens), np.uint8)
             elif rollout_logps:
                 check_rollout_logps(logps, mask)
