@@ -312,6 +312,9 @@ class RedisStreamConsumer(Generic[M]):
 
 
 DEAD_LETTERS = "dead_letters"  # stats counter: entries moved to the dead letters
+# stats counter: groups the trainer took without training them (dead-lettered or dropped
+# as stale): no longer waiting for it, like the trained ones (`groups_trained`)
+GROUPS_SET_ASIDE = "groups_set_aside"
 
 
 def stage_dead_letter(pipe: Pipeline, keys: Keys, letter: DeadLetter) -> None:

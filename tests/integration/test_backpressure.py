@@ -17,7 +17,7 @@ from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.queues import format_report, inspect
 from streamrl.rollout.worker import Backpressure
-from streamrl.transport import publish
+from streamrl.transport import GROUPS_SET_ASIDE, publish
 from streamrl.wire import Trajectory, pack_arrays
 from tests.helpers import queues_json
 
@@ -75,7 +75,9 @@ def test_rollout_pauses_on_half_filled_groups(
             assert rclient.hlen(keys.groups_started) == 0
             assert await bp.check()
             assert pauses(rclient, keys) == 2  # the pause goes on, with another reason
-            rclient.hset(keys.stats, "groups_trained", 1)
+            # One of them taken by the trainer but set aside (dead-lettered or dropped as
+            # stale): it waits no more, as a trained one would not.
+            rclient.hset(keys.stats, GROUPS_SET_ASIDE, 1)
             assert not await bp.check()
         await aclient.aclose()
         return logs

@@ -23,7 +23,7 @@ from streamrl.launcher import Launcher, worker_command
 from streamrl.names import Keys
 from streamrl.runtime import make_context
 from streamrl.trainer.loop import ROWS_MASKED
-from streamrl.transport import publish
+from streamrl.transport import GROUPS_SET_ASIDE, publish
 from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
 from streamrl_workers.workerproc import wait_for_queues
 from tests.helpers import REPO, TINY
@@ -104,6 +104,7 @@ def test_a_bad_group_is_dead_lettered_and_the_run_goes_on(
     assert [g for g, _ in letters] == ["g1", "g3"], letters
     assert "NaN" in letters[0][1] and "positive" in letters[1][1]
     assert rclient.hget(keys.stats, "dead_letters") == b"2"
+    assert rclient.hget(keys.stats, GROUPS_SET_ASIDE) == b"2"  # no longer waiting: flow control
     assert rclient.hget(keys.stats, ROWS_MASKED) == b"1"  # g2's all-zero row
     # Everything consumed is acknowledged with a checkpoint: nothing left pending.
     pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)

@@ -32,7 +32,7 @@ from streamrl.trainer.loop import (
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState
 from streamrl.trainer.stub import stub_state
-from streamrl.transport import publish
+from streamrl.transport import GROUPS_SET_ASIDE, publish
 from streamrl.weightsync import DirChannel
 from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
 
@@ -184,6 +184,7 @@ def test_a_group_too_stale_when_taken_is_dropped_not_trained(
     assert meta["lineage"] == [[1, ["g0"]], [2, ["g2"]]]
     assert meta["set_aside"] == [[2, [stale]]]  # taken at version 6: dropped, counted
     assert rclient.hget(keys.stats, GROUPS_STALE) == b"1"
+    assert rclient.hget(keys.stats, GROUPS_SET_ASIDE) == b"1"
     assert rclient.hget(keys.stats, "groups_dropped") == b"1"
     assert rclient.sismember(keys.groups_dropped, "g1")
     assert rclient.xlen(keys.dead) == 0

@@ -49,7 +49,13 @@ from streamrl.rollout.episode import EpisodeRunner, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
-from streamrl.transport import Delivery, RedisStreamConsumer, as_str, is_cluster
+from streamrl.transport import (
+    GROUPS_SET_ASIDE,
+    Delivery,
+    RedisStreamConsumer,
+    as_str,
+    is_cluster,
+)
 from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_state, encode_state
 
 BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
@@ -81,10 +87,10 @@ class Backpressure:
         has finished but not yet committed (ready in a moment, not yet counted in Redis)."""
         rcfg = self.cfg.rollout
         pipe = self.aclient.pipeline(transaction=False)
-        pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
+        pipe.hmget(self.keys.stats, ["groups", "groups_trained", GROUPS_SET_ASIDE])
         pipe.hlen(self.keys.groups_started)
         raw, partial = await pipe.execute()
-        ready = int(raw[0] or 0) - int(raw[1] or 0) + ending
+        ready = int(raw[0] or 0) - int(raw[1] or 0) - int(raw[2] or 0) + ending
         if ready >= rcfg.max_ready_groups:
             return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"
         if rcfg.max_partial_groups and int(partial) >= rcfg.max_partial_groups:

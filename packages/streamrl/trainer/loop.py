@@ -46,7 +46,13 @@ from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState, build_batch
-from streamrl.transport import Delivery, RedisStreamConsumer, publish, stage_dead_letter
+from streamrl.transport import (
+    GROUPS_SET_ASIDE,
+    Delivery,
+    RedisStreamConsumer,
+    publish,
+    stage_dead_letter,
+)
 from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
 
 TRAINER_CONSUMER = "trainer"
@@ -183,6 +189,7 @@ class TrainerLoop:
         checkpoint (a crash before it delivers them again, and sets them aside again)."""
         step = self.step + 1
         pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(self.keys.stats, GROUPS_SET_ASIDE, len(groups))
         for d in groups:
             if dead:
                 letter = DeadLetter(
