@@ -5,11 +5,15 @@ checkpoint hang off the loop as hooks that run every N steps (and once more at t
 Groups are acknowledged only by the checkpoint hook, once the checkpoint that holds the
 update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending on
 the trainer's fixed consumer name, and the ids already trained are skipped if delivered
-again.
+again. A group is judged on its own before it joins a batch: one too stale is dropped, one
+the trainer cannot use is dead-lettered; either is acknowledged with the next checkpoint
+like a trained one. A step whose loss or gradient is not finite changes nothing (the
+state is kept, no hook runs) and dead-letters its groups; a few in a row stop the run.
 
 A trainer that starts where a run already went on (`resume`) restores the newest complete
-checkpoint (`streamrl.checkpoints`): its state, the lineage of group ids it trained, and
-the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
+checkpoint (`streamrl.checkpoints`) that Orbax can restore: its state, the window of the
+lineage of group ids it trained, the queues from its snapshot when Redis lost the run,
+and the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
 restored policy as a new version above every version published before, and sets the
 policy floor to it, so that no rollout worker serves the discarded lineage's weights to a
 new episode once it has synced.
