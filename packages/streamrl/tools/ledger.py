@@ -140,6 +140,8 @@ class _Ledger:
         return _decode(record)
 
     def _finished(self, key: str, result: ToolResult, wrote: int) -> None:
+        # One line per execution under a claim: what an audit counts side effects from.
+        self.log.info("tool_ledger_ran", key=key, infra=result.infra, recorded=bool(wrote))
         if not result.infra and not wrote:
             # Our claim expired while the call ran and another execution recorded first:
             # the side effect may have happened twice. The first record stands.
