@@ -16,10 +16,12 @@ A directory without a COMMIT, or whose files no longer match it, is not a checkp
 
 The queue snapshot is one atomic read of Redis (a Lua script): for each stream read by a
 consumer group, the group's last-delivered id, its pending ids and every entry still to
-be processed (pending or not yet delivered); the dead letters; the groups being assembled;
-the emitted and dropped group ids; counters, the feeder cursor, the policy version, the
-tool ledger. Taken while the trainer's state is that of step N, it is a consistent cut
-with it.
+be processed (pending or not yet delivered; the groups the trainer already trained are
+in its lineage, so only their ids); the groups being assembled; the emitted and dropped
+group ids; counters, the feeder cursor, the policy version. Taken while the trainer's
+state is that of step N, it is a consistent cut with it. After the script, a page per
+command, come the dead letters up to the last one at the cut and the tool ledger (a
+record made after the cut only keeps a replayed call from running twice).
 
 Restart (DESIGN.md, "Checkpoint and restart"):
 - Redis kept its data: everything the other workers did since the cut is still there and
@@ -37,7 +39,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,25 +92,32 @@ class QueueSnapshot(msgspec.Struct, frozen=True):
 
 # KEYS: n streams, then dead, started, emitted, dropped, h hashes, s strings, m member
 # hashes (those of the group ids in ARGV, in their order).
-# ARGV: n, group names (n), h, s, m, group ids (m).
+# ARGV: n, group names (n), h, s, m, group ids (m), k, t, entry ids (t): ids pending on
+# the group of stream k whose bodies are not needed (groups the trainer already trained).
 # -> false when the groups being assembled are not exactly the m given (the caller reads
-# them again and retries), else the snapshot.
+# them again and retries), else the snapshot, whose dead letters are only the last id of
+# the dead stream: the caller copies them after the script, up to that id.
 # Every key the script touches is declared (Redis Cluster routes by KEYS and refuses
 # undeclared ones), so the member hashes cannot be found inside the script: the caller
 # names them from a read of `started` made just before, and the script checks that read
 # against `started` as it is now. The script runs atomically, so when the check passes,
 # the member hashes it reads are those of every group being assembled at its own instant,
-# and the snapshot is one consistent cut as before.
+# and the snapshot is one consistent cut as before. It copies no payload the cut does
+# not need: a script blocks every client of Redis while it runs.
 _SNAPSHOT = """
 local n = tonumber(ARGV[1])
 local h = tonumber(ARGV[n + 2])
 local s = tonumber(ARGV[n + 3])
 local m = tonumber(ARGV[n + 4])
+local k = tonumber(ARGV[n + 5 + m])
+local t = tonumber(ARGV[n + 6 + m])
 local started_key = KEYS[n + 2]
 if redis.call('HLEN', started_key) ~= m then return false end
 for j = 1, m do
   if redis.call('HEXISTS', started_key, ARGV[n + 4 + j]) == 0 then return false end
 end
+local skip = {}
+for j = 1, t do skip[ARGV[n + 6 + m + j]] = true end
 local streams = {}
 for i = 1, n do
   local key, cg = KEYS[i], ARGV[1 + i]
@@ -125,8 +134,10 @@ for i = 1, n do
     if last ~= '' then
       for _, p in ipairs(redis.call('XPENDING', key, cg, '-', '+', 1000000000)) do
         pend[#pend + 1] = p[1]
-        local e = redis.call('XRANGE', key, p[1], p[1])
-        if #e == 1 then entries[#entries + 1] = e[1] end
+        if not (i == k and skip[p[1]]) then
+          local e = redis.call('XRANGE', key, p[1], p[1])
+          if #e == 1 then entries[#entries + 1] = e[1] end
+        end
       end
       for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+')) do
         entries[#entries + 1] = e
@@ -137,7 +148,9 @@ for i = 1, n do
   end
   streams[i] = {last, pend, entries}
 end
-local dead = redis.call('XRANGE', KEYS[n + 1], '-', '+')
+local dead = redis.call('XREVRANGE', KEYS[n + 1], '+', '-', 'COUNT', 1)
+local dead_last = ''
+if #dead == 1 then dead_last = dead[1][1] end
 local started = redis.call('HGETALL', KEYS[n + 2])
 local partial = {}
 for j = 1, m do
@@ -149,9 +162,9 @@ local hashes = {}
 for j = 1, h do hashes[j] = redis.call('HGETALL', KEYS[n + 4 + j]) end
 local strings = {}
 for j = 1, s do strings[j] = redis.call('GET', KEYS[n + 4 + h + j]) or false end
-local t = redis.call('TIME')
-return {streams, dead, started, partial, emitted, dropped, hashes, strings,
-        t[1] * 1000 + math.floor(t[2] / 1000)}
+local now = redis.call('TIME')
+return {streams, dead_last, started, partial, emitted, dropped, hashes, strings,
+        now[1] * 1000 + math.floor(now[2] / 1000)}
 """
 
 # KEYS: stream. ARGV: group, start id. Re-creates the group at `start`: its old pending
@@ -181,7 +194,15 @@ def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
 
 
 def _hash_keys(keys: Keys) -> list[str]:
-    return [keys.stats, keys.groups_reruns, keys.tool_ledger]
+    """Hashes read in the snapshot's script: exact at the cut."""
+    return [keys.stats, keys.groups_reruns]
+
+
+def _scanned_hash_keys(keys: Keys) -> list[str]:
+    """Hashes copied after the script (HSCAN), to which a late superset does no harm: a
+    ledger record made after the cut is the result of a call a restored episode makes
+    again, and the record keeps its side effect from running twice."""
+    return [keys.tool_ledger]
 
 
 def _string_keys(keys: Keys) -> list[str]:
@@ -199,22 +220,29 @@ def _entries(raw: list[Any]) -> list[Entry]:
 # A group starts or completes between our read of `started` and the script about once per
 # grouper write; a handful of tries always finds a quiet moment.
 _SNAPSHOT_TRIES = 100
+# Entries or fields per command when copying after the script: each command is short, so
+# other clients are served between them.
+_PAGE = 100
 
 
-def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
-    """One atomic read of every queue of the run (see the module docstring and
+def take_snapshot(client: redis.Redis, keys: Keys, trained: Collection[str] = ()) -> QueueSnapshot:
+    """A consistent cut of every queue of the run (see the module docstring and
     `_SNAPSHOT`: read the groups being assembled, then snapshot with their member hashes
-    declared, again while that set changed in between)."""
+    declared, again while that set changed in between).
+
+    `trained`: entry ids of `groups` the trainer has trained but not acknowledged (they
+    are in its lineage): the snapshot lists them as pending, without their bodies."""
     pairs = consumed_streams(keys)
     hkeys, skeys = _hash_keys(keys), _string_keys(keys)
     fixed = [s for s, _ in pairs]
     fixed += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
     fixed += [*hkeys, *skeys]
+    k = 1 + [s for s, _ in pairs].index(keys.groups)
     for _ in range(_SNAPSHOT_TRIES):
         gids = [as_str(g) for g in client.hkeys(keys.groups_started)]
         script_keys = [*fixed, *(keys.group_members(g) for g in gids)]
         args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys)]
-        args += [len(gids), *gids]
+        args += [len(gids), *gids, k, len(trained), *trained]
         raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
         if raw is not None:
             break
@@ -223,7 +251,7 @@ def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
             f"no queue snapshot in {_SNAPSHOT_TRIES} tries: the groups being assembled "
             "changed between every read of them and the snapshot"
         )
-    streams_raw, dead, started, partial, emitted, dropped, hashes, strings, now_ms = raw
+    streams_raw, dead_last, started, partial, emitted, dropped, hashes, strings, now_ms = raw
     streams = [
         StreamSnapshot(
             stream=stream,
@@ -234,19 +262,38 @@ def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
         )
         for (stream, group), (last, pend, entries) in zip(pairs, streams_raw, strict=True)
     ]
+    saved = {key: _pairs(v) for key, v in zip(hkeys, hashes, strict=True)}
+    saved.update({key: _scan_hash(client, key) for key in _scanned_hash_keys(keys)})
     return QueueSnapshot(
         version=SNAPSHOT_VERSION,
         namespace=keys.ns,
         taken_ms=int(now_ms),
         streams=streams,
-        dead=_entries(dead),
+        dead=_copy_stream(client, keys.dead, as_str(dead_last)) if dead_last else [],
         groups_started=_pairs(started),
         partial_groups={as_str(gid): _pairs(m) for gid, m in partial},
         emitted=sorted(as_str(x) for x in emitted),
         dropped=sorted(as_str(x) for x in dropped),
-        hashes={k: _pairs(v) for k, v in zip(hkeys, hashes, strict=True) if v},
-        strings={k: bytes(v) for k, v in zip(skeys, strings, strict=True) if v},
+        hashes={key: v for key, v in saved.items() if v},
+        strings={key: bytes(v) for key, v in zip(skeys, strings, strict=True) if v},
     )
+
+
+def _copy_stream(client: redis.Redis, stream: str, last: str) -> list[Entry]:
+    """The entries of `stream` up to id `last`, a page per command."""
+    out: list[Entry] = []
+    start = "-"
+    while True:
+        page: Any = client.xrange(stream, start, last, count=_PAGE)
+        out += _entries(page)
+        if len(page) < _PAGE:
+            return out
+        start = "(" + as_str(page[-1][0])
+
+
+def _scan_hash(client: redis.Redis, key: str) -> dict[str, bytes]:
+    """Every field of hash `key`, a page per command (HSCAN)."""
+    return {as_str(f): bytes(v) for f, v in client.hscan_iter(key, count=_PAGE)}
 
 
 def encode_snapshot(snap: QueueSnapshot) -> bytes:

@@ -256,3 +256,37 @@ def test_a_restart_rewinds_to_a_trimmed_floor(rclient: redis.Redis, keys: Keys) 
     assert at_floor is not None
     ck.rewind_group(rclient, at_floor)
     assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10) == groups[2:]
+
+
+def test_snapshot_stores_only_the_ids_of_groups_already_trained(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review H2: the groups pending on the trainer at the cut are trained (they are in the
+    lineage), so neither a rewind nor a restore needs their bodies: the snapshot keeps their
+    ids, not a copy of every payload trained since the last checkpoint."""
+    ensure_group(rclient, keys.groups, keys.CG_TRAINER)
+    body = b"x" * 200_000
+    trained = [
+        rclient.xadd(keys.groups, {"v": b"1", "data": body + bytes([i])}).decode()  # type: ignore[union-attr]
+        for i in range(40)
+    ]
+    assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 100) == trained
+    waiting = _add(rclient, keys.groups, 2, "group")  # emitted, not yet read by the trainer
+
+    whole = ck.encode_snapshot(ck.take_snapshot(rclient, keys))
+    assert len(whole) > 40 * 200_000  # without the ids: every trained payload copied
+    snap = ck.take_snapshot(rclient, keys, trained=trained)
+    size = len(ck.encode_snapshot(snap))
+    assert size < 20_000, size  # ids only
+    groups = snap.stream(keys.groups)
+    assert groups is not None
+    assert groups.pending == trained
+    assert [e for e, _ in groups.entries] == waiting
+
+    # Redis lost: restored, then rewound at the cut, the trainer is delivered what it has
+    # not trained yet; the trained ids are in its lineage.
+    rclient.delete(*rclient.keys(keys.every_key))
+    ck.restore_queues(rclient, keys, snap)
+    start = ck.rewind_group(rclient, groups)
+    assert entry_id_key(start) < entry_id_key(trained[0])
+    assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 100) == waiting

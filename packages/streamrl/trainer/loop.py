@@ -350,7 +350,9 @@ class CheckpointHook:
         start = time.monotonic()
         c = loop.cluster
         if c.leader:  # the cut: the trainer is between steps, its state is that of step N
-            snapshot = ckpts.take_snapshot(loop.client, loop.keys)
+            # The groups not yet acked are trained (in the lineage): ids only, no bodies.
+            snapshot = ckpts.take_snapshot(loop.client, loop.keys, trained=loop.unacked)
+            snapshot_s = time.monotonic() - start
             ckpts.prepare_dir(self.root, loop.step)
         c.barrier(f"checkpoint-{loop.step}-dir")
         path = ckpts.step_dir(self.root, loop.step)
@@ -380,6 +382,8 @@ class CheckpointHook:
             acked=len(loop.unacked),
             # unfinished at the cut: entries pending or not yet delivered, per stream
             in_flight={x.stream.rsplit(":", 1)[-1]: len(x.entries) for x in snapshot.streams},
+            snapshot_bytes=(ck.path / ckpts.QUEUES).stat().st_size,
+            snapshot_s=round(snapshot_s, 4),
             write_s=round(time.monotonic() - start, 4),
         )
         loop.unacked.clear()
