@@ -41,15 +41,18 @@ import shutil
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 import redis
 import structlog
 
 from streamrl.names import Keys
+from streamrl.tasks.base import group_cursor
 from streamrl.transport import as_str, entry_id_key
+from streamrl.wire import Message, Task, Trajectory, WireError, decode
 
 COMMIT = "COMMIT"
 META = "meta.json"
@@ -58,6 +61,7 @@ STATE = "state"
 _PREFIX = "step_"
 SNAPSHOT_VERSION = 1
 
+M = TypeVar("M", bound=Message)
 Entry = tuple[str, list[bytes]]  # stream entry id, flat field/value list
 
 
@@ -393,6 +397,70 @@ def trim_streams(client: redis.Redis, keys: Keys, floor: QueueSnapshot | None) -
         if n:
             out[stream] = int(n)
     return out
+
+
+def group_floor(keys: Keys, floor: QueueSnapshot) -> int:
+    """The lowest data-set cursor whose group can still get a member after the cut of
+    `floor` (the oldest kept checkpoint's snapshot): the groups of the tasks and
+    trajectories unfinished at the cut, the groups being assembled, and the feeder's next
+    cursor. Anything later comes from a task written after the cut, or re-runs a group
+    being assembled then; only a dead letter replayed by hand may reach an older group."""
+    ids = [*floor.groups_started, *floor.partial_groups]
+    ids += [t.group_id for t in _decoded(floor.stream(keys.tasks), Task)]
+    ids += [t.group_id for t in _decoded(floor.stream(keys.trajectories), Trajectory)]
+    cursors = [c for c in map(group_cursor, ids) if c is not None]
+    return min([int(floor.strings.get(keys.feeder_cursor, b"0")), *cursors])
+
+
+def _decoded(at_cut: StreamSnapshot | None, cls: type[M]) -> list[M]:
+    """The entries of `at_cut` that decode as `cls` (the others will be dead letters)."""
+    out = []
+    for _eid, fields in at_cut.entries if at_cut is not None else []:
+        try:
+            out.append(decode(dict(zip(fields[::2], fields[1::2], strict=True)), cls))
+        except WireError:
+            continue
+    return out
+
+
+def trim_history(
+    client: redis.Redis,
+    keys: Keys,
+    floor: QueueSnapshot | None,
+    *,
+    keep_dead_letters: int,
+    keep_metrics: int,
+) -> dict[str, int]:
+    """Keep a window of what grows with the run; returns how many went, per key.
+
+    The emitted and dropped group ids and the tool ledger's records (keyed by the call
+    id, which starts with the group id) of groups older than `group_floor` of `floor`
+    go: no member of such a group can arrive again, so nothing asks for them (without a
+    kept checkpoint, all stay). The dead letters keep the newest `keep_dead_letters`,
+    the metrics stream the newest `keep_metrics` steps. Read a page per command (SSCAN,
+    HSCAN), so other clients are served in between."""
+    out: dict[str, int] = {}
+    if floor is not None:
+        low = group_floor(keys, floor)
+
+        def old(group_id: str) -> bool:
+            c = group_cursor(group_id)
+            return c is not None and c < low
+
+        for key in (keys.groups_emitted, keys.groups_dropped):
+            gone = [m for m in client.sscan_iter(key, count=_PAGE) if old(as_str(m))]
+            out[key] = _in_pages(partial(client.srem, key), gone)
+        records = client.hscan_iter(keys.tool_ledger, count=_PAGE)  # NOVALUES: Redis 7.4
+        gone = [f for f, _ in records if old(as_str(f).split("-", 1)[0])]
+        out[keys.tool_ledger] = _in_pages(partial(client.hdel, keys.tool_ledger), gone)
+    for stream, keep in ((keys.dead, keep_dead_letters), (keys.metrics, keep_metrics)):
+        out[stream] = int(cast(Any, client.xtrim(stream, maxlen=keep, approximate=False)))
+    return {key: n for key, n in out.items() if n}
+
+
+def _in_pages(remove: Callable[..., Any], items: list[Any]) -> int:
+    """`remove(*page)` for `items` a page per command; returns how many went."""
+    return sum(int(remove(*items[i : i + _PAGE])) for i in range(0, len(items), _PAGE))
 
 
 def _consumed_bound(client: redis.Redis, stream: str) -> str | None:

@@ -12,7 +12,9 @@ import redis
 
 from streamrl import checkpoints as ck
 from streamrl.names import Keys
-from streamrl.transport import ensure_group, entry_id_key
+from streamrl.tasks.base import Prompt, build_task
+from streamrl.transport import ensure_group, entry_id_key, publish
+from streamrl.wire import Trajectory, pack_arrays
 
 
 def _add(client: redis.Redis, stream: str, n: int, tag: str, ms: int | None = None) -> list[str]:
@@ -290,3 +292,73 @@ def test_snapshot_stores_only_the_ids_of_groups_already_trained(
     start = ck.rewind_group(rclient, groups)
     assert entry_id_key(start) < entry_id_key(trained[0])
     assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 100) == waiting
+
+
+def _traj(cursor: int) -> Trajectory:
+    task = build_task("synthetic", Prompt(text="p"), cursor, 2)
+    return Trajectory(
+        traj_id=f"{task.group_id}-m0",
+        group_id=task.group_id,
+        task_id=task.task_id,
+        member=0,
+        num_generations=2,
+        **pack_arrays([1, 2], [0, 1], [0.0, -0.1]),
+        prompt_len=1,
+        reward=1.0,
+        status="ok",
+        versions=[0],
+        cursor=cursor,
+    )
+
+
+def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review M4: the emitted and dropped ids, the tool ledger, the dead letters and the
+    metrics keep a window, not the whole run. Ids and ledger records go once their group
+    is older than every group the oldest kept checkpoint can still redeliver (a task or
+    trajectory unfinished at its cut, a half-filled group, the feeder's next cursor)."""
+    for stream, group in ck.consumed_streams(keys):
+        ensure_group(rclient, stream, group)
+    gid = [build_task("synthetic", Prompt(text="p"), c, 2).group_id for c in range(30)]
+    rclient.sadd(keys.groups_emitted, *gid[:20])
+    rclient.sadd(keys.groups_dropped, gid[3], gid[15])
+    for c in (2, 9, 16):
+        rclient.hset(keys.tool_ledger, f"{gid[c]}-m1-0-0#abcdef012345", b"r")
+    rclient.hset(keys.tool_ledger, "reward-call#abcdef012345", b"r")  # no group: kept
+    # At the cut: the task of group 13 pending, a trajectory of group 14 unread, group 11
+    # half filled, the feeder about to write cursor 20. The oldest group that can still
+    # get a member: 11.
+    publish(rclient, keys.tasks, build_task("synthetic", Prompt(text="p"), 13, 2))
+    _read(rclient, keys.tasks, keys.CG_ROLLOUT, "rollout-1", 1)
+    publish(rclient, keys.trajectories, _traj(14))
+    rclient.hset(keys.group_members(gid[11]), "0", b"m")
+    rclient.hset(keys.groups_started, gid[11], 1)
+    rclient.set(keys.feeder_cursor, 20)
+    for i in range(10):
+        rclient.xadd(keys.dead, {"v": b"1", "data": f"dead{i}".encode()})
+        rclient.xadd(keys.metrics, {"v": b"1", "data": f"step{i}".encode()})
+    floor = ck.take_snapshot(rclient, keys)
+    assert ck.group_floor(keys, floor) == 11
+
+    deleted = ck.trim_history(rclient, keys, floor, keep_dead_letters=3, keep_metrics=4)
+    assert deleted == {
+        keys.groups_emitted: 11,
+        keys.groups_dropped: 1,
+        keys.tool_ledger: 2,
+        keys.dead: 7,
+        keys.metrics: 6,
+    }
+    emitted: Any = rclient.smembers(keys.groups_emitted)
+    assert sorted(m.decode() for m in emitted) == gid[11:20]
+    assert rclient.smembers(keys.groups_dropped) == {gid[15].encode()}
+    assert sorted(rclient.hkeys(keys.tool_ledger)) == [
+        f"{gid[16]}-m1-0-0#abcdef012345".encode(),
+        b"reward-call#abcdef012345",
+    ]
+    dead: Any = rclient.xrange(keys.dead)
+    assert [fields[b"data"] for _, fields in dead] == [b"dead7", b"dead8", b"dead9"]
+    assert rclient.xlen(keys.metrics) == 4
+    # No checkpoint kept: no floor, the ids stay; the streams keep their length.
+    assert ck.trim_history(rclient, keys, None, keep_dead_letters=3, keep_metrics=4) == {}
+    assert rclient.scard(keys.groups_emitted) == 9

@@ -336,13 +336,14 @@ class PublishHook:
 class CheckpointHook:
     """Writes checkpoint N (`streamrl.checkpoints`: the Orbax state, the queue snapshot,
     the commit marker), then acknowledges the groups it holds, prunes old ones and trims
-    the streams of entries no one can need again (`trim`)."""
+    the streams of entries no one can need again and what grows with the run to its window
+    (`trim`)."""
 
     every: int
     root: Path
     keep: int
     checkpointer: ocp.AbstractCheckpointer
-    trim: bool = True  # trim the streams after each checkpoint (ckpts.trim_streams)
+    trim: bool = True  # after each checkpoint (ckpts.trim_streams, ckpts.trim_history)
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         if loop.step == 0:
@@ -391,6 +392,13 @@ class CheckpointHook:
         if self.trim:
             floor = ckpts.oldest_snapshot(self.root)
             trimmed = ckpts.trim_streams(loop.client, loop.keys, floor)
+            trimmed |= ckpts.trim_history(
+                loop.client,
+                loop.keys,
+                floor,
+                keep_dead_letters=loop.cfg.trainer.keep_dead_letters,
+                keep_metrics=loop.cfg.trainer.keep_metrics,
+            )
             if trimmed:
                 loop.log.info("streams_trimmed", step=loop.step, deleted=trimmed)
 
