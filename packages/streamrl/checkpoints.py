@@ -9,7 +9,8 @@ Layout of `<run_dir>/checkpoints`::
       meta.json        step, policy version, seed, and the lineage: group ids per step
       queues.msgpack   the queue snapshot (`QueueSnapshot`), msgpack, no pickle
       COMMIT           written last, atomically (temp file, fsync, rename): the size of
-                       every file of the checkpoint and the sha256 of meta and queues
+                       every file of the checkpoint, the sha256 of meta and queues and
+                       the xxh3_128 of every state file
 
 A directory without a COMMIT, or whose files no longer match it, is not a checkpoint:
 `latest_complete` skips it with a logged reason in favour of the newest complete one.
@@ -48,6 +49,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 import redis
 import structlog
+import xxhash
 
 from streamrl.names import Keys
 from streamrl.tasks.base import group_cursor
@@ -520,12 +522,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+# Checksums in the commit marker: sha256 for meta and the snapshot (small, and what a
+# restore trusts), xxh3_128 for the state files (about 10 GB/s on one core: it catches
+# corruption and same-size edits of a large state at little cost).
+SHA256, XXH3 = "sha256", "xxh3_128"
+_HASHES: dict[str, Callable[[], Any]] = {SHA256: hashlib.sha256, XXH3: xxhash.xxh3_128}
+
+
+def _digest(path: Path, kind: str) -> str:
+    h = _HASHES[kind]()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 def _inventory(path: Path) -> dict[str, dict[str, Any]]:
@@ -533,10 +542,8 @@ def _inventory(path: Path) -> dict[str, dict[str, Any]]:
     for p in sorted(path.rglob("*")):
         if p.is_file() and p.name != COMMIT:
             rel = str(p.relative_to(path))
-            entry: dict[str, Any] = {"size": p.stat().st_size}
-            if rel in (META, QUEUES):
-                entry["sha256"] = _sha256(p)
-            files[rel] = entry
+            kind = SHA256 if rel in (META, QUEUES) else XXH3
+            files[rel] = {"size": p.stat().st_size, kind: _digest(p, kind)}
     return files
 
 
@@ -591,8 +598,11 @@ def write_checkpoint(
     return commit(path, step, meta, snapshot, before_commit)
 
 
-def verify(path: Path) -> Checkpoint:
-    """The checkpoint in `path`, or CheckpointCorrupt saying why it is not one."""
+def verify(path: Path, state: bool = True) -> Checkpoint:
+    """The checkpoint in `path`, or CheckpointCorrupt saying why it is not one.
+
+    `state` False leaves out the checksums of the state files (their sizes are checked):
+    for callers that do not restore the state and would read it all for nothing."""
     marker_path = path / COMMIT
     if not marker_path.is_file():
         raise CheckpointCorrupt("no commit marker: the write was cut off")
@@ -611,8 +621,10 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointCorrupt(f"{rel} is missing")
         if p.stat().st_size != want["size"]:
             raise CheckpointCorrupt(f"{rel} has {p.stat().st_size} bytes, not {want['size']}")
-        if "sha256" in want and _sha256(p) != want["sha256"]:
-            raise CheckpointCorrupt(f"{rel} does not match its sha256")
+        checked = (SHA256, XXH3) if state or rel in (META, QUEUES) else ()
+        for kind in checked:
+            if kind in want and _digest(p, kind) != want[kind]:
+                raise CheckpointCorrupt(f"{rel} does not match its {kind}")
     if not (path / STATE).is_dir():
         raise CheckpointCorrupt("the state directory is missing")
     return Checkpoint(step, path)
@@ -647,7 +659,7 @@ def prune(root: Path, keep: int, log: structlog.stdlib.BoundLogger | None = None
     removed, complete = [], 0
     for _step, path in step_dirs(root):
         try:
-            verify(path)
+            verify(path, state=False)
             ok = True
         except CheckpointCorrupt:
             ok = False
@@ -669,7 +681,7 @@ def oldest_snapshot(root: Path) -> QueueSnapshot | None:
     restart can fall back), or None when there is none."""
     for _step, path in reversed(step_dirs(root)):
         try:
-            return verify(path).snapshot()
+            return verify(path, state=False).snapshot()
         except CheckpointCorrupt:
             continue
     return None
@@ -679,7 +691,7 @@ def remove_incomplete(root: Path, log: structlog.stdlib.BoundLogger | None = Non
     """At a trainer's start nothing is being written: every incomplete directory goes."""
     for _step, path in step_dirs(root):
         try:
-            verify(path)
+            verify(path, state=False)  # a corrupt state is skipped by the restore, not removed
         except CheckpointCorrupt as err:
             if log is not None:
                 log.warning("checkpoint_removed", path=str(path), reason=str(err))

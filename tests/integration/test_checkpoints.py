@@ -362,3 +362,18 @@ def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
     # No checkpoint kept: no floor, the ids stay; the streams keep their length.
     assert ck.trim_history(rclient, keys, None, keep_dead_letters=3, keep_metrics=4) == {}
     assert rclient.scard(keys.groups_emitted) == 9
+
+
+def test_a_same_size_edit_of_the_state_fails_verify(tmp_path: Path) -> None:
+    """Review L4: the commit marker holds a checksum of every state file, not only its size."""
+    snap = ck.QueueSnapshot(ck.SNAPSHOT_VERSION, "run", 0, [], [], {}, {}, [], [], {}, {})
+    root = tmp_path / "checkpoints"
+    _write(root, 2, snap)
+    ck.verify(root / "step_00000002")
+    state = root / "step_00000002" / "state" / "params.bin"
+    data = bytearray(state.read_bytes())
+    data[100] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointCorrupt, match=r"state/params\.bin does not match its xxh3"):
+        ck.verify(root / "step_00000002")
+    assert ck.latest_complete(root) is None
