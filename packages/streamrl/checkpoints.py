@@ -71,6 +71,10 @@ class CheckpointCorrupt(RuntimeError):
     """A checkpoint directory that must not be used; the message says why."""
 
 
+class PartialRunError(RuntimeError):
+    """Redis holds only part of a run that has a checkpoint; the message says what."""
+
+
 class StreamSnapshot(msgspec.Struct, frozen=True):
     stream: str
     group: str
@@ -318,9 +322,42 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
     return snap
 
 
-def namespace_present(client: redis.Redis, keys: Keys) -> bool:
-    """Whether Redis holds this run's data (else it lost it, or never had it)."""
-    return bool(client.exists(keys.stats, keys.tasks, keys.groups, keys.feeder_cursor))
+def _run_keys(keys: Keys) -> list[str]:
+    """Keys every run holds once it has a checkpoint (and every restore writes)."""
+    streams = [s for s, _ in consumed_streams(keys)]
+    return [keys.stats, keys.feeder_cursor, keys.policy_version, *streams]
+
+
+def namespace_present(client: redis.Redis, keys: Keys, checkpointed: bool = False) -> bool:
+    """Whether Redis holds this run's data (else it lost it, or never had it).
+
+    A run with a checkpoint (`checkpointed`) is there only whole: its counters, feeder
+    cursor, policy version and every consumed stream with its consumer group; when only
+    part of it is (keys evicted or deleted), PartialRunError names what is missing, for
+    neither "kept" nor "lost" would resume it right. Without a checkpoint, any key of
+    the run counts (a run stopped early may not have made them all)."""
+    wanted = _run_keys(keys)
+    there = [bool(client.exists(k)) for k in wanted]
+    if not any(there):
+        return False
+    if not checkpointed:
+        return True
+    missing = [k for k, ok in zip(wanted, there, strict=True) if not ok]
+    for stream, group in consumed_streams(keys):
+        if stream not in missing and not _has_group(client, stream, group):
+            missing.append(f"{stream} (consumer group {group})")
+    if missing:
+        raise PartialRunError(
+            f"Redis holds part of run {keys.ns!r}: {', '.join(missing)} missing (evicted, or "
+            "deleted by hand). Delete the run's keys to restore its queues from the "
+            "checkpoint, or give back what is missing"
+        )
+    return True
+
+
+def _has_group(client: redis.Redis, stream: str, group: str) -> bool:
+    groups: Any = client.xinfo_groups(stream)
+    return any(as_str(g["name"]) == group for g in groups)
 
 
 def restore_queues(client: redis.Redis, keys: Keys, snap: QueueSnapshot) -> dict[str, int]:

@@ -42,7 +42,13 @@ from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.logs import configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
-from streamrl.runtime import COORDINATOR_ENV, PASSWORD_FILE_ENV, NoRedisError, resolve_redis_url
+from streamrl.runtime import (
+    COORDINATOR_ENV,
+    PASSWORD_FILE_ENV,
+    NoRedisError,
+    refuse_eviction,
+    resolve_redis_url,
+)
 from streamrl.transport import make_client
 from streamrl.wire import TrainMetrics, WireError, decode
 
@@ -142,6 +148,7 @@ class Launcher:
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
             # Few retries: the monitor loop must stay free to restart a Redis that died.
             client = make_client(url, retries=1, cluster=self.cfg.redis.cluster)
+            refuse_eviction(client)
             if self.resume:
                 self._resume_queues(client, log)
             else:
@@ -152,7 +159,7 @@ class Launcher:
             self._shutdown(log)
             self._write_summary(client, reason)
             client.close()
-        except (RunDirError, NoRedisError) as err:
+        except (RunDirError, NoRedisError, ckpts.PartialRunError) as err:
             print(f"\nstreamrl: {err}", file=sys.stderr)
             code = 2
         finally:
@@ -182,7 +189,7 @@ class Launcher:
         """Before any worker starts: queues back from the snapshot if Redis lost them, and
         the policy floor above every version published so far."""
         ck = ckpts.latest_complete(self.run_dir / "checkpoints", log)
-        kept = ckpts.namespace_present(client, self.keys)
+        kept = ckpts.namespace_present(client, self.keys, checkpointed=ck is not None)
         if kept:
             how = "Redis kept the queues"
         elif ck is not None:

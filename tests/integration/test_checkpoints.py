@@ -377,3 +377,28 @@ def test_a_same_size_edit_of_the_state_fails_verify(tmp_path: Path) -> None:
     with pytest.raises(ck.CheckpointCorrupt, match=r"state/params\.bin does not match its xxh3"):
         ck.verify(root / "step_00000002")
     assert ck.latest_complete(root) is None
+
+
+def test_namespace_present_means_every_key_of_a_checkpointed_run(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review L11: one key left of a run that has a checkpoint is not "Redis kept the
+    queues": a Redis that lost part of the run is named, not resumed as if it kept it."""
+    assert not ck.namespace_present(rclient, keys, checkpointed=True)  # nothing: lost
+    _populate(rclient, keys)
+    assert ck.namespace_present(rclient, keys, checkpointed=True)
+    rclient.delete(keys.feeder_cursor)
+    with pytest.raises(ck.PartialRunError, match=r"part of run .*feeder:cursor"):
+        ck.namespace_present(rclient, keys, checkpointed=True)
+    assert ck.namespace_present(rclient, keys)  # no checkpoint yet: any key is the run
+    rclient.set(keys.feeder_cursor, 5)
+    rclient.xgroup_destroy(keys.groups, keys.CG_TRAINER)
+    with pytest.raises(ck.PartialRunError, match=r"consumer group trainer"):
+        ck.namespace_present(rclient, keys, checkpointed=True)
+    # What a restore writes is a whole run.
+    snap_keys = Keys(keys.ns + "r")
+    _populate(rclient, snap_keys)
+    snap = ck.take_snapshot(rclient, snap_keys)
+    rclient.delete(*rclient.keys(snap_keys.every_key))
+    ck.restore_queues(rclient, snap_keys, snap)
+    assert ck.namespace_present(rclient, snap_keys, checkpointed=True)
