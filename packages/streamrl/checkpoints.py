@@ -113,7 +113,9 @@ class QueueSnapshot(msgspec.Struct, frozen=True):
 # against `started` as it is now. The script runs atomically, so when the check passes,
 # the member hashes it reads are those of every group being assembled at its own instant,
 # and the snapshot is one consistent cut as before. It copies no payload the cut does
-# not need: a script blocks every client of Redis while it runs.
+# not need: a script blocks every client of Redis while it runs. The emitted and dropped
+# ids stay in it (`trim_history` keeps them few): an id emitted after the cut, restored
+# with a group then half filled, would keep that group from ever being emitted.
 _SNAPSHOT = """
 local n = tonumber(ARGV[1])
 local h = tonumber(ARGV[n + 2])

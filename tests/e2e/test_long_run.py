@@ -24,14 +24,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STUB = REPO / "configs" / "stub.toml"
 STEPS, PER_STEP = 500, 10
-EARLY, LATE = (50, 100), (400, STEPS)  # step ranges compared
+# Step ranges compared; the last step is left out: after it the trainer reads no more
+# while rollout fills the backpressure bound until the workers stop.
+EARLY, LATE = (50, 100), (400, STEPS - 1)
 # Late may exceed early by this much: allocator and stream-node noise, and the work in
 # flight (the snapshot's bytes are mostly the groups, trajectories and tasks unfinished at
 # the cut, which backpressure bounds but the trainer's pace moves), not growth. Before the
 # window (review M4) the emitted ids alone added about 60 B per group to Redis and one id
-# per group to every snapshot: 400 steps of 10 groups add 240 KB and 4,000 ids.
-SLACK = {"used_memory": 1.15, "run_keys": 1.10, "snapshot": 1.5, "snapshot_ids": 1.25}
-SLACK_BYTES = {"used_memory": 96 << 10, "run_keys": 32 << 10, "snapshot": 32 << 10}
+# per group to every snapshot: on main at 54548e6, steps 50-100 vs 400-500 gave run keys
+# 1.03 vs 1.35 MB, used_memory 2.03 vs 2.44 MB, snapshot ids 1,038 vs 5,037.
+SLACK = {"used_memory": 1.15, "run_keys": 1.15, "snapshot": 1.5, "snapshot_ids": 1.25}
+SLACK_BYTES = {"used_memory": 96 << 10, "run_keys": 64 << 10, "snapshot": 32 << 10}
 SLACK_BYTES |= {"snapshot_ids": 50, "meta": 1024}
 ABSOLUTE = {"used_memory": 32 << 20, "run_keys": 4 << 20, "snapshot": 1 << 20}
 
@@ -120,7 +123,7 @@ def test_five_hundred_steps_keep_redis_and_the_checkpoints_bounded(tmp_path: Pat
     late = {n: sampler.peak(n, LATE) for n in names}
     bound = {n: int(early[n] * SLACK.get(n, 1.25)) + SLACK_BYTES[n] for n in names}
     print(f"\n{STEPS} steps x {PER_STEP} groups, checkpoint every step: wall {wall_s:.1f} s")
-    print(f"{'':>12} {'max 50-100':>12} {'max 400-500':>12} {'bound':>12} {'absolute':>12}")
+    print(f"{'':>12} {'max 50-100':>12} {'max 400-499':>12} {'bound':>12} {'absolute':>12}")
     for n in names:
         shown = f"{ABSOLUTE[n]:,}" if n in ABSOLUTE else "-"
         print(f"{n:>12} {early[n]:>12,} {late[n]:>12,} {bound[n]:>12,} {shown:>12}")
