@@ -280,6 +280,8 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
         if e["event"] == "group_dropped" and e.get("reason")
     }
     assert dropped <= logged_drops, dropped - logged_drops
+    # Redis keeps only a window of the dropped ids (README, "Bounded state"); the log has all.
+    dropped = logged_drops
     assert not trained & dropped
     assert trained <= issued
     lost = issued - trained - dropped - queued
