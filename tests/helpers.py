@@ -31,9 +31,10 @@ def spawn_worker(
     burst: bool = False,
     index: int = 0,
     log_path: Path | None = None,
+    config: Path = TINY,
 ) -> subprocess.Popen[bytes]:
     """`streamrl worker NAME` as a subprocess, logging to `log_path` (or run_dir/NAME.log)."""
-    cmd = worker_command(name, index, TINY, run_dir, [f"run.name={ns}", *sets])
+    cmd = worker_command(name, index, config, run_dir, [f"run.name={ns}", *sets])
     if burst:
         cmd.append("--burst")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,10 @@ worker must survive. Written against streamrl.api only."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,6 +74,40 @@ async def async_reward(answer: str | None, calls: list[api.ToolRecord], ctx: api
 
 def string_reward(answer: str | None, calls: list[api.ToolRecord], ctx: api.EpisodeContext):
     return "1.0"
+
+
+EFFECTS_ENV = "STREAMRL_TEST_EFFECTS"  # file the RecordingEnvironment appends its steps to
+RECORDING_STEPS = 4
+RECORDING_STEP_S = 0.5
+
+
+class RecordingEnvironment(api.Environment):
+    """`RECORDING_STEPS` slow steps, each a side effect: a line `<pid> <group> <member>
+    <step>` appended to the file named by $STREAMRL_TEST_EFFECTS. Resumable: it saves the
+    steps made, so a resumed episode makes only the steps still to come."""
+
+    def __init__(self, ctx: api.EpisodeContext) -> None:
+        self.ctx = ctx
+        self.steps = 0
+
+    async def reset(self) -> api.Reset:
+        return api.Reset(prompt=self.ctx.task.prompt)
+
+    async def step(self, action: api.Action, call_prefix: str) -> api.StepResult:
+        await asyncio.sleep(RECORDING_STEP_S)
+        line = f"{os.getpid()} {self.ctx.task.group_id} {self.ctx.member} {self.steps}\n"
+        with open(os.environ[EFFECTS_ENV], "a") as out:
+            out.write(line)
+        self.steps += 1
+        if self.steps < RECORDING_STEPS:
+            return api.StepResult(observations=[f"step {self.steps} done"], done=False)
+        return api.StepResult(observations=[], done=True, reward=float(self.ctx.member))
+
+    def save_state(self) -> dict[str, Any] | None:
+        return {"steps": self.steps}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
 
 
 class NotATask:

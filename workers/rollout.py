@@ -14,6 +14,7 @@ from streamrl.runtime import WorkerContext
 from streamrl.tasks.registry import load_episodes
 from streamrl.tools.client import ToolClient
 from streamrl.transport import make_async_client
+from streamrl.weightsync import WEIGHTS_DIR
 
 if TYPE_CHECKING:
     from streamrl.hfchat import HFChat
@@ -72,7 +73,12 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
     # The checkpoint's params: the structure versions decode into, and the base adapters
     # apply to until the trainer publishes a full version.
     loader = WeightLoader(
-        ctx.client(), ctx.keys, engine.params, engine.params, ctx.cfg.rollout.lora_serving
+        ctx.client(),
+        ctx.keys,
+        engine.params,
+        engine.params,
+        ctx.cfg.rollout.lora_serving,
+        weights_dir=ctx.run_dir / WEIGHTS_DIR,
     )
     server = EngineServer(engine, -1, ctx.log)
     return Policy(server, loader, chat.dialogue, lambda: engine.tokens_generated)
@@ -87,7 +93,7 @@ def stub_policy(ctx: WorkerContext) -> Policy:
     # The stub has the interface the worker, runner and follower use (generate, serve,
     # hold, release, swap, steps, stall_s); they are annotated with the engine server.
     server = cast("EngineServer", stub)
-    loader = StubLoader(ctx.client(), ctx.keys)
+    loader = StubLoader(ctx.client(), ctx.keys, ctx.run_dir / WEIGHTS_DIR)
     return Policy(server, loader, StubDialogue, lambda: stub.tokens_generated)
 
 

@@ -13,7 +13,7 @@ from streamrl.trainer.cluster import init_distributed
 from streamrl.trainer.loop import CheckpointHook, ExportHook, Hook, PublishHook, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import TrainState, lora_config
-from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
+from streamrl.weightsync import WEIGHTS_DIR, DirChannel, RedisChannel, WeightsChannel
 
 
 def publish_hook(ctx: WorkerContext) -> PublishHook:
@@ -24,7 +24,7 @@ def publish_hook(ctx: WorkerContext) -> PublishHook:
     if t.weights_channel == "redis":
         channel = RedisChannel(client, ctx.keys, t.weights_chunk_mb << 20)
     else:
-        channel = DirChannel(ctx.run_dir / "weights")
+        channel = DirChannel(ctx.run_dir / WEIGHTS_DIR)
     publisher = WeightPublisher(
         client,
         ctx.keys,

@@ -169,7 +169,8 @@ async def follower_main(url: str, ns: str, ckpt: str, index: int, lora_serving: 
     client = redis.Redis.from_url(url)
     aclient = aioredis.Redis.from_url(url)
     serving: LoraServing = "attached" if lora_serving == "attached" else "merged"
-    loader = WeightLoader(client, keys, params, params, serving)
+    # The trainer process's temporary directory is not known here: the bench trusts its own.
+    loader = WeightLoader(client, keys, params, params, serving, weights_dir=Path("/"))
     follower = WeightFollower(aclient, keys, server, loader, SyncLock(), log)
     parts = [
         asyncio.create_task(server.serve()),
@@ -419,7 +420,7 @@ async def stall_run(
         params, 0, 0
     )
     server = EngineServer(engine, -1, log)
-    loader = WeightLoader(client, keys, params, params)
+    loader = WeightLoader(client, keys, params, params, weights_dir=Path(tmp) / keys.ns)
     follower = WeightFollower(aclient, keys, server, loader, SyncLock(), log, mode)
     stopped = False
     assert await follower.wait_initial(lambda: stopped)

@@ -96,13 +96,22 @@ def roles(keys: Keys) -> dict[str, Role]:
         categories=("stream", "string", "hash"),
     )
     rollout = Role(
-        keys=(k.tasks, k.trajectories, k.dead, k.stats, *ledger, k.tool_result("*"), RQ_KEYS),
+        keys=(
+            k.tasks,
+            k.trajectories,
+            k.dead,
+            k.stats,
+            k.episodes,
+            *ledger,
+            k.tool_result_pattern,
+            RQ_KEYS,
+        ),
         read_keys=(k.weights, k.weights_chunk_pattern, k.policy_floor, k.groups_started),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace"),
         commands=(*_SCRIPTS, *_RQ),
     )
     tools = Role(
-        keys=(RQ_KEYS, k.tool_result("*"), *ledger, k.stats),
+        keys=(RQ_KEYS, k.tool_result_pattern, *ledger, k.stats),
         channels=(RQ_CHANNELS,),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace", "pubsub"),
         commands=(*_SCRIPTS, *_RQ_WORKER),
@@ -144,6 +153,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_dropped,
             k.groups_reruns,
             k.tool_ledger,
+            k.episodes,
             k.feeder_cursor,
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),

@@ -19,10 +19,11 @@ The queue snapshot is one atomic read of Redis (a Lua script): for each stream r
 consumer group, the group's last-delivered id, its pending ids and every entry still to
 be processed (pending or not yet delivered; the groups the trainer already trained are
 in its lineage, so only their ids); the groups being assembled; the emitted and dropped
-group ids; counters, the feeder cursor, the policy version. Taken while the trainer's
-state is that of step N, it is a consistent cut with it. After the script, a page per
-command, come the dead letters up to the last one at the cut and the tool ledger (a
-record made after the cut only keeps a replayed call from running twice).
+group ids; counters, the feeder cursor, the policy version, the states of the episodes
+in flight (`rollout.resume_episodes`). Taken while the trainer's state is that of step N,
+it is a consistent cut with it. After the script, a page per command, come the dead
+letters up to the last one at the cut and the tool ledger (a record made after the cut
+only keeps a replayed call from running twice).
 
 Restart (DESIGN.md, "Checkpoint and restart"):
 - Redis kept its data: everything the other workers did since the cut is still there and
@@ -206,8 +207,9 @@ def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
 
 
 def _hash_keys(keys: Keys) -> list[str]:
-    """Hashes read in the snapshot's script: exact at the cut."""
-    return [keys.stats, keys.groups_reruns]
+    """Hashes read in the snapshot's script: exact at the cut (an episode's state and its
+    trajectory's committed marker must agree with the streams)."""
+    return [keys.stats, keys.groups_reruns, keys.episodes]
 
 
 def _scanned_hash_keys(keys: Keys) -> list[str]:

@@ -435,6 +435,13 @@ class RolloutConfig(_Section):
             "never complete count until grouper.group_timeout_s clears them."
         ),
     )
+    resume_episodes: bool = Field(
+        True,
+        description=(
+            "Save each episode's state at every turn boundary; a task claimed from a dead "
+            "worker resumes its members from their last completed turn instead of anew."
+        ),
+    )
     sync_mode: Literal["continue", "finish", "pause"] = Field(
         "continue",
         description=(
@@ -508,14 +515,29 @@ class ToolsConfig(_Section):
         default_factory=dict,
         description="Calls per second per rollout worker, by tool name (e.g. {python = 20}).",
     )
-    max_consecutive_tool_errors: int = Field(
+    breaker_window_s: float = Field(
+        60.0,
+        ge=0,
+        le=86400,
+        description=(
+            "The run stops with an error once tool infrastructure errors (no worker answered, "
+            "sandbox down) have gone on this long at breaker_error_rate or more."
+        ),
+    )
+    breaker_error_rate: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of sandbox and external calls failing with infrastructure errors that "
+            "counts as failing (over the spell, and over the window's last tenth to recover)."
+        ),
+    )
+    breaker_min_calls: int = Field(
         20,
         ge=0,
         le=1_000_000,
-        description=(
-            "Consecutive tool infrastructure errors (no worker answered, sandbox down) after "
-            "which the run stops with an error; 0: never."
-        ),
+        description="Calls a failing spell must hold before the breaker trips; 0: never trips.",
     )
     sandbox: Literal["auto", "container", "bwrap", "subprocess"] = Field(
         "auto",
@@ -587,6 +609,15 @@ class GrouperConfig(_Section):
     advantage: Literal["grpo", "dr_grpo"] = Field(
         "grpo",
         description="Group advantage: `grpo` (r - mean) / (std + eps); `dr_grpo` r - mean.",
+    )
+    min_valid_members: int = Field(
+        2,
+        ge=1,
+        le=1024,
+        description=(
+            "A group with fewer valid members (not ended in error or timeout) is dropped and "
+            "counted; 2: the fewest with a spread to learn from."
+        ),
     )
     zero_variance: Literal["keep", "drop"] = Field(
         "keep",
@@ -873,6 +904,16 @@ class Config(_Section):
                 "grouper.group_timeout_s > 0: a group that never completes (a member dead-"
                 "lettered) would count against it for ever and, with enough of them, stop "
                 "rollout"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _valid_members(self) -> Config:
+        if self.grouper.min_valid_members > self.rollout.num_generations:
+            raise ValueError(
+                f"grouper.min_valid_members ({self.grouper.min_valid_members}) exceeds "
+                f"rollout.num_generations ({self.rollout.num_generations}): every group "
+                "would be dropped"
             )
         return self
 

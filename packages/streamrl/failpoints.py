@@ -21,7 +21,8 @@ ENV = "STREAMRL_FAILPOINT_DIR"
 CHECKPOINT_COMMIT = "checkpoint_commit"  # trainer: state written, commit marker not yet
 WEIGHTS_PUBLISH = "weights_publish"  # trainer: weights written, not yet signalled
 WEIGHTS_LOAD = "weights_load"  # rollout: a new version is loading under the sync lock
-NAMES = (CHECKPOINT_COMMIT, WEIGHTS_PUBLISH, WEIGHTS_LOAD)
+EPISODE_SAVED = "episode_saved"  # rollout: episode states written at a turn boundary
+NAMES = (CHECKPOINT_COMMIT, WEIGHTS_PUBLISH, WEIGHTS_LOAD, EPISODE_SAVED)
 
 
 def arm(directory: str | Path, name: str, pause_s: float) -> None:

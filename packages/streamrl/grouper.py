@@ -16,11 +16,20 @@ A group still incomplete `group_timeout_s` after its first member arrived is han
 `group_timeout_policy` (drop it, re-run its missing members, or release it with the members
 present). Every grouper looks for such groups about once a second; the decision is one Lua
 script that checks the group's age, size and state again and claims it, so however many
-groupers look, a group is dropped, re-run or released once per timeout.
+groupers look, a group is dropped, re-run or released once per timeout. The same check
+emits (or drops) a complete group that nobody emitted (the entry that completed it was
+dead-lettered before its emit), once it is that old, or without a timeout once that entry
+must have been emitted or dead-lettered.
+
+A group is scored by one rule, complete or released: a member that ended in error or
+timeout is masked out of the statistics; the group is dropped, with its reason, for a
+reward or advantage that is not finite, any member too far off policy, fewer valid members
+than `min_valid_members`, or (if so configured) rewards that are all equal.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +43,7 @@ from redis.commands.core import Script
 
 from streamrl.config import Config
 from streamrl.names import Keys
-from streamrl.rl.advantages import ADVANTAGES, is_zero_variance
+from streamrl.rl.advantages import ADVANTAGES, is_zero_variance, masked_advantages
 from streamrl.tasks.registry import make_task
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import (
@@ -76,10 +85,16 @@ end
 return {'complete', n, redis.call('HVALS', KEYS[1])}
 """
 
+# A group dropped since its add answered `complete` (a stale member at another grouper) is
+# not emitted as well: -1. Else 1 when this call emitted it, 0 when it was out already.
 # KEYS: members hash, emitted set, groups stream, trajectories stream, stats hash,
-#       started hash, reruns hash
+#       started hash, reruns hash, dropped set
 # ARGV: group id, schema version, kind, body, entry id, consumer group, extra counter ('' none)
 _EMIT = """
+if redis.call('SISMEMBER', KEYS[8], ARGV[1]) == 1 then
+  redis.call('XACK', KEYS[4], ARGV[6], ARGV[5])
+  return -1
+end
 redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
 local first = redis.call('SADD', KEYS[2], ARGV[1])
@@ -122,13 +137,16 @@ return first
 # A group past its timeout, decided once. Every branch re-checks what the caller saw: the
 # group is still being assembled (its start time is there, it is neither emitted nor
 # dropped), it is still past the timeout (a rerun restarts its clock, so a second grouper
-# acting on an older look finds it fresh), it still holds the members the caller decided
-# on (else `changed`: the caller looks again at the next check), and it is not complete
-# (then its last member is being emitted by whoever added it).
+# acting on an older look finds it fresh), and it still holds the members the caller
+# decided on (else `changed`: the caller looks again at the next check). A group the caller
+# saw complete is one whose completing entry was never emitted (dead-lettered after its add
+# answered `complete`, review M8): it is emitted or dropped now, not timed out; if its adder
+# is only slow, the emitted and dropped sets make the second of the two a no-op.
 # KEYS: members hash, emitted set, dropped set, started hash, reruns hash, stats hash,
 #       tasks stream, groups stream
-# ARGV: group id, timeout ms, members held, group size, action (drop | rerun | release),
-#       max reruns, schema version, kind, body, extra counter ('' none)
+# ARGV: group id, timeout ms, members held, group size, action (drop | rerun | release, or
+#       emit | drop for a complete group), max reruns, schema version, kind, body, extra
+#       counter ('' none)
 _TIMEOUT = """
 local started = redis.call('HGET', KEYS[4], ARGV[1])
 if not started then
@@ -145,18 +163,17 @@ if now - tonumber(started) < tonumber(ARGV[2]) then
   return {'fresh'}
 end
 local held = redis.call('HLEN', KEYS[1])
-if held >= tonumber(ARGV[4]) then
-  return {'complete'}
-end
 if held ~= tonumber(ARGV[3]) then
   return {'changed'}
 end
 local action = ARGV[5]
 local reruns = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or '0')
-if action == 'rerun' and reruns >= tonumber(ARGV[6]) then
-  action = 'drop_max_reruns'
+if held < tonumber(ARGV[4]) then
+  if action == 'rerun' and reruns >= tonumber(ARGV[6]) then
+    action = 'drop_max_reruns'
+  end
+  redis.call('HINCRBY', KEYS[6], 'groups_timed_out', 1)
 end
-redis.call('HINCRBY', KEYS[6], 'groups_timed_out', 1)
 if action == 'rerun' then
   redis.call('XADD', KEYS[7], '*', 'v', ARGV[7], 'kind', ARGV[8], 'data', ARGV[9])
   redis.call('HINCRBY', KEYS[5], ARGV[1], 1)
@@ -167,11 +184,13 @@ end
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('DEL', KEYS[1])
-if action == 'release' then
+if action == 'release' or action == 'emit' then
   redis.call('SADD', KEYS[2], ARGV[1])
   redis.call('XADD', KEYS[8], '*', 'v', ARGV[7], 'kind', ARGV[8], 'data', ARGV[9])
   redis.call('HINCRBY', KEYS[6], 'groups', 1)
-  redis.call('HINCRBY', KEYS[6], 'groups_released', 1)
+  if action == 'release' then
+    redis.call('HINCRBY', KEYS[6], 'groups_released', 1)
+  end
 else
   redis.call('SADD', KEYS[3], ARGV[1])
   redis.call('HINCRBY', KEYS[6], 'groups_dropped', 1)
@@ -188,13 +207,16 @@ return {action, reruns}
 class Outcome:
     """What one trajectory or timeout check did: `partial`, `emitted`, `duplicate`,
     `dropped`, `closed` (a member of a group already dropped), or, after a group timeout,
-    `rerun` (a task re-runs its missing members) or `released` (emitted incomplete)."""
+    `rerun` (a task re-runs its missing members) or `released` (emitted incomplete); a
+    timeout check emits (or drops) a complete group that was never emitted, too."""
 
     kind: str
     group_id: str
 
 
 ZERO_VARIANCE = "groups_zero_variance"  # stats counter: groups whose rewards were all equal
+TOO_FEW_VALID = "groups_too_few_valid"  # stats counter: groups under min_valid_members
+NONFINITE = "groups_nonfinite"  # stats counter: groups with a reward or advantage not finite
 
 # Rebuilds the task at a data-set cursor with a group size: (cursor, num_generations) -> Task.
 TaskBuilder = Callable[[int, int], Task]
@@ -223,19 +245,16 @@ _Call = tuple[Script, list[Any], list[Any]]
 _ADD_OUTCOMES = {"partial": "partial", "emitted": "duplicate", "dropped": "closed"}
 
 
-def build_group(members: list[Trajectory], epsilon: float, estimator: str = "grpo") -> Group | None:
-    """The group with advantages (`ADVANTAGES[estimator]`); None when no member finished
-    without error.
+def build_group(members: list[Trajectory], epsilon: float, estimator: str = "grpo") -> Group:
+    """The group, members in order, with advantages (`ADVANTAGES[estimator]`).
 
-    Members with status `error` (an infrastructure or environment failure, not the
-    policy's doing) get advantage 0 and take no part in the group's statistics.
+    A member that is not `valid` (it ended in error or timeout: infrastructure, not the
+    policy's doing) gets advantage 0 and takes no part in the group's statistics.
     """
     members = sorted(members, key=lambda t: t.member)
-    scored = [m for m in members if m.status != "error"]
-    if not scored:
-        return None
-    adv = iter(ADVANTAGES[estimator]([m.reward for m in scored], epsilon))
-    advantages = [0.0 if m.status == "error" else next(adv) for m in members]
+    advantages = masked_advantages(
+        ADVANTAGES[estimator], [m.reward for m in members], [m.valid for m in members], epsilon
+    )
     return Group(
         group_id=members[0].group_id,
         task_id=members[0].task_id,
@@ -314,7 +333,7 @@ class Grouper:
         that add's emit, if the add completed it."""
         out: list[Outcome] = []
         for part in self._split(deliveries, trainer_version):
-            out.extend(self._handle_part(part))
+            out.extend(self._handle_part(part, trainer_version))
         return out
 
     def _stale(self, t: Trajectory, trainer_version: int) -> str:
@@ -322,7 +341,7 @@ class Grouper:
         lag = trainer_version - t.min_version
         if t.versions and lag > self.cfg.grouper.off_policy_steps:
             return (
-                f"stale: policy version {t.min_version} is {lag} behind "
+                f"stale: member {t.member}'s policy version {t.min_version} is {lag} behind "
                 f"trainer version {trainer_version}"
             )
         return ""
@@ -344,7 +363,9 @@ class Grouper:
             parts[-1].append((d, stale))
         return parts
 
-    def _handle_part(self, part: list[tuple[Delivery[Trajectory], str]]) -> list[Outcome]:
+    def _handle_part(
+        self, part: list[tuple[Delivery[Trajectory], str]], trainer_version: int
+    ) -> list[Outcome]:
         """Adds and stale drops in one pipeline, then the completed groups' emits and drops
         in a second. A group is scored once, by its first delivery whose add completed it;
         a later one (a re-sent member) gets the same script, which finds the group emitted
@@ -368,30 +389,49 @@ class Grouper:
             outcomes.append(Outcome("complete", gid))  # replaced once its emit or drop ran
             first = gid not in decisions
             if first:
-                decisions[gid] = self._complete(res[2])
+                decisions[gid] = self._complete(res[2], trainer_version)
             finish.append((i, d, first))
         calls = [self._finish_call(d, decisions[d.msg.group_id]) for _, d, _ in finish]
         for (i, d, first), res in zip(finish, self._run_scripts(calls), strict=True):
-            outcomes[i] = self._finished(d, decisions[d.msg.group_id], first, bool(res))
+            outcomes[i] = self._finished(d, decisions[d.msg.group_id], first, int(res))
         return outcomes
 
-    def _complete(self, stored: list[bytes]) -> _Decision:
+    def _complete(self, stored: list[bytes], trainer_version: int) -> _Decision:
         """What a complete group gets, from its members as stored."""
         try:
             members = [decode_body(b, Trajectory) for b in stored]
         except WireError as err:  # only a foreign writer could have put this there
             return _Decision("drop", f"a stored member cannot be decoded: {err}")
-        return self._score(members)
+        return self._score(members, trainer_version)
 
-    def _score(self, members: list[Trajectory]) -> _Decision:
-        """Emit the group with its advantages, or drop it: when no member present is scored
-        (each ended with error), or its rewards are all equal under zero_variance `drop`.
-        The one rule for a complete group and a timed-out one released."""
+    def _score(self, members: list[Trajectory], trainer_version: int) -> _Decision:
+        """Emit the group with its advantages, or drop it with the reason: a reward or an
+        advantage not finite, a member too far off policy (each member, however early it
+        arrived), fewer valid members than min_valid_members, or rewards all equal under
+        zero_variance `drop`. The one rule for a complete group and a timed-out one
+        released."""
         gcfg = self.cfg.grouper
+        members = sorted(members, key=lambda t: t.member)
+        for m in members:
+            if not math.isfinite(m.reward):
+                reason = f"reward not finite: member {m.member} has reward {m.reward}"
+                return _Decision("drop", reason, counter=NONFINITE)
+        for m in members:
+            if stale := self._stale(m, trainer_version):
+                return _Decision("drop", stale)
+        rewards = [m.reward for m in members if m.valid]
+        if len(rewards) < gcfg.min_valid_members:
+            return _Decision(
+                "drop",
+                f"{len(rewards)} of {len(members)} members valid (the others ended in error "
+                f"or timeout), fewer than grouper.min_valid_members ({gcfg.min_valid_members})",
+                counter=TOO_FEW_VALID,
+            )
         group = build_group(members, gcfg.advantage_epsilon, gcfg.advantage)
-        if group is None:
-            return _Decision("drop", "every member present ended with status error")
-        rewards = [m.reward for m in group.members if m.status != "error"]
+        for m, a in zip(members, group.advantages, strict=True):
+            if not math.isfinite(a):
+                reason = f"advantage not finite: member {m.member} has advantage {a}"
+                return _Decision("drop", reason, counter=NONFINITE)
         zero_variance = is_zero_variance(rewards)
         if zero_variance and gcfg.zero_variance == "drop":
             reason = f"zero variance: every reward is {rewards[0]:g}"
@@ -438,6 +478,7 @@ class Grouper:
             k.stats,
             k.groups_started,
             k.groups_reruns,
+            k.groups_dropped,
         ]
         args = [
             gid,
@@ -451,17 +492,20 @@ class Grouper:
         return self._emit, keys, args
 
     def _finished(
-        self, d: Delivery[Trajectory], decision: _Decision, first: bool, written: bool
+        self, d: Delivery[Trajectory], decision: _Decision, first: bool, written: int
     ) -> Outcome:
         """The outcome of the delivery that completed a group (`first`, else a re-sent
-        member), whose emit or drop script answered `written` (first to emit or drop)."""
+        member), whose emit or drop script answered `written` (1: first to emit or drop;
+        -1: the emit found the group dropped meanwhile)."""
         gid = d.msg.group_id
+        if written < 0:
+            return Outcome("closed", gid)
         if decision.action == "drop":
             if not first:
                 return Outcome("closed", gid)
             self._log_dropped(d, decision.reason)
             return Outcome("dropped", gid)
-        if not written or decision.group is None:
+        if written != 1 or decision.group is None:
             return Outcome("duplicate", gid)
         self.log.info(
             "group_emitted",
@@ -506,38 +550,69 @@ class Grouper:
 
     # -- group timeout ------------------------------------------------------------------
 
+    def stall_ms(self) -> int:
+        """Age (ms since its first member arrived) past which a group is looked at:
+        `group_timeout_s`; without a timeout, only a complete group is, once the entry that
+        completed it must have been emitted or dead-lettered, (max_deliveries + 1) x
+        claim_idle_ms after it arrived."""
+        if self.cfg.grouper.group_timeout_s > 0:
+            return int(self.cfg.grouper.group_timeout_s * 1000)
+        t = self.cfg.transport
+        return (t.max_deliveries + 1) * t.claim_idle_ms
+
     def check_timeouts(self) -> list[Outcome]:
-        """Handle every group incomplete for `group_timeout_s` (none when it is 0)."""
-        gcfg = self.cfg.grouper
-        if gcfg.group_timeout_s <= 0:
-            return []
-        timeout_ms = int(gcfg.group_timeout_s * 1000)
+        """Handle every group incomplete for `group_timeout_s` (none when it is 0), and
+        emit or drop every complete group left unemitted for `stall_ms` (review M8: the
+        entry that completed it was dead-lettered after its add answered `complete`)."""
+        stall_ms = self.stall_ms()
         sec, usec = self.client.time()  # the clock the start times were written with
         now_ms = sec * 1000 + usec // 1000
         raw: Any = self.client.hgetall(self.keys.groups_started)
+        ages = ((gid.decode(), now_ms - int(ms)) for gid, ms in raw.items())
+        old = {gid: age for gid, age in ages if age >= stall_ms}
+        if old and self.cfg.grouper.group_timeout_s <= 0:
+            # Only complete groups can be due: counted, not read, to find them.
+            pipe = self.client.pipeline(transaction=False)
+            for gid in old:
+                pipe.hlen(self.keys.group_members(gid))
+            n, held = self.cfg.rollout.num_generations, pipe.execute()
+            old = {g: a for (g, a), h in zip(old.items(), held, strict=True) if h >= n}
+        if not old:
+            return []
+        trainer_version = self.trainer_version()
         out = []
-        for gid, ms in raw.items():
-            if now_ms - int(ms) >= timeout_ms:
-                outcome = self._handle_timeout(gid.decode(), timeout_ms, now_ms - int(ms))
-                if outcome is not None:
-                    out.append(outcome)
+        for gid, age in old.items():
+            outcome = self._handle_timeout(gid, stall_ms, age, trainer_version)
+            if outcome is not None:
+                out.append(outcome)
         return out
 
-    def _handle_timeout(self, group_id: str, timeout_ms: int, age_ms: int) -> Outcome | None:
-        """Decide on one timed-out group; None when another grouper or a member got there
-        first (nothing to do, or look again at the next check)."""
+    def _handle_timeout(
+        self, group_id: str, stall_ms: int, age_ms: int, trainer_version: int
+    ) -> Outcome | None:
+        """Decide on one timed-out group, or one complete but never emitted; None when
+        another grouper or a member got there first (nothing to do, or look again at the
+        next check)."""
         raw: Any = self.client.hgetall(self.keys.group_members(group_id))
+        undecodable = ""
         try:
             members = sorted(
                 (decode_body(v, Trajectory) for v in raw.values()), key=lambda m: m.member
             )
         except WireError as err:
-            members, decision = [], _Decision("drop", f"a stored member cannot be decoded: {err}")
-        else:
-            decision = self._decide(group_id, members)
+            members, undecodable = [], f"a stored member cannot be decoded: {err}"
         # Undecodable members tell no group size: one more than held keeps it incomplete.
         n = members[0].num_generations if members else len(raw) + 1
+        complete = len(members) >= n
         gcfg = self.cfg.grouper
+        if not complete and gcfg.group_timeout_s <= 0:
+            return None  # incomplete after all: without a timeout it waits for ever
+        if undecodable:
+            decision = _Decision("drop", undecodable)
+        elif complete:
+            decision = self._score(members, trainer_version)
+        else:
+            decision = self._decide(group_id, members, trainer_version)
         res: list[Any] = self._timeout(
             keys=[
                 self.keys.group_members(group_id),
@@ -551,7 +626,7 @@ class Grouper:
             ],
             args=[
                 group_id,
-                timeout_ms,
+                stall_ms,
                 len(raw),
                 n,
                 decision.action,
@@ -563,7 +638,7 @@ class Grouper:
             ],
         )
         done = res[0].decode()
-        if done in ("gone", "fresh", "complete", "changed"):
+        if done in ("gone", "fresh", "changed"):
             return None
         present = [m.member for m in members]
         missing = sorted(set(range(n)) - set(present))
@@ -574,6 +649,8 @@ class Grouper:
             missing=missing,
             policy=gcfg.group_timeout_policy,
         )
+        if complete:
+            return self._stuck_outcome(ev, group_id, decision)
         if done == "rerun":
             ev.warning("group_rerun", rerun=int(res[1]), max_reruns=gcfg.max_reruns)
             return Outcome("rerun", group_id)
@@ -586,7 +663,18 @@ class Grouper:
         ev.warning("group_dropped", reason=reason)
         return Outcome("dropped", group_id)
 
-    def _decide(self, group_id: str, members: list[Trajectory]) -> _Decision:
+    def _stuck_outcome(
+        self, ev: structlog.stdlib.BoundLogger, group_id: str, decision: _Decision
+    ) -> Outcome:
+        """The outcome of a complete group emitted or dropped by a timeout check."""
+        stuck = f"complete but never emitted after {self.stall_ms() / 1000:g}s"
+        if decision.action == "drop":
+            ev.warning("group_dropped", reason=f"{stuck}; {decision.reason}")
+            return Outcome("dropped", group_id)
+        ev.warning("group_emitted", reason=stuck)
+        return Outcome("emitted", group_id)
+
+    def _decide(self, group_id: str, members: list[Trajectory], trainer_version: int) -> _Decision:
         """What the configured policy makes of a timed-out group holding `members`."""
         gcfg = self.cfg.grouper
         timed_out = f"incomplete after group_timeout_s ({gcfg.group_timeout_s:g}s)"
@@ -598,7 +686,7 @@ class Grouper:
             return self._rerun(group_id, members, timed_out)
         if len(members) < 2:
             return _Decision("drop", f"{timed_out}; release needs 2 members, 1 present")
-        scored = self._score(members)
+        scored = self._score(members, trainer_version)
         if scored.action == "drop":
             return replace(scored, reason=f"{timed_out}; {scored.reason}")
         return replace(scored, action="release", reason=timed_out)
@@ -634,12 +722,12 @@ class Grouper:
     def run(self, stop: threading.Event, burst: bool = False) -> None:
         """Process until `stop` is set; with `burst`, also stop once the input is drained.
 
-        Timed-out groups are looked for every TIMEOUT_CHECK_EVERY_S (or half the timeout,
-        if shorter)."""
-        every = min(TIMEOUT_CHECK_EVERY_S, self.cfg.grouper.group_timeout_s / 2)
+        Timed-out (or complete but stuck) groups are looked for every TIMEOUT_CHECK_EVERY_S
+        (or half of `stall_ms`, if shorter)."""
+        every = min(TIMEOUT_CHECK_EVERY_S, self.stall_ms() / 2000)
         while not stop.is_set():
             out = self.step()
-            if every > 0 and time.monotonic() >= self._next_timeout_check:
+            if time.monotonic() >= self._next_timeout_check:
                 self._next_timeout_check = time.monotonic() + every
                 self.check_timeouts()
             if burst and not out and not self._has_pending():

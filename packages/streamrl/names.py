@@ -51,6 +51,11 @@ class Keys:
         """Pattern of every `weights_chunk` key (never `weights_chunks`, the hash)."""
         return self._k("weights", "v*")
 
+    @property
+    def tool_result_pattern(self) -> str:
+        """Pattern of every `tool_result` list."""
+        return self._k("toolres", "*")
+
     def worker_slots(self, worker: str) -> str:
         """Pattern of the identity slot keys of one worker type (`worker_slot`)."""
         return self._k("worker", worker, "*")
@@ -161,6 +166,12 @@ class Keys:
         return self._k("policy", "floor")
 
     @property
+    def episodes(self) -> str:
+        """Hash trajectory id -> encoded `EpisodeState` of each unfinished episode at its
+        last turn boundary (or the marker of a member committed before its task's ack)."""
+        return self._k("episodes")
+
+    @property
     def tool_ledger(self) -> str:
         """Hash idempotency key -> encoded result of non-idempotent tool calls already run."""
         return self._k("tools", "ledger")
@@ -176,9 +187,11 @@ class Keys:
         (`rq:queue:{<ns>}:tools`, `rq:job:<id>`, ...): those are not in the run's slot."""
         return self._k("tools")
 
-    def tool_result(self, call_id: str) -> str:
-        """List a tool worker pushes one call's result onto."""
-        return self._k("toolres", call_id)
+    def tool_result(self, call_id: str, nonce: str) -> str:
+        """List a tool worker pushes one attempt's result onto: the call's id and a nonce
+        the calling execution drew for that attempt, so that no other execution of the call
+        (a replayed or re-run episode, whose call ids are the same) pops it."""
+        return self._k("toolres", call_id, nonce)
 
     def worker_slot(self, worker: str, index: int) -> str:
         """String key holding who runs worker `<worker>-<index>` (its holder id), with a TTL

@@ -12,7 +12,10 @@ Checksums (`trainer.weights_checksum`) are written `<algorithm>:<hex digest>`:
 a forger) or `sha256` (~1 GB/s, cryptographic: for a weights store that others can write).
 
 - `dir`: one file per version in the run's weights directory, written to a temporary
-  name, fsynced and renamed into place (readers see the whole file or none).
+  name, fsynced and renamed into place (readers see the whole file or none). A reader
+  opens only a regular file inside its own weights directory (whatever path the signal
+  names: symlinks resolved, no FIFO or device that would block it), and any error opening
+  or reading it is a `WeightsError`.
 - `redis`: the bytes split into string keys of at most `chunk_bytes` under the run
   namespace (each big array's bytes go to keys of their own, uncopied), written in one
   pipeline before the signal, read back in one pipeline. Nothing needs a shared
@@ -27,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -45,6 +49,7 @@ __all__ = [
     "ALIGN",
     "CHECKSUMS",
     "HASH_ON_THREAD_BYTES",
+    "WEIGHTS_DIR",
     "Buffer",
     "Checksum",
     "DirChannel",
@@ -193,6 +198,8 @@ def write_bytes_atomic(path: str | Path, data: Buffer | list[Buffer]) -> None:
         os.close(dir_fd)
 
 
+WEIGHTS_DIR = "weights"  # the `dir` channel's directory in RUN_DIR, for writer and readers
+
 _VERSION_FILE = re.compile(r"^v(\d{6,})\.weights$")
 
 
@@ -294,26 +301,34 @@ def describe(msg: Weights) -> str:
     return f"weights {msg.path}:0..{msg.chunks - 1} in Redis"
 
 
-def read_published(msg: Weights, client: redis.Redis | None, keys: Keys) -> np.ndarray:
+def read_published(
+    msg: Weights, client: redis.Redis | None, keys: Keys, weights_dir: Path | None
+) -> np.ndarray:
     """The bytes of a published version (an aligned buffer: `fetch_published`), checked
     against its size and checksum.
 
     Raises WeightsError on a missing file or chunk, or a size or checksum mismatch.
     """
-    data = fetch_published(msg, client, keys)
+    data = fetch_published(msg, client, keys, weights_dir)
     check_checksum(data, msg.checksum, describe(msg))
     return data
 
 
-def fetch_published(msg: Weights, client: redis.Redis | None, keys: Keys) -> np.ndarray:
+def fetch_published(
+    msg: Weights, client: redis.Redis | None, keys: Keys, weights_dir: Path | None
+) -> np.ndarray:
     """The bytes of a published version in a new ALIGN-byte aligned uint8 buffer (one
     copy from the file or the chunks), checked against its size only: the caller checks
-    the checksum (`check_checksum`) before using them.
+    the checksum (`check_checksum`) before using them. A `dir` version is read only from
+    a regular file in `weights_dir` (the run's weights directory).
 
-    Raises WeightsError on a missing file or chunk, or a size mismatch.
+    Raises WeightsError on a missing file or chunk, a file elsewhere or not regular, an
+    error reading it, or a size mismatch.
     """
     if msg.channel == "dir":
-        return _read_file(msg)
+        if weights_dir is None:
+            raise WeightsError(f"version {msg.version} is a file, and this reader has no dir")
+        return _read_file(msg, weights_dir)
     if client is None:
         raise WeightsError(f"version {msg.version} is in Redis, and this reader has none")
     pipe = client.pipeline(transaction=False)
@@ -337,12 +352,38 @@ def fetch_published(msg: Weights, client: redis.Redis | None, keys: Keys) -> np.
     return data
 
 
-def _read_file(msg: Weights) -> np.ndarray:
+def _open_confined(msg: Weights, weights_dir: Path) -> int:
+    """A descriptor of the regular file `msg.path` names, once resolved inside
+    `weights_dir`. O_NONBLOCK: opening a FIFO does not wait for a writer (the file type is
+    checked before any read); O_NOFOLLOW: the resolved name is not a link put there since."""
     try:
-        f = open(msg.path, "rb", buffering=0)  # noqa: SIM115 (closed below)
+        path = Path(msg.path).resolve()
+    except (OSError, RuntimeError, ValueError) as err:  # a link loop, a NUL in the path
+        raise WeightsError(f"{describe(msg)} cannot be resolved: {err}") from None
+    if not path.is_relative_to(weights_dir.resolve()):
+        raise WeightsError(f"{describe(msg)} is not in the weights directory {weights_dir}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise WeightsMissing(f"{describe(msg)} is missing") from None
-    with f:
+    except OSError as err:
+        raise WeightsError(f"{describe(msg)} cannot be opened: {err.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise WeightsError(f"{describe(msg)} is not a regular file")
+    return fd
+
+
+def _read_file(msg: Weights, weights_dir: Path) -> np.ndarray:
+    fd = _open_confined(msg, weights_dir)
+    try:
+        return _read_fd(msg, fd)
+    except OSError as err:  # EIO, a file system gone: a refusal, not a crash
+        raise WeightsError(f"{describe(msg)} cannot be read: {err.strerror}") from None
+
+
+def _read_fd(msg: Weights, fd: int) -> np.ndarray:
+    with open(fd, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size != msg.nbytes:
             raise WeightsError(f"{describe(msg)} has {size} bytes, expected {msg.nbytes}")

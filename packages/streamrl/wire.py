@@ -18,6 +18,10 @@ import numpy as np
 SCHEMA_VERSION = 1
 
 Status = Literal["ok", "timeout", "error", "truncated"]
+# Statuses of an episode that infrastructure ended, not the policy (an error: a tool or
+# engine failure, an environment that raised; a timeout: the episode's wall clock): such a
+# member is masked out of its group's mean and std and out of the loss.
+MASKED_STATUSES: frozenset[Status] = frozenset({"error", "timeout"})
 
 
 class WireError(ValueError):
@@ -102,6 +106,12 @@ class Trajectory(Message, frozen=True, kw_only=True):
 
     def logprob_array(self) -> np.ndarray:
         return np.frombuffer(self.logprobs, dtype="<f4")
+
+    @property
+    def valid(self) -> bool:
+        """Whether this member counts: in its group's statistics and in the loss (its
+        status is not one of MASKED_STATUSES)."""
+        return self.status not in MASKED_STATUSES
 
     @property
     def min_version(self) -> int:
@@ -240,6 +250,78 @@ _decoders: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
 }
 
 M = TypeVar("M", bound=Message)
+
+EPISODE_STATE_VERSION = 1
+
+
+class SavedTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """One completed turn of an episode: where its sampled ids lie in the transcript
+    (`start`:`end`) and the environment's answer, replayed to the agent and the dialogue
+    when the episode resumes."""
+
+    start: int
+    end: int
+    observations: list[str]
+    info: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
+    """An unfinished episode at a turn boundary: everything needed to play on from there
+    on another worker (`Keys.episodes`, field = trajectory id). The arrays are those of
+    `Trajectory` so far; `versions` the policy version of each completed turn, `turns`
+    what each returned; `env` the environment's own state (`Environment.save_state`);
+    `run_seed` seeds the turns still to sample (`streamrl.rollout.episode.sample_seed`);
+    `model_s`, `env_s`, `elapsed_s` the sampling, environment and wall-clock time spent.
+
+    `committed`: a marker, no state: the member's trajectory is committed, its task not
+    yet acknowledged (a worker that claims the task does not run the member again)."""
+
+    schema: int = EPISODE_STATE_VERSION
+    traj_id: str
+    committed: bool = False
+    tokens: bytes = b""
+    loss_mask: bytes = b""
+    logprobs: bytes = b""
+    prompt_len: int = 0
+    versions: list[int] = msgspec.field(default_factory=list)
+    turns: list[SavedTurn] = msgspec.field(default_factory=list)
+    env: dict[str, Any] = msgspec.field(default_factory=dict)
+    num_tool_calls: int = 0
+    run_seed: int = 0
+    model_s: float = 0.0
+    env_s: float = 0.0
+    elapsed_s: float = 0.0
+    worker: str = ""
+
+    @property
+    def turn(self) -> int:
+        """Model turns completed: the index of the turn to play next."""
+        return len(self.turns)
+
+
+class _Schema(msgspec.Struct):
+    schema: int = -1
+
+
+_schema_decoder = msgspec.msgpack.Decoder(_Schema)
+_state_decoder = msgspec.msgpack.Decoder(EpisodeState)
+
+
+def encode_state(state: EpisodeState) -> bytes:
+    """A `Keys.episodes` hash value (msgpack, never pickle)."""
+    return _encoder.encode(state)
+
+
+def decode_state(data: bytes) -> EpisodeState:
+    """An episode state from its hash value; WireError names what is wrong with it."""
+    try:
+        schema = _schema_decoder.decode(data).schema
+        if schema != EPISODE_STATE_VERSION:
+            raise WireError(f"episode state schema {schema} != {EPISODE_STATE_VERSION} expected")
+        return _state_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise WireError(f"cannot decode episode state: {err}") from None
+
 
 Fields = dict[str, bytes]
 

@@ -282,12 +282,12 @@ def test_crashed_workers_are_restarted_alone(
 def test_tripped_circuit_breaker_stops_the_run(tmp_path: Path, warm_cache: str) -> None:
     """Tool workers that cannot start (their sandbox image is missing) keep crashing and are
     restarted; the rollout's calls meet no worker, the first infrastructure error trips the
-    breaker (max 1), and the run stops at once with the breaker's reason: no restart of a
-    fatal error, no hang."""
+    breaker (window 0, one call), and the run stops at once with the breaker's reason: no
+    restart of a fatal error, no hang."""
     run_dir = tmp_path / "run"
     proc = up(
         run_dir, 5, f'model.cache_dir="{warm_cache}"', "tools.sandbox=container",
-        "tools.image=streamrl-missing:0", "tools.max_consecutive_tool_errors=1",
+        "tools.image=streamrl-missing:0", "tools.breaker_window_s=0", "tools.breaker_min_calls=1",
         "tools.time_limit_s=1", "tools.result_margin_s=1", "tools.retries=0",
         "rollout.env_step_timeout_s=5", "run.max_restarts=1000", "run.restart_backoff_s=0.5",
     )  # fmt: skip
@@ -297,7 +297,7 @@ def test_tripped_circuit_breaker_stops_the_run(tmp_path: Path, warm_cache: str) 
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 0 and s["worker_restarts"]["rollout-0"] == 0
     err = (run_dir / "logs" / "rollout-0.stderr").read_text()
-    assert "CircuitOpenError: 1 consecutive tool infrastructure errors" in err
+    assert "CircuitOpenError: tool infrastructure errors for 0s: 1 of 1 calls failed" in err
     assert s["worker_restarts"]["tools-0"] >= 1  # the crashing tool workers were restarted
     assert_nothing_left(s)
 

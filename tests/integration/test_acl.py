@@ -206,15 +206,15 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
     taken = worker.dequeue_job_and_maintain_ttl(timeout=1)
     assert taken is not None and taken[0].id == job.id
     worker.clean_registries()
-    tools.lpush(KEYS.tool_result("c0"), b"ok")
-    tools.expire(KEYS.tool_result("c0"), 60)
+    tools.lpush(KEYS.tool_result("c0", "n0"), b"ok")
+    tools.expire(KEYS.tool_result("c0", "n0"), 60)
     ledger = ToolLedger(tools, KEYS, log, claim_ttl_s=5, wait_s=0)
     token = ledger.claim("k1")
     assert token is not None
     ledger.finish("k1", token, None)  # records nothing, frees the claim
     worker.unsubscribe()
     worker.register_death()
-    assert rollout.blpop([KEYS.tool_result("c0")], timeout=1) is not None
+    assert rollout.blpop([KEYS.tool_result("c0", "n0")], timeout=1) is not None
     # grouper: the trajectory read from its group (the scripts run in test_grouper_roles)
     grouper = connect("grouper")
     trajs = RedisStreamConsumer(

@@ -19,7 +19,7 @@ from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
 from streamrl.rollout.engine_server import EngineServer, EngineServerError
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.wire import Trajectory
+from streamrl.wire import EpisodeState, Trajectory
 from tests.policies import always_eos, scripted_task, tiny_policy
 
 POISON = "POISON"
@@ -64,7 +64,7 @@ class ScriptedEnv(Environment):
         if self.mode == "infra":
             raise ToolInfraError("no tool worker answered")
         if self.mode == "circuit":
-            raise CircuitOpenError("20 consecutive tool infrastructure errors")
+            raise CircuitOpenError("tool infrastructure errors for 60s: 20 of 20 calls failed")
         if self.mode == "hang":
             await asyncio.sleep(3600)
         return StepResult(observations=["2"], done=self.turns > 1, reward=1.0)
@@ -137,7 +137,7 @@ def test_failures_stay_inside_their_episode(setup: Any) -> None:
 def test_infra_error_ends_the_episode_and_a_tripped_breaker_stops_the_worker(setup: Any) -> None:
     [t] = asyncio.run(_run_all(setup, [ScriptedEnv(mode="infra")]))
     assert t.status == "error" and t.error == "ToolInfraError: no tool worker answered"
-    with pytest.raises(CircuitOpenError, match="20 consecutive"):
+    with pytest.raises(CircuitOpenError, match="for 60s: 20 of 20 calls failed"):
         asyncio.run(_run_all(setup, [ScriptedEnv(), ScriptedEnv(mode="circuit")]))
 
 
@@ -213,3 +213,69 @@ def test_broken_engine_stops_the_server(setup: Any) -> None:
     err = asyncio.run(go())
     assert isinstance(err, EngineServerError)
     assert str(err) == "3 engine steps failed in a row; last: RuntimeError: device step failed"
+
+
+class SavingEnv(Environment):
+    """Three turns, each answered with a tool result; resumable (it saves its turns)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self) -> Reset:
+        return Reset(prompt="Compute 1+1 with the calculator.")
+
+    async def step(self, action: Action, call_prefix: str) -> StepResult:
+        self.turns += 1
+        return StepResult(observations=[f"result {self.turns}"], done=self.turns > 2, reward=1.0)
+
+    def save_state(self) -> dict[str, Any] | None:
+        return {"turns": self.turns}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.turns = int(state["turns"])
+
+
+def test_resume_on_the_real_engine(setup: Any) -> None:
+    """An episode resumed from its first turn boundary on the JAX engine and the real chat
+    template: the engine prefills the saved tokens, the replayed dialogue renders the next
+    tool result as the uninterrupted episode did, and the first turn keeps its version."""
+    cfg, chat, spec, params = setup
+    log = structlog.get_logger()
+    rollout = cfg.rollout.model_copy(update={"max_steps": 3})
+    states: list[EpisodeState] = []
+
+    async def play(version: int, resume: EpisodeState | None) -> Trajectory:
+        engine = Engine(
+            spec,
+            params,
+            EngineConfig(
+                num_slots=2,
+                kv_cache_size=256,
+                max_prompt_length=255,
+                max_new_tokens=16,
+                sampling=GREEDY,
+                stop_ids=tuple(chat.stop_ids),
+                pad_id=chat.pad_id,
+                decode_chunk=4,
+            ),
+        )
+        server = EngineServer(engine, version, log)
+        runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
+        serving = asyncio.create_task(server.serve())
+        try:
+            task = scripted_task(0, "scripted")
+            return await runner.run(
+                task, 0, lambda: (ToolAgent(), SavingEnv()), resume=resume, on_turn=states.append
+            )
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+
+    whole = asyncio.run(play(7, None))
+    first = states[0]
+    resumed = asyncio.run(play(8, first))
+    assert whole.status == resumed.status == "ok" and first.turn == 1
+    assert whole.versions == [7, 7, 7] and resumed.versions == [7, 8, 8]
+    assert resumed.tokens == whole.tokens and resumed.loss_mask == whole.loss_mask
+    assert resumed.logprobs[: len(first.logprobs)] == first.logprobs
+    assert [s.turn for s in states] == [1, 2, 2]  # the resumed run saved its turn 2 only

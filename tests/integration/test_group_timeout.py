@@ -22,7 +22,7 @@ from streamrl.rollout.weights import SyncLock
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.tasks.registry import make_task
 from streamrl.transport import publish
-from streamrl.wire import Group, Task, Trajectory, decode, pack_arrays
+from streamrl.wire import Group, Task, Trajectory, decode, encode_body, pack_arrays
 from tests.conftest import entries
 
 TIMEOUT_S = 0.3
@@ -169,7 +169,7 @@ class ScriptedRunner:
     def __init__(self) -> None:
         self.ran: list[tuple[str, int]] = []
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         self.ran.append((t.task_id, member))
         return msgspec.structs.replace(traj(t, member, REWARDS[member]), cursor=-1)  # no cursor
 
@@ -202,7 +202,7 @@ def test_rollout_runs_only_the_rerun_members_and_acks_with_the_last(
             stop=lambda: False,
         )
         [d] = worker.input.read(1)
-        worker._admit(d)
+        worker._admit(d, {})
         worker._start_waiting()
         assert worker.started == 1
         await asyncio.gather(*worker._episodes)
@@ -327,3 +327,48 @@ def test_run_loop_checks_timeouts(rclient: redis.Redis, redis_url: str, keys: Ke
         stop.set()
         th.join(timeout=10)
     assert stats(rclient, keys)["groups_timed_out"] == 1
+
+
+def stuck_complete_group(rclient: redis.Redis, keys: Keys, cfg: Config, cursor: int = 0) -> Task:
+    """A complete group as the grouper leaves it when the entry that completed it is
+    dead-lettered after its add answered `complete` (review M8): every member in the hash,
+    its start time long past, never emitted, nothing pending."""
+    t = task(cfg, cursor)
+    for m in range(N):
+        rclient.hset(keys.group_members(t.group_id), str(m), encode_body(traj(t, m, REWARDS[m])))
+    rclient.hset(keys.groups_started, t.group_id, 1)  # ms since the epoch: long ago
+    return t
+
+
+@pytest.mark.parametrize("timeout_s", [TIMEOUT_S, 0.0], ids=["timeout", "no-timeout"])
+def test_a_complete_group_left_unemitted_is_emitted(
+    rclient: redis.Redis, redis_url: str, keys: Keys, timeout_s: float
+) -> None:
+    """Without a group timeout (0) a complete group is looked at once its completing entry
+    must have been emitted or dead-lettered: (max_deliveries + 1) x claim_idle_ms; an
+    incomplete one still waits for ever."""
+    g = grouper(redis_url, keys, config("drop", timeout_s=timeout_s))
+    t = stuck_complete_group(rclient, keys, g.cfg)
+    waiting = task(g.cfg, 1)
+    publish(rclient, keys.trajectories, traj(waiting, 0, 1.0))
+    g.step()
+    rclient.hset(keys.groups_started, waiting.group_id, 1)  # as old, but incomplete
+    with capture_logs() as logs:
+        outcomes = g.check_timeouts()
+    assert Outcome("emitted", t.group_id) in outcomes
+    [ev] = [e for e in logs if e["event"] == "group_emitted"]
+    assert ev["group_id"] == t.group_id and "complete but never emitted" in ev["reason"]
+    [group] = groups_out(rclient, keys)
+    assert [m.member for m in group.members] == [0, 1, 2, 3]
+    assert [round(a, 4) for a in group.advantages] == [1.0, -1.0, -1.0, 1.0]
+    s = stats(rclient, keys)
+    assert s["groups"] == 1 and "groups_released" not in s
+    assert s.get("groups_timed_out", 0) == (1 if timeout_s else 0)  # the incomplete one
+    assert not rclient.exists(keys.group_members(t.group_id))
+    assert not rclient.hexists(keys.groups_started, t.group_id)
+    assert rclient.hexists(keys.groups_started, waiting.group_id) == (not timeout_s)
+    assert Outcome("emitted", t.group_id) not in g.check_timeouts()  # once
+    # the entry that completed it, delivered again after all, finds it emitted
+    publish(rclient, keys.trajectories, traj(t, N - 1, REWARDS[N - 1]))
+    assert [o.kind for o in g.step()] == ["duplicate"]
+    assert len(groups_out(rclient, keys)) == 1

@@ -2,9 +2,12 @@
 
 import random
 import threading
+from collections.abc import MutableMapping
+from typing import Any
 
 import redis
 import structlog
+from structlog.testing import capture_logs
 
 from streamrl.config import Config, parse_config
 from streamrl.grouper import Grouper
@@ -182,3 +185,118 @@ def test_crash_between_add_and_emit(rclient: redis.Redis, redis_url: str, keys: 
     [group] = groups_out(rclient, keys)
     assert group.group_id == "g1" and len(group.members) == 4
     assert rclient.hlen(keys.groups_started) == 0  # assembled groups leave no start time
+
+
+def dropped_reasons(logs: list[MutableMapping[str, Any]]) -> dict[str, str]:
+    return {e["group_id"]: e["reason"] for e in logs if e["event"] == "group_dropped"}
+
+
+def test_infrastructure_failures_are_masked_and_too_few_valid_drop_the_group(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """A member that ended in error or timeout takes no part in its group's statistics; a
+    group with fewer than min_valid_members valid members is dropped, counted."""
+    g = grouper(redis_url, keys, "g0")
+    assert g.cfg.grouper.min_valid_members == 2
+    statuses: list[Status] = ["ok", "timeout", "error", "ok"]
+    for m, (r, st) in enumerate(zip([1.0, 5.0, 7.0, 0.0], statuses, strict=True)):
+        publish(rclient, keys.trajectories, traj(1, m, r, status=st))
+    # one valid member (member 3), three masked
+    statuses = ["timeout", "error", "timeout", "ok"]
+    for m, st in enumerate(statuses):
+        publish(rclient, keys.trajectories, traj(2, m, 1.0, status=st))
+    with capture_logs() as logs:
+        kinds = [o.kind for o in g.step()]
+    assert kinds == ["partial"] * 3 + ["emitted"] + ["partial"] * 3 + ["dropped"]
+    [group] = groups_out(rclient, keys)
+    # valid rewards 1 and 0 (members 0 and 3): mean 0.5, std 0.5 -> +1 and -1; the timeout
+    # (reward 5) and the error (reward 7) get 0 and move neither the mean nor the std
+    assert [round(a, 4) for a in group.advantages] == [1.0, 0.0, 0.0, -1.0]
+    reason = dropped_reasons(logs)["g2"]
+    assert reason == (
+        "1 of 4 members valid (the others ended in error or timeout), fewer than "
+        "grouper.min_valid_members (2)"
+    )
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups_too_few_valid"] == b"1" and stats[b"groups_dropped"] == b"1"
+    assert stats[b"groups"] == b"1"
+    assert rclient.xpending(keys.trajectories, keys.CG_GROUPER)["pending"] == 0
+
+
+def test_non_finite_rewards_or_advantages_drop_the_group(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Review M1: a NaN reward (or rewards whose advantages overflow) drops the group,
+    counted; no Group with a non-finite advantage is ever written."""
+    g = grouper(redis_url, keys, "g0")
+    for m, r in enumerate([1.0, float("nan"), 0.0, 1.0]):
+        publish(rclient, keys.trajectories, traj(1, m, r))
+    for m, r in enumerate([1.0, 0.0, float("inf"), 1.0]):
+        publish(rclient, keys.trajectories, traj(2, m, r, status="error" if m == 2 else "ok"))
+    # finite rewards whose sum overflows: mean inf, so every advantage is NaN
+    for m, r in enumerate([1.7e308, 1.7e308, 0.0, 0.0]):
+        publish(rclient, keys.trajectories, traj(3, m, r))
+    for m, r in enumerate([1.0, 0.0, 0.0, 1.0]):  # and a sound group goes through
+        publish(rclient, keys.trajectories, traj(4, m, r))
+    with capture_logs() as logs:
+        kinds = [o.kind for o in g.step()]
+    assert kinds == (["partial"] * 3 + ["dropped"]) * 3 + ["partial"] * 3 + ["emitted"]
+    [group] = groups_out(rclient, keys)
+    assert group.group_id == "g4" and [round(a, 4) for a in group.advantages] == [1, -1, -1, 1]
+    reasons = dropped_reasons(logs)
+    assert reasons["g1"] == "reward not finite: member 1 has reward nan"
+    assert reasons["g2"] == "reward not finite: member 2 has reward inf"
+    assert reasons["g3"].startswith("advantage not finite: member 0 has advantage nan")
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups_nonfinite"] == b"3" and stats[b"groups_dropped"] == b"3"
+
+
+def test_every_member_is_checked_for_staleness_when_the_group_is_emitted(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Review item 4: member 0 was fresh when it arrived, but the trainer moved on before
+    the group completed: the group is dropped at emission, not only for its last member."""
+    g = grouper(redis_url, keys, "g0")
+    publish(rclient, keys.trajectories, traj(1, 0, 1.0, version=0))
+    assert [o.kind for o in g.step()] == ["partial"]
+    rclient.set(keys.policy_version, 2)  # member 0 is now 2 behind > off_policy_steps 1
+    for m in range(1, 4):
+        publish(rclient, keys.trajectories, traj(1, m, float(m % 2), version=2))
+    with capture_logs() as logs:
+        assert [o.kind for o in g.step()] == ["partial", "partial", "dropped"]
+    assert groups_out(rclient, keys) == []
+    assert dropped_reasons(logs)["g1"] == (
+        "stale: member 0's policy version 0 is 2 behind trainer version 2"
+    )
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups_dropped"] == b"1" and b"groups" not in stats
+
+
+def test_a_group_dropped_between_add_and_emit_is_not_emitted(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Review L8: grouper A's add completes the group; before A's emit, grouper B drops
+    the group for a stale re-sent member. A must not emit it: dropped and emitted both
+    would count it twice and train it."""
+    rclient.set(keys.policy_version, 5)
+    a, b = grouper(redis_url, keys, "a"), grouper(redis_url, keys, "b")
+    for m in range(4):
+        publish(rclient, keys.trajectories, traj(1, m, float(m % 2), version=5))
+    adds = a._run_scripts
+    raced: list[str] = []
+
+    def adds_then_b_drops(calls: list[Any]) -> list[Any]:
+        out = adds(calls)
+        if not raced:  # after A's first round trip (the adds), before its emits
+            publish(rclient, keys.trajectories, traj(1, 1, 0.0, version=3))  # stale
+            raced.extend(o.kind for o in b.step())
+        return out
+
+    a._run_scripts = adds_then_b_drops  # type: ignore[method-assign]
+    assert [o.kind for o in a.step()] == ["partial", "partial", "partial", "closed"]
+    assert raced == ["dropped"]
+    assert groups_out(rclient, keys) == []
+    assert not rclient.sismember(keys.groups_emitted, "g1")
+    stats = rclient.hgetall(keys.stats)
+    assert stats[b"groups_dropped"] == b"1" and b"groups" not in stats
+    assert rclient.xpending(keys.trajectories, keys.CG_GROUPER)["pending"] == 0

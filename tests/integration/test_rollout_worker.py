@@ -21,13 +21,15 @@ import structlog
 from structlog.testing import capture_logs
 
 from streamrl.agents.flow import CircuitOpenError
+from streamrl.checkpoints import restore_queues, take_snapshot
 from streamrl.config import Config, parse_config
 from streamrl.names import Keys
+from streamrl.rollout.episode import traj_id
 from streamrl.rollout.weights import SyncLock
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.tasks.registry import make_task
-from streamrl.transport import publish
-from streamrl.wire import Task, Trajectory, decode
+from streamrl.transport import ensure_group, publish
+from streamrl.wire import EpisodeState, SavedTurn, Task, Trajectory, decode, encode_state
 from tests.conftest import entries
 from tests.integration.test_group_timeout import traj
 
@@ -54,7 +56,7 @@ class SleepyRunner:
         self.running = 0
         self.most_running = 0
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         self.ran.append((t.task_id, member))
         self.running += 1
         self.most_running = max(self.most_running, self.running)
@@ -254,7 +256,7 @@ class FailingRunner(SleepyRunner):
     """Member 0 of the first task fails the worker (a tripped circuit breaker, say) at the
     moment every other episode of the wave ends too."""
 
-    async def run(self, t: Task, member: int, make_episode: object) -> Trajectory:
+    async def run(self, t: Task, member: int, make_episode: object, **_: object) -> Trajectory:
         if t.cursor == 0 and member == 0:
             self.ran.append((t.task_id, member))
             await asyncio.sleep(self.episode_s)
@@ -310,3 +312,64 @@ def test_backpressure_counts_groups_ended_but_not_yet_committed(
     # The first read took two tasks (one running, one ahead); the third waited, paused.
     assert seen[1:] == [(True, 2)] * 2, seen
     assert len(written(rclient, keys)) == 3 * G
+
+
+class ResumingRunner(SleepyRunner):
+    """Records the saved state each member started from (None: from the start)."""
+
+    def __init__(self, episode_s: float) -> None:
+        super().__init__(episode_s)
+        self.resumed: dict[int, int | None] = {}
+
+    async def run(self, t: Task, member: int, make_episode: object, **kw: Any) -> Trajectory:
+        resume: EpisodeState | None = kw["resume"]
+        self.resumed[member] = None if resume is None else resume.turn
+        return await super().run(t, member, make_episode)
+
+
+def _died_mid_task(rclient: redis.Redis, keys: Keys, cfg: Config) -> Task:
+    """Two tasks a dead worker read: of the first it committed member 0 and saved member 1
+    at its first turn boundary; of the second it committed every member, not its ack."""
+    t, done_task = write_tasks(rclient, keys, cfg, 2)
+    ensure_group(rclient, keys.tasks, keys.CG_ROLLOUT)
+    rclient.xreadgroup(keys.CG_ROLLOUT, "dead", {keys.tasks: ">"}, count=2)  # then it died
+
+    def put(task: Task, member: int, state: EpisodeState) -> None:
+        rclient.hset(keys.episodes, traj_id(task, member), encode_state(state))
+
+    put(t, 0, EpisodeState(traj_id=traj_id(t, 0), committed=True))
+    turn = SavedTurn(start=3, end=5, observations=["ok"])
+    put(t, 1, EpisodeState(traj_id=traj_id(t, 1), versions=[0], turns=[turn]))
+    for m in range(G):
+        put(done_task, m, EpisodeState(traj_id=traj_id(done_task, m), committed=True))
+    return t
+
+
+@pytest.mark.parametrize("redis_lost", [False, True])
+def test_claimed_task_runs_only_uncommitted_members_from_their_states(
+    rclient: redis.Redis, redis_url: str, keys: Keys, redis_lost: bool
+) -> None:
+    """A task claimed from a dead worker: the member it committed (its marker) is not run
+    again, the member it saved at a turn boundary resumes from that state, the others
+    start over; a task whose members all committed before its ack is acknowledged without
+    running anything. The acks leave no entry in the episodes hash. The same when Redis
+    lost the run and the queues came back from a snapshot (the tasks are then delivered as
+    new ones, and the hash came back with them)."""
+    cfg = config()
+    t = _died_mid_task(rclient, keys, cfg)
+    if redis_lost:
+        snap = take_snapshot(rclient, keys)
+        rclient.delete(*rclient.keys(keys.every_key))
+        restore_queues(rclient, keys, snap)
+        assert rclient.hlen(keys.episodes) == 2 + G
+    runner = ResumingRunner(0.05)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    run_until(
+        worker,
+        aclient,
+        lambda: rclient.xlen(keys.trajectories) == 3 and pending(rclient, keys) == 0,
+    )
+    assert runner.resumed == {1: 1, 2: None, 3: None}
+    assert rclient.hget(keys.stats, "tasks_done") == b"2"  # the feeder's backlog counts both
+    assert sorted(tr.traj_id for tr in written(rclient, keys)) == [traj_id(t, m) for m in (1, 2, 3)]
+    assert rclient.hlen(keys.episodes) == 0

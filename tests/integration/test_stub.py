@@ -5,14 +5,17 @@ one refused), and episodes run on the stub are tagged with the version of each t
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import cast
 
+import msgspec
 import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
 import structlog
+from structlog.testing import capture_logs
 
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
@@ -73,7 +76,13 @@ def test_stub_serves_published_versions(
         # The follower is annotated with the engine server, whose interface the stub has.
         served = cast(EngineServer, server)
         follower = WeightFollower(
-            aclient, keys, served, StubLoader(rclient, keys), SyncLock(), LOG, "continue"
+            aclient,
+            keys,
+            served,
+            StubLoader(rclient, keys, tmp_path / "w"),
+            SyncLock(),
+            LOG,
+            "continue",
         )
         try:
             pub.publish(params, 0, 0)
@@ -105,3 +114,51 @@ def test_stub_serves_published_versions(
     for t in trajs:  # what the trainer checks before it uses rollout log-probs
         check_rollout_logps(t.logprob_array(), t.mask_array())
         assert int(np.sum(t.mask_array())) == 16  # two turns of 8 sampled tokens
+
+
+def test_a_weights_path_outside_the_weights_directory_or_not_a_file_is_refused(
+    rclient: redis.Redis, redis_url: str, keys: Keys, tmp_path: Path
+) -> None:
+    """Review L6: a `dir` signal names its file's path; the reader opens only regular files
+    in RUN_DIR/weights. A path elsewhere (a copy of a good version, right size and
+    checksum), a directory, a FIFO (which would block the loader thread for ever) are
+    refused (`weights_refused`) and the last good version goes on serving: no crash, so no
+    crash loop on the newest version at every restart."""
+    weights = tmp_path / "weights"
+    pub = WeightPublisher(rclient, keys, DirChannel(weights), LOG)
+    params = stub_state().params
+    server = StubServer(latency_s=0.01, turn_tokens=8)
+    outside = tmp_path / "elsewhere" / "v000001.weights"
+    outside.parent.mkdir()
+    fifo = weights / "v000003.weights"
+
+    async def go() -> None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        loader = StubLoader(rclient, keys, weights)
+        follower = WeightFollower(
+            aclient, keys, cast(EngineServer, server), loader, SyncLock(), LOG, "continue"
+        )
+        try:
+            good = pub.publish(params, 0, 0)
+            assert await follower.poll(block_ms=1000)
+            outside.write_bytes(Path(good.path).read_bytes())
+            bad = [
+                msgspec.structs.replace(good, version=1, path=str(outside)),
+                msgspec.structs.replace(good, version=2, path=str(weights)),
+            ]
+            os.mkfifo(fifo)
+            bad.append(msgspec.structs.replace(good, version=3, path=str(fifo)))
+            reasons = []
+            for msg in bad:
+                with capture_logs() as logs:
+                    loaded = await asyncio.wait_for(follower.load(msg), timeout=10)
+                assert not loaded
+                [refusal] = [e for e in logs if e["event"] == "weights_refused"]
+                reasons.append(refusal["reason"])
+            assert follower.refused == 3 and server.version == follower.loaded_version == 0
+            assert "is not in the weights directory" in reasons[0]
+            assert "is not a regular file" in reasons[1] and "is not a regular file" in reasons[2]
+        finally:
+            await aclient.aclose()
+
+    asyncio.run(go())

@@ -3,6 +3,7 @@
 import asyncio
 import signal
 import time
+import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,7 +15,7 @@ import structlog
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient
-from streamrl.wire import ToolResult
+from streamrl.wire import ToolResult, encode_body
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
 T = TypeVar("T")
@@ -97,3 +98,36 @@ def test_killed_tool_worker_fails_fast_then_recovers(
         assert ok.ok and ok.output == "4"
     finally:
         stop(w2)
+
+
+def test_a_stale_result_never_reaches_another_execution(
+    redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """Review M3: a result left by an earlier execution of the same call (a rollout that
+    died waiting, a resent attempt) is never popped by this one: each execution waits on
+    result lists keyed by nonces of its own."""
+    call_id = "g000000001-m0-0-0"  # deterministic: the same in every execution of a member
+    stale = encode_body(ToolResult(call_id=call_id, ok=True, output="999"))
+    old_key = f"{keys.prefix}toolres:{call_id}"  # as results were keyed before: call id alone
+    other = keys.tool_result(call_id, uuid.uuid4().hex)  # another execution's attempt
+    for key in (old_key, other):
+        rclient.lpush(key, stale)
+    w = spawn_worker("tools", redis_url, keys.ns, tmp_path)
+    try:
+        wait_for_rq_worker(rclient, keys.tool_queue)
+
+        async def call() -> ToolResult:
+            aclient = aioredis.Redis.from_url(redis_url)
+            client = ToolClient(
+                redis.Redis.from_url(redis_url), aclient, keys, FAST, structlog.get_logger()
+            )
+            try:
+                return await client.call("calculator", '{"expression": "1+1"}', call_id)
+            finally:
+                await aclient.aclose()
+
+        got = run(call())
+        assert got.ok and got.output == "2"
+        assert rclient.llen(old_key) == rclient.llen(other) == 1  # left for their own
+    finally:
+        assert stop(w) == 0

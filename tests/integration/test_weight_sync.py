@@ -101,10 +101,12 @@ def _follower(
     mode: SyncMode = "continue",
     server: EngineServer | None = None,
     load: Callable[[Weights, Weights | None], Any] | None = None,
+    weights_dir: Path | None = None,
 ) -> WeightFollower:
+    """`weights_dir`: where `dir` versions are (`_channel`'s); None: Redis versions only."""
     params = model[3]
     server = server or EngineServer(_engine(model, params), -1, LOG)
-    loader = load or WeightLoader(rclient, keys, params, params)
+    loader = load or WeightLoader(rclient, keys, params, params, weights_dir=weights_dir)
     aclient = aioredis.Redis.from_url(redis_url)  # connects in the test's event loop
     return WeightFollower(aclient, keys, server, loader, SyncLock(), LOG, mode)
 
@@ -175,7 +177,7 @@ def test_damaged_versions_are_refused_and_the_last_good_one_serves(
     _, chat, _, params = model
     good = _scaled(params, 1.5)
     pub = WeightPublisher(rclient, keys, _channel(kind, rclient, keys, tmp_path), LOG, keep=8)
-    follower = _follower(model, rclient, redis_url, keys)
+    follower = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
     engine = follower.server.engine
     expected = _outputs(_engine(model, good), chat)
 
@@ -217,7 +219,7 @@ def test_a_missing_version_that_newer_ones_superseded_is_skipped_not_refused(
     newer version stays a refusal (the damaged-versions test)."""
     _, _, _, params = model
     pub = WeightPublisher(rclient, keys, _channel(kind, rclient, keys, tmp_path), LOG, keep=8)
-    follower = _follower(model, rclient, redis_url, keys)
+    follower = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
 
     async def check() -> None:
         pub.publish(params, 0, 0)
@@ -254,8 +256,8 @@ def test_chunked_redis_round_trip_and_clean_up(
     assert msg.path == keys.weights_blob(0)
     sizes = [rclient.strlen(keys.weights_chunk(0, i)) for i in range(msg.chunks)]
     assert all(0 < n <= 4096 for n in sizes) and sum(sizes) == len(data)
-    assert read_published(msg, rclient, keys).tobytes() == data
-    assert _equal(params_from_bytes(params, read_published(msg, rclient, keys)), params)
+    assert read_published(msg, rclient, keys, None).tobytes() == data
+    assert _equal(params_from_bytes(params, read_published(msg, rclient, keys, None)), params)
     # Publishing goes on: only the last two versions stay in Redis.
     for v in range(1, 5):
         pub.publish(_scaled(params, 1 + v / 10), v, v)
@@ -315,10 +317,10 @@ def test_lora_publish_serves_exactly_the_merged_model(
     state = SimpleNamespace(params=adapters, base_params=base)
     loop: Any = SimpleNamespace(version=0, step=0, state=state, cluster=Cluster())
     hook = PublishHook(1, pub, adapters=lambda st: (st.params, lora))
-    follower = _follower(model, rclient, redis_url, keys)
+    follower = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
 
     async def go() -> None:
-        late = _follower(model, rclient, redis_url, keys)
+        late = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
         try:
             await check(late)
         finally:
@@ -366,7 +368,7 @@ def test_attached_lora_serving_takes_adapter_bytes_only(
     adapters = _adapters(base, lora)
     expected = _outputs(_engine(model, apply_lora(base, adapters, lora)), chat)
     pub = WeightPublisher(rclient, keys, _channel("redis", rclient, keys, tmp_path), LOG)
-    loader = WeightLoader(rclient, keys, ckpt_params, ckpt_params, lora_serving="attached")
+    loader = WeightLoader(rclient, keys, ckpt_params, ckpt_params, "attached", weights_dir=None)
     follower = _follower(model, rclient, redis_url, keys, load=loader)
 
     async def go() -> None:
@@ -414,8 +416,8 @@ def test_a_starting_worker_loads_the_latest_version_first(
     for v in range(3):
         pub.publish(_scaled(params, 1 + v / 10), v, v)
 
-    fresh = _follower(model, rclient, redis_url, keys)
-    again = _follower(model, rclient, redis_url, keys)
+    fresh = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
+    again = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
 
     async def go() -> None:
         try:
@@ -510,7 +512,7 @@ def test_sync_modes_tag_each_turn_with_its_version(
     cfg, chat, _, params = model
     eos = always_eos(params)
     pub = WeightPublisher(rclient, keys, DirChannel(tmp_path / "weights"), LOG)
-    loader = WeightLoader(rclient, keys, params, params)
+    loader = WeightLoader(rclient, keys, params, params, weights_dir=tmp_path / "weights")
     loading, proceed = threading.Event(), threading.Event()
 
     def slow_load(msg: Weights, base: Weights | None) -> Any:
@@ -580,7 +582,7 @@ def test_sync_with_nothing_running_swaps_at_once(
 ) -> None:
     params = model[3]
     pub = WeightPublisher(rclient, keys, DirChannel(tmp_path / "weights"), LOG)
-    follower = _follower(model, rclient, redis_url, keys, mode)
+    follower = _follower(model, rclient, redis_url, keys, mode, weights_dir=tmp_path / "weights")
 
     async def go() -> None:
         serving = asyncio.create_task(follower.server.serve())

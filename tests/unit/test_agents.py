@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from streamrl.agents.agents import ModelAgent, ToolAgent
-from streamrl.agents.base import Action, ToolInfraError
+from streamrl.agents.base import Action, StepResult, ToolInfraError
 from streamrl.agents.envs import TaskEnvironment, ToolEnvironment, ToolLimits, ToolRecord
 from streamrl.agents.flow import CircuitBreaker, CircuitOpenError, RateLimiter
 from streamrl.agents.tools import (
@@ -19,6 +19,8 @@ from streamrl.agents.tools import (
     ToolOutput,
 )
 from streamrl.chat import ToolCall
+from streamrl.config import ToolsConfig
+from streamrl.tasks.registry import tool_limits
 from streamrl.wire import ToolResult
 
 ECHO_PARAMS = {
@@ -147,26 +149,107 @@ class FlakyCaller:
 
 
 def test_infra_errors_end_episodes_and_trip_the_breaker() -> None:
+    now = [0.0]
     caller = FlakyCaller()
-    limits = ToolLimits(breaker=CircuitBreaker(3))
+    breaker = CircuitBreaker(window_s=10, error_rate=0.9, min_calls=3, clock=lambda: now[0])
+    limits = ToolLimits(breaker=breaker)
     tool = SandboxTool("calc", "", ECHO_PARAMS, caller)
 
     def step() -> None:
         env = ToolEnvironment("p", [tool], no_reward, limits)
         asyncio.run(env.step(Action("", calls=[call("calc", text="1")]), "e"))
 
-    for _ in range(2):
+    for t in (0.0, 1.0):
+        now[0] = t
         with pytest.raises(ToolInfraError, match="no worker"):
             step()
     caller.healthy = True
-    step()  # a success resets the count
-    assert limits.breaker.consecutive == 0
+    now[0] = 2.5  # the last tenth of the window (1 s) holds only this success
+    step()  # ends the failing spell
+    assert breaker.failing_since is None
     caller.healthy = False
-    for _ in range(2):
+    for t in (3.0, 8.0, 12.9):
+        now[0] = t
         with pytest.raises(ToolInfraError):
             step()
-    with pytest.raises(CircuitOpenError, match=r"3 consecutive tool infrastructure errors"):
+    now[0] = 13.0  # 10 s of errors, 4 calls, all failed
+    with pytest.raises(
+        CircuitOpenError, match=r"tool infrastructure errors for 10s: 4 of 4 calls failed"
+    ):
         step()
+
+
+def test_a_burst_of_infra_errors_does_not_trip_the_breaker() -> None:
+    """Review M9: a few seconds of tool-worker restart fail every call in flight (64) at
+    once; the calls after it succeed. The shipped breaker lets the run go on."""
+    caller = FlakyCaller()
+    limits = tool_limits(ToolsConfig())
+    tool = SandboxTool("calc", "", ECHO_PARAMS, caller)
+
+    async def episodes(n: int) -> list[Any]:
+        envs = [ToolEnvironment("p", [tool], no_reward, limits) for _ in range(n)]
+        steps = [
+            e.step(Action("", calls=[call("calc", text="1")]), f"e{i}") for i, e in enumerate(envs)
+        ]
+        return await asyncio.gather(*steps, return_exceptions=True)
+
+    failed = asyncio.run(episodes(64))
+    assert [type(r) for r in failed] == [ToolInfraError] * 64
+    caller.healthy = True
+    assert all(isinstance(r, StepResult) for r in asyncio.run(episodes(64)))
+
+
+def test_the_breaker_trips_only_on_errors_sustained_for_its_window() -> None:
+    now = [0.0]
+
+    def breaker(**kw: Any) -> CircuitBreaker:
+        kw = {"window_s": 60.0, "error_rate": 0.9, "min_calls": 20} | kw
+        return CircuitBreaker(**kw, clock=lambda: now[0])
+
+    def fail(b: CircuitBreaker, at: float, n: int = 1) -> None:
+        now[0] = at
+        for _ in range(n):
+            b.failure("no tool worker answered")
+
+    def succeed(b: CircuitBreaker, at: float) -> None:
+        now[0] = at
+        b.success()
+
+    # 64 calls fail within 3 s, then calls succeed again (one a second): a burst, no trip,
+    # nor at a lone failure well after it
+    burst = breaker()
+    for i in range(64):
+        fail(burst, i * 3 / 64)
+    for t in range(4, 100):
+        succeed(burst, t)
+    fail(burst, 100)
+    assert burst.failing_since == 100
+    # every call failing, in waves of 64 every 16 s ((time_limit_s 5 + result_margin_s 3) x
+    # 2 attempts): no trip before 60 s of it, a trip at the first wave after
+    waves = breaker()
+    for w in range(4):
+        fail(waves, 200 + 16 * w, 64)  # at 200, 216, 232, 248
+    with pytest.raises(CircuitOpenError) as tripped:
+        fail(waves, 264)
+    assert str(tripped.value) == (
+        "tool infrastructure errors for 64s: 257 of 257 calls failed "
+        "(tools.breaker_window_s = 60, tools.breaker_error_rate = 0.9); "
+        "last: no tool worker answered"
+    )
+    # half the calls failing for minutes: below the rate, no trip
+    half = breaker()
+    for t in range(300):
+        (fail if t % 2 else succeed)(half, 400 + t)
+    # too few calls for a verdict: no trip
+    few = breaker(min_calls=20)
+    for t in range(0, 19 * 60, 60):
+        fail(few, 1000 + t)
+    # min_calls 0: never; window 0: at the first error
+    never = breaker(min_calls=0)
+    fail(never, 2000, 1000)
+    fail(never, 3000, 1000)
+    with pytest.raises(CircuitOpenError, match=r"for 0s: 1 of 1 calls failed"):
+        fail(breaker(window_s=0, min_calls=1), 4000)
 
 
 def test_rate_limiter_spaces_calls_by_its_rate() -> None:

@@ -56,6 +56,13 @@ def test_cross_field_check() -> None:
         parse_config({"rollout": {"max_partial_groups": 2}})
     ok = {"rollout": {"max_partial_groups": 2}, "grouper": {"group_timeout_s": 60}}
     assert parse_config(ok).rollout.max_partial_groups == 2
+    with pytest.raises(
+        ConfigError,
+        match=r"grouper.min_valid_members \(5\) exceeds rollout.num_generations \(4\)",
+    ):
+        parse_config({"grouper": {"min_valid_members": 5}, "rollout": {"num_generations": 4}})
+    full = {"grouper": {"min_valid_members": 4}, "rollout": {"num_generations": 4}}
+    assert parse_config(full).grouper.min_valid_members == 4
 
 
 def test_overrides() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -58,7 +59,8 @@ def _publish(path: Path, params: Params, algorithm: str = "xxh3_128") -> Weights
 
 
 def _read(msg: Weights, template: Params) -> Params:
-    return params_from_bytes(template, read_published(msg, None, Keys("t")))
+    """Read as a worker whose weights directory is the one `msg` was written to."""
+    return params_from_bytes(template, read_published(msg, None, Keys("t"), Path(msg.path).parent))
 
 
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
@@ -111,3 +113,33 @@ def test_missing_file_and_wrong_shapes(params: Params, tmp_path: Path) -> None:
         match=r"\['down_proj'\]\['kernel'\] are float32\[64, 16\], expected float32\[32, 16\]",
     ):
         params_from_bytes(params, params_to_bytes(other))
+
+
+def test_only_regular_files_in_the_weights_directory_are_read(
+    params: Params, tmp_path: Path
+) -> None:
+    """Review L6: the signal's path is confined to the reader's weights directory, opened
+    without blocking (a FIFO would hang the loader for ever) and must be a regular file;
+    every failure is a WeightsError (the follower refuses it), not an OSError (a crash)."""
+    weights = tmp_path / "weights"
+    msg = _publish(weights, params)
+    keys = Keys("t")
+    assert read_published(msg, None, keys, weights).nbytes == msg.nbytes
+    elsewhere = tmp_path / "elsewhere.weights"
+    elsewhere.write_bytes(Path(msg.path).read_bytes())  # a good copy, but not where it may be
+    escape = str(weights / ".." / "elsewhere.weights")
+    link = weights / "v000009.weights"
+    link.symlink_to(elsewhere)
+    for path in (elsewhere, escape, link):
+        moved = msgspec.structs.replace(msg, path=str(path))
+        with pytest.raises(WeightsError, match="is not in the weights directory"):
+            read_published(moved, None, keys, weights)
+    fifo = weights / "v000010.weights"
+    os.mkfifo(fifo)
+    (weights / "sub").mkdir()
+    for path in (weights, weights / "sub", fifo):
+        moved = msgspec.structs.replace(msg, path=str(path))
+        with pytest.raises(WeightsError, match="is not a regular file"):
+            read_published(moved, None, keys, weights)
+    with pytest.raises(WeightsError, match="this reader has no dir"):
+        read_published(msg, None, keys, None)

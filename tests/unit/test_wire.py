@@ -1,20 +1,28 @@
+from typing import get_args
+
 import msgspec
 import numpy as np
 import pytest
 
 from streamrl.wire import (
+    EPISODE_STATE_VERSION,
     SCHEMA_VERSION,
     Control,
     DeadLetter,
+    EpisodeState,
     Group,
     Message,
+    SavedTurn,
+    Status,
     Task,
     TrainMetrics,
     Trajectory,
     Weights,
     WireError,
     decode,
+    decode_state,
     encode,
+    encode_state,
     pack_arrays,
 )
 
@@ -91,6 +99,13 @@ def test_trajectory_arrays() -> None:
     assert (t.min_version, t.max_version) == (3, 4)
 
 
+def test_members_ended_by_infrastructure_are_not_valid() -> None:
+    # error (a tool or engine failure) and timeout (the episode's wall clock) are masked out
+    # of the group's statistics and the loss; truncated is the policy's own doing
+    valid = {st: msgspec.structs.replace(_traj(), status=st).valid for st in get_args(Status)}
+    assert valid == {"ok": True, "truncated": True, "error": False, "timeout": False}
+
+
 def test_pack_arrays_rejects_misaligned() -> None:
     with pytest.raises(ValueError, match="aligned"):
         pack_arrays([1, 2], [1], [0.0, 0.0])
@@ -125,3 +140,41 @@ def test_no_pickle_anywhere() -> None:
     # Bodies are msgpack maps: the first byte is a msgpack map marker, never pickle's 0x80.
     for msg in MESSAGES:
         assert encode(msg)["data"][:1] != b"\x80"
+
+
+def _state() -> EpisodeState:
+    return EpisodeState(
+        traj_id="g1-m0",
+        **pack_arrays([5, 6, 7, 8, 9, 10], [0, 0, 1, 1, 0, 0], [0, 0, -0.5, -1.25, 0, 0]),
+        prompt_len=2,
+        versions=[3],
+        turns=[SavedTurn(start=2, end=4, observations=["42", "error: no"], info={"n": 1.0})],
+        env={"records": [["add", {"a": 1, "b": [2, 3]}, True, "5", ""]], "steps": 1},
+        num_tool_calls=1,
+        run_seed=7,
+        model_s=0.25,
+        env_s=1.5,
+        elapsed_s=2.0,
+        worker="rollout-0",
+    )
+
+
+def test_episode_state_round_trip() -> None:
+    state = _state()
+    back = decode_state(encode_state(state))
+    assert back == state
+    assert back.turn == 1 and back.schema == EPISODE_STATE_VERSION
+    assert np.frombuffer(back.logprobs, "<f4")[3] == -1.25
+    marker = EpisodeState(traj_id="g1-m1", committed=True)
+    assert decode_state(encode_state(marker)) == marker
+    assert len(encode_state(marker)) < len(encode_state(state))
+
+
+def test_episode_state_refuses_other_schemas_and_garbage() -> None:
+    other = msgspec.structs.replace(_state(), schema=EPISODE_STATE_VERSION + 1)
+    with pytest.raises(WireError, match="episode state schema 2 != 1"):
+        decode_state(encode_state(other))
+    with pytest.raises(WireError, match="cannot decode episode state"):
+        decode_state(b"\x93garbage")
+    with pytest.raises(WireError, match="cannot decode episode state"):
+        decode_state(msgspec.msgpack.encode({"schema": 1, "traj_id": 5}))

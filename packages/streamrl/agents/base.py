@@ -77,6 +77,17 @@ class Environment(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the episode held (called once, also after an error)."""
 
+    def save_state(self) -> dict[str, Any] | None:
+        """What the environment keeps across turns, at a turn boundary (JSON-like values:
+        msgpack-encoded into the episode's saved state), or None: it cannot be resumed, and
+        an episode that loses its worker starts over (the default)."""
+        return None
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Take back a `save_state` result, after `reset` on a fresh environment: the
+        episode goes on from that turn boundary without making its earlier steps again."""
+        raise NotImplementedError(f"{type(self).__name__} saves a state it cannot restore")
+
 
 class Agent(ABC):
     """Turns the model's text into actions and keeps what it needs across turns."""

@@ -62,7 +62,7 @@ class ToolLimits:
     max_sandbox_calls: int = 64
     max_external_calls: int = 16
     rates: dict[str, RateLimiter] = field(default_factory=dict)
-    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(0))
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # min_calls 0: never
 
     def __post_init__(self) -> None:
         self._slots: dict[ToolKind, asyncio.Semaphore] = {
@@ -84,7 +84,8 @@ class ToolLimits:
         except ToolInfraError as err:
             self.breaker.failure(str(err))  # raises CircuitOpenError when it trips
             raise
-        self.breaker.success()
+        if slots is not None:  # a local call's success says nothing of the tool workers
+            self.breaker.success()
         return out
 
 
@@ -137,6 +138,20 @@ class ToolEnvironment(Environment):
             *(self._one(c, CallContext(f"{call_prefix}-{i}")) for i, c in enumerate(action.calls))
         )
         return StepResult(observations=[r.render() for r in results], done=False)
+
+    def save_state(self) -> dict[str, Any] | None:
+        """The calls made so far, with their outputs (the scorer reads them)."""
+        return {
+            "records": [
+                [r.name, r.args, r.output.ok, r.output.output, r.output.error] for r in self.records
+            ]
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.records = [
+            ToolRecord(name, args, ToolOutput(ok, output, error))
+            for name, args, ok, output, error in state["records"]
+        ]
 
     def _finish_answer(self, calls: list[ToolCall | ToolCallError]) -> str | None:
         finish = self.tools.get("finish")

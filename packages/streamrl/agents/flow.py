@@ -1,10 +1,11 @@
 """Flow control of an episode's outside calls: concurrency limits, per-tool rate limits and
-a circuit breaker for tool infrastructure errors."""
+a circuit breaker for tool infrastructure errors sustained over a window."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 from streamrl.errors import FatalError
@@ -44,32 +45,75 @@ class RateLimiter:
 
 
 class CircuitOpenError(FatalError):
-    """Too many consecutive tool infrastructure errors: the run stops (it is not the policy's
-    fault, and every further episode would fail the same way)."""
+    """Tool infrastructure errors sustained for the breaker's window: the run stops (it is
+    not the policy's fault, and every further episode would fail the same way)."""
+
+
+# The breaker judges recovery on the last tenth of its window: a success ends a failing
+# spell when the calls of that stretch fail at less than the error rate.
+_RECENT_FRACTION = 0.1
 
 
 class CircuitBreaker:
-    """Counts consecutive infrastructure errors; any success resets the count. Trips at
-    `max_consecutive` (0: never)."""
+    """Trips when tool infrastructure errors are sustained: a failing spell (from its first
+    error, through every call since) has lasted `window_s`, held at least `min_calls`
+    calls, and failed at `error_rate` or more. A success ends the spell when the calls of
+    the last tenth of the window fail at less than `error_rate`, so a burst of errors (a
+    tool worker restarting with many calls in flight) is forgotten once calls succeed
+    again, while errors that go on, even in waves, trip it. `min_calls` 0: never trips.
+    """
 
-    def __init__(self, max_consecutive: int) -> None:
-        self.max_consecutive = max_consecutive
-        self.consecutive = 0
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        error_rate: float = 0.9,
+        min_calls: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s = window_s
+        self.error_rate = error_rate
+        self.min_calls = min_calls
+        self.clock = clock
+        self.failing_since: float | None = None
+        self.calls = 0  # of the failing spell
+        self.failures = 0
         self.last_error = ""
+        self._recent: deque[tuple[float, bool]] = deque()  # (time, failed)
+
+    def _note(self, now: float, failed: bool) -> None:
+        horizon = now - self.window_s * _RECENT_FRACTION
+        while self._recent and self._recent[0][0] <= horizon:
+            self._recent.popleft()
+        self._recent.append((now, failed))
 
     def success(self) -> None:
-        self.consecutive = 0
+        now = self.clock()
+        self._note(now, False)
+        if self.failing_since is None:
+            return
+        self.calls += 1
+        failed = sum(f for _, f in self._recent)
+        if failed < self.error_rate * len(self._recent):
+            self.failing_since = None
 
     def failure(self, error: str) -> None:
         """Record one; raises CircuitOpenError when this one trips the breaker."""
-        self.consecutive += 1
+        now = self.clock()
+        self._note(now, True)
+        if self.failing_since is None:
+            self.failing_since, self.calls, self.failures = now, 0, 0
+        self.calls += 1
+        self.failures += 1
         self.last_error = error
-        self.check()
-
-    def check(self) -> None:
-        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+        lasted = now - self.failing_since
+        if (
+            self.min_calls
+            and self.calls >= self.min_calls
+            and lasted >= self.window_s
+            and self.failures >= self.error_rate * self.calls
+        ):
             raise CircuitOpenError(
-                f"{self.consecutive} consecutive tool infrastructure errors "
-                f"(tools.max_consecutive_tool_errors = {self.max_consecutive}); "
-                f"last: {self.last_error}"
+                f"tool infrastructure errors for {lasted:g}s: {self.failures} of "
+                f"{self.calls} calls failed (tools.breaker_window_s = {self.window_s:g}, "
+                f"tools.breaker_error_rate = {self.error_rate:g}); last: {error}"
             )

@@ -7,6 +7,9 @@ to one advantage per sample: `fn(rewards, epsilon) -> list[float]`.
     dr_grpo   r - mean(r), epsilon unused            (Liu et al. 2025: no std, no bias
                                                       toward low-variance prompts)
 
+`masked_advantages` applies one of them to the valid members of a group only: the others
+(an episode that infrastructure ended) get 0 and move neither the mean nor the std.
+
 A group whose rewards are all equal (`is_zero_variance`) gets advantages of exactly 0 from
 both: it carries no learning signal, and a caller may drop it (DAPO's dynamic sampling).
 
@@ -25,6 +28,7 @@ __all__ = [
     "dr_grpo_advantages",
     "grpo_advantages",
     "is_zero_variance",
+    "masked_advantages",
     "register",
 ]
 
@@ -66,8 +70,11 @@ def _centered(rewards: Sequence[float]) -> np.ndarray:
 def grpo_advantages(rewards: Sequence[float], epsilon: float) -> list[float]:
     """(r_i - mean(r)) / (std(r) + epsilon), std the population standard deviation.
 
+        `masked_advantages` applies one of them to the valid members of a group only: the others
+    (an episode that infrastructure ended) get 0 and move neither the mean nor the std.
+
     A group whose rewards are all equal gets advantages of exactly 0 (even with epsilon 0,
-    where the rounding residue of the mean divided by its own std would be +-1).
+        where the rounding residue of the mean divided by its own std would be +-1).
     """
     centered = _centered(rewards)
     if not centered.any():
@@ -80,3 +87,16 @@ def dr_grpo_advantages(rewards: Sequence[float], epsilon: float) -> list[float]:
     """r_i - mean(r): no division by the group's std (epsilon is accepted and unused)."""
     del epsilon  # same signature as every advantage function
     return _centered(rewards).tolist()
+
+
+def masked_advantages(
+    fn: AdvantageFn, rewards: Sequence[float], valid: Sequence[bool], epsilon: float
+) -> list[float]:
+    """`fn` over the rewards of the valid members only, in their places; 0 for the others,
+    which take no part in the mean or the std. Non-finite rewards give non-finite
+    advantages without a warning: the caller checks them."""
+    if len(rewards) != len(valid):
+        raise ValueError(f"{len(rewards)} rewards, {len(valid)} valid flags")
+    with np.errstate(all="ignore"):  # an overflowing mean is the caller's to reject
+        scored = iter(fn([r for r, ok in zip(rewards, valid, strict=True) if ok], epsilon))
+    return [next(scored) if ok else 0.0 for ok in valid]

@@ -9,6 +9,14 @@ it stops the worker, and with it the run.
 
 Model calls are limited to `max_model_calls` in flight per worker, apart from the tool
 calls' own limits (`streamrl.agents.envs.ToolLimits`).
+
+With `on_turn` given (`rollout.resume_episodes`), each turn boundary of an episode whose
+environment can save its state hands an `EpisodeState` to it (the worker writes it to
+Redis). `run(..., resume=state)` plays on from such a state: the agent and the dialogue are
+replayed the saved turns (their sampled ids and the environment's answers; nothing is
+sampled and no tool is called again), the environment takes its saved state back, and the
+transcript, its per-turn policy versions and the time spent so far are the saved ones. The
+whole transcript is encoded at each boundary (a cost linear in its length per turn).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import structlog
 
 from streamrl.agents.base import Action, Agent, Environment, StepResult
@@ -27,7 +36,7 @@ from streamrl.agents.flow import CircuitOpenError
 from streamrl.chat import Transcript
 from streamrl.config import RolloutConfig
 from streamrl.model.sampling import GenRequest, GenResult
-from streamrl.wire import Status, Task, Trajectory, pack_arrays
+from streamrl.wire import EpisodeState, SavedTurn, Status, Task, Trajectory, pack_arrays
 
 
 class ModelService(Protocol):
@@ -42,6 +51,8 @@ if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never 
 NewDialogue = Callable[[list[dict[str, Any]]], "Dialogue"]
 # The agent and environment of one episode (built fresh for each).
 NewEpisode = Callable[[], tuple[Agent, Environment]]
+# Where an episode's state at each turn boundary goes (the rollout worker's next commit).
+OnTurn = Callable[[EpisodeState], None]
 
 
 class EpisodeError(RuntimeError):
@@ -66,6 +77,10 @@ class _State:
     error: str = ""
     model_s: float = 0.0
     env_s: float = 0.0
+    turns: list[SavedTurn] = field(default_factory=list)
+    run_seed: int = 0
+    elapsed_s: float = 0.0  # play time before this worker's (a resumed episode's)
+    on_turn: OnTurn | None = None  # where turn boundaries' states go; None: not saved
 
 
 class EpisodeRunner:
@@ -88,18 +103,32 @@ class EpisodeRunner:
         self.log = log
         self._model_slots = asyncio.Semaphore(cfg.max_model_calls or cfg.max_concurrency)
 
-    async def run(self, task: Task, member: int, make_episode: NewEpisode) -> Trajectory:
-        """Play one episode to its end; never raises for the episode's own failures."""
-        st = _State()
+    async def run(
+        self,
+        task: Task,
+        member: int,
+        make_episode: NewEpisode,
+        resume: EpisodeState | None = None,
+        on_turn: OnTurn | None = None,
+    ) -> Trajectory:
+        """Play one episode to its end (from `resume`'s turn boundary when given), handing
+        the state at each turn boundary to `on_turn`; never raises for the episode's own
+        failures."""
+        st = _State(run_seed=self.run_seed, on_turn=on_turn)
         tid = traj_id(task, member)
         start = time.monotonic()
+        timeout_s = self.cfg.episode_timeout_s
+        if resume is not None:
+            st.model_s, st.env_s, st.elapsed_s = resume.model_s, resume.env_s, resume.elapsed_s
+            st.run_seed = resume.run_seed
+            timeout_s = max(0.0, timeout_s - resume.elapsed_s)  # one limit for all its play
         env: Environment | None = None
         agent: Agent | None = None
         try:
             agent, env = make_episode()
             # asyncio.timeout, not wait_for: no task of its own per episode (nor per step)
-            async with asyncio.timeout(self.cfg.episode_timeout_s):
-                await self._play(tid, agent, env, st)
+            async with asyncio.timeout(timeout_s):
+                await self._play(tid, agent, env, st, resume, start)
         except CircuitOpenError:
             raise
         except TimeoutError:
@@ -116,6 +145,14 @@ class EpisodeRunner:
                 agent.close()
         tr = st.transcript
         num_calls = env.num_tool_calls if env is not None else 0
+        timings = {
+            "episode_s": st.elapsed_s + time.monotonic() - start,
+            "model_s": st.model_s,
+            "env_s": st.env_s,
+        }
+        if resume is not None:
+            timings["resumed_turn"] = resume.turn
+            timings["saved_s"] = resume.model_s + resume.env_s
         return Trajectory(
             traj_id=tid,
             group_id=task.group_id,
@@ -129,30 +166,37 @@ class EpisodeRunner:
             versions=list(tr.versions),
             num_tool_calls=int(num_calls),
             error=st.error,
-            timings={
-                "episode_s": time.monotonic() - start,
-                "model_s": st.model_s,
-                "env_s": st.env_s,
-            },
+            timings=timings,
             worker=self.worker,
         )
 
-    async def _play(self, tid: str, agent: Agent, env: Environment, st: _State) -> None:
+    async def _play(
+        self,
+        tid: str,
+        agent: Agent,
+        env: Environment,
+        st: _State,
+        resume: EpisodeState | None,
+        start: float,
+    ) -> None:
         cfg = self.cfg
         tr = st.transcript
         reset = await env.reset()
         agent.reset(reset)
         dialogue = self.new_dialogue(reset.tools)
         prompt = dialogue.prompt(reset.prompt)
-        if len(prompt) > cfg.max_prompt_length:
+        if resume is not None:
+            self._resume(tid, resume, agent, env, dialogue, st)
+        elif len(prompt) > cfg.max_prompt_length:
             raise EpisodeError(
                 f"prompt of {len(prompt)} tokens exceeds rollout.max_prompt_length "
                 f"({cfg.max_prompt_length})"
             )
-        tr.add_template(prompt)
-        tr.prompt_len = len(prompt)
+        else:
+            tr.add_template(prompt)
+            tr.prompt_len = len(prompt)
         limit = cfg.max_prompt_length + cfg.max_response_length
-        for turn in range(cfg.max_steps):
+        for turn in range(len(st.turns), cfg.max_steps):
             budget = limit - len(tr)
             if budget <= 0:
                 st.status = "truncated"
@@ -160,12 +204,13 @@ class EpisodeRunner:
             request = GenRequest(
                 prompt=list(tr.tokens),
                 max_new_tokens=min(cfg.max_turn_tokens, budget),
-                seed=sample_seed(self.run_seed, tid, turn),
+                seed=sample_seed(st.run_seed, tid, turn),
             )
             t0 = time.monotonic()
             async with self._model_slots:
                 result, version = await self.server.generate(request)
             st.model_s += time.monotonic() - t0
+            sampled_from = len(tr)
             tr.add_sampled(result.tokens, result.logprobs, version)
             if not result.stopped:
                 st.status = "truncated"
@@ -183,7 +228,77 @@ class EpisodeRunner:
                 st.status = "truncated"
                 return
             tr.add_template(observation)
+            st.turns.append(
+                SavedTurn(
+                    start=sampled_from,
+                    end=sampled_from + len(result.tokens),
+                    observations=list(step.observations),
+                    info=dict(step.info),
+                )
+            )
+            self._save(tid, env, st, start)
         st.status = "truncated"  # max_steps turns without a final answer
+
+    def _save(self, tid: str, env: Environment, st: _State, start: float) -> None:
+        """Hand the turn boundary's state to `on_turn`, if the environment has one."""
+        if st.on_turn is None:
+            return
+        env_state = env.save_state()
+        if env_state is None:  # it cannot be resumed: nothing more to save
+            st.on_turn = None
+            return
+        tr = st.transcript
+        st.on_turn(
+            EpisodeState(
+                traj_id=tid,
+                **pack_arrays(tr.tokens, tr.mask, tr.logprobs),
+                prompt_len=tr.prompt_len,
+                versions=list(tr.versions),
+                turns=list(st.turns),
+                env=env_state,
+                num_tool_calls=int(env.num_tool_calls),
+                run_seed=st.run_seed,
+                model_s=st.model_s,
+                env_s=st.env_s,
+                elapsed_s=st.elapsed_s + time.monotonic() - start,
+                worker=self.worker,
+            )
+        )
+
+    def _resume(
+        self,
+        tid: str,
+        saved: EpisodeState,
+        agent: Agent,
+        env: Environment,
+        dialogue: Dialogue,
+        st: _State,
+    ) -> None:
+        """Take the episode back to `saved`'s turn boundary: its transcript; the agent and
+        the dialogue replayed each saved turn (its sampled ids, the environment's answer);
+        the environment's own state."""
+        tr = st.transcript
+        tr.tokens = np.frombuffer(saved.tokens, dtype="<i4").tolist()
+        tr.mask = np.frombuffer(saved.loss_mask, dtype=np.uint8).tolist()
+        tr.logprobs = np.frombuffer(saved.logprobs, dtype="<f4").tolist()
+        tr.versions = list(saved.versions)
+        tr.prompt_len = saved.prompt_len
+        for t in saved.turns:
+            agent.act(dialogue.assistant(tr.tokens[t.start : t.end]))
+            step = StepResult(observations=list(t.observations), done=False, info=dict(t.info))
+            agent.observe(step)
+            dialogue.tool_results(step.observations)
+        env.num_tool_calls = saved.num_tool_calls
+        env.restore_state(saved.env)
+        st.turns = list(saved.turns)
+        self.log.info(
+            "episode_resumed",
+            traj_id=tid,
+            turn=saved.turn,
+            from_worker=saved.worker,
+            saved_model_s=round(saved.model_s, 4),
+            saved_env_s=round(saved.env_s, 4),
+        )
 
     async def _env_step(self, env: Environment, action: Action, call_prefix: str) -> StepResult:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -111,15 +112,16 @@ class StubLoader:
     checksum verified (WeightsError otherwise: the follower refuses it and logs why). The
     stub trainer publishes full versions only."""
 
-    def __init__(self, client: redis.Redis | None, keys: Keys) -> None:
+    def __init__(self, client: redis.Redis | None, keys: Keys, weights_dir: Path | None) -> None:
         self.client = client
         self.keys = keys
+        self.weights_dir = weights_dir
 
     def __call__(self, msg: Weights, base_msg: Weights | None) -> None:
         del base_msg
         if msg.kind != "full":
             raise WeightsError(f"version {msg.version}: the stub policy serves full versions only")
-        read_published(msg, self.client, self.keys)
+        read_published(msg, self.client, self.keys, self.weights_dir)
 
 
 class StubDialogue:

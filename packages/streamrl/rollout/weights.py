@@ -12,7 +12,8 @@ holds it no new episode starts. What running episodes do meanwhile is the sync m
   goes on with it; model calls made meanwhile wait and are sampled by the new version.
 
 Loading (fetch, checksum, decode, LoRA merge) runs on threads, so the event loop stays
-free. A version that is missing, truncated, fails its checksum or does not decode is
+free. A version that is missing, truncated, fails its checksum or does not decode, or a
+`dir` version whose path is not a regular file in the run's weights directory, is
 refused with a logged reason (`weights_refused`) and the worker keeps serving the last
 good version. A missing version that newer ones have superseded (the trainer prunes all but
 `trainer.weights_keep`, and a fast trainer can prune one between its signal and its load)
@@ -29,6 +30,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -114,9 +116,14 @@ class WeightLoader:
         template: Any,
         base: Any,
         lora_serving: LoraServing = "merged",
+        *,
+        weights_dir: Path | None,
     ) -> None:
+        """`weights_dir`: where `dir` versions may be read from (RUN_DIR/weights); None:
+        this worker reads Redis versions only."""
         self.client = client
         self.keys = keys
+        self.weights_dir = weights_dir
         self.template = template
         self.base = base
         self.lora_serving = lora_serving
@@ -150,7 +157,7 @@ class WeightLoader:
         return merge_lora(self.base, adapters, cfg)
 
     def _fetch_decode(self, msg: Weights, template: Any) -> Any:
-        data = fetch_published(msg, self.client, self.keys)
+        data = fetch_published(msg, self.client, self.keys, self.weights_dir)
         where = describe(msg)
         checked = overlapped(self._hasher, msg.nbytes, check_checksum, data, msg.checksum, where)
         try:

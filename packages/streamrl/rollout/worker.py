@@ -18,6 +18,13 @@ wait for each other's Redis round trips:
 Entries still being worked on are touched regularly, so a long episode is not mistaken for
 the work of a dead consumer and claimed by another worker; a task another worker claimed
 anyway is not taken back, and this worker's own entry claimed again is not run twice.
+
+With `rollout.resume_episodes`, each episode's state at every turn boundary goes into the
+committer's next transaction (`Keys.episodes`); a committed member's state becomes a
+"committed" marker in the transaction of its trajectory, and the ack of its task deletes
+its members' entries. A task claimed from another worker (or delivered again after the
+queues were restored) runs only its members without that marker, each from its saved
+state when it has one.
 """
 
 from __future__ import annotations
@@ -35,16 +42,19 @@ import redis.asyncio as aioredis
 import structlog
 
 from streamrl.config import Config
+from streamrl.failpoints import EPISODE_SAVED, afailpoint
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
-from streamrl.rollout.episode import EpisodeRunner
+from streamrl.rollout.episode import EpisodeRunner, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
-from streamrl.transport import Delivery, RedisStreamConsumer, is_cluster
-from streamrl.wire import Task, Trajectory
+from streamrl.transport import Delivery, RedisStreamConsumer, as_str, is_cluster
+from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_state, encode_state
 
 BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
+EPISODES_RESUMED = "episodes_resumed"  # stats counter: episodes resumed from a turn boundary
+RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool time not redone
 
 
 class Backpressure:
@@ -177,8 +187,13 @@ class RolloutWorker:
         self._touch = aclient.register_script(_TOUCH_OWN)
         self._changed = asyncio.Condition()  # slots freed, members queued, pause lifted
         self._tasks: dict[str, _Running] = {}  # entry id -> task read, not yet acknowledged
-        self._waiting: deque[tuple[Delivery[Task], int]] = deque()  # members without a slot
+        # Members without a slot, each with its saved state if it has one.
+        self._waiting: deque[tuple[Delivery[Task], int, EpisodeState | None]] = deque()
         self._outbox: list[tuple[Delivery[Task], Trajectory, bool]] = []
+        self._states: dict[str, bytes] = {}  # trajectory id -> its latest state, unwritten
+        self._bare_acks: list[Delivery[Task]] = []  # tasks whose members all committed
+        self._resuming = cfg.rollout.resume_episodes
+        self._saved_groups: set[str] = set()  # groups with states at start (see _look_up)
         self._outbox_ready = asyncio.Event()
         self._closing = False  # stopping: the committer drains the outbox and returns
         self._stopping = False  # the serve loop ended: start nothing more
@@ -196,6 +211,9 @@ class RolloutWorker:
     async def _serve(self) -> None:
         if not await self.follower.wait_initial(self.stop):
             return
+        if self._resuming:
+            raw: Any = await self.aclient.hkeys(self.keys.episodes)
+            self._saved_groups = {as_str(f).rpartition("-m")[0] for f in raw}
         self.log.info("rollout_ready", version=self.follower.loaded_version)
         parts = [
             asyncio.create_task(self.server.serve(), name="model-server"),
@@ -269,8 +287,9 @@ class RolloutWorker:
             self.reads += 1
             self.read_tasks += len(deliveries)
             self.empty_reads += not deliveries
+            states = await self._look_up(deliveries)
             for d in deliveries:
-                self._admit(d)
+                self._admit(d, states)
             if deliveries:
                 async with self._changed:
                     self._changed.notify_all()
@@ -282,15 +301,52 @@ class RolloutWorker:
             return await self.threads.redis_call(self.input.read, count)
         return await self.input.aread(self.aclient, count)
 
-    def _admit(self, d: Delivery[Task]) -> None:
-        """Queue the task's members: every member, or those a re-run task names."""
+    async def _look_up(self, deliveries: list[Delivery[Task]]) -> dict[str, EpisodeState]:
+        """The saved states of the members of tasks that may have some, in one HMGET: a
+        task delivered before (claimed), a re-run, or one of a group that had states when
+        this worker started (delivered again after the queues were restored). A new task
+        has none: no round trip for it."""
+        if not self._resuming:
+            return {}
+        tids = [
+            traj_id(d.msg, m)
+            for d in deliveries
+            if d.deliveries > 1 or d.msg.members is not None or d.msg.group_id in self._saved_groups
+            for m in d.msg.member_indices()
+        ]
+        if not tids:
+            return {}
+        raw: Any = await self.aclient.hmget(self.keys.episodes, tids)
+        out: dict[str, EpisodeState] = {}
+        for tid, data in zip(tids, raw, strict=True):
+            if data is None:
+                continue
+            try:
+                out[tid] = decode_state(data)
+            except WireError as err:  # the member starts over; its state is overwritten
+                self.log.warning("episode_state_unusable", traj_id=tid, error=str(err))
+        return out
+
+    def _admit(self, d: Delivery[Task], states: dict[str, EpisodeState]) -> None:
+        """Queue the task's members: every member, or those a re-run task names, less those
+        already committed; each with its saved state, if any."""
         if d.entry_id in self._tasks:
             # This worker's own entry, claimed back after a late heartbeat: it is running.
             self.log.warning("own_task_claimed_again", entry_id=d.entry_id)
             return
-        members = d.msg.member_indices()
+        members = []
+        for m in d.msg.member_indices():
+            state = states.get(traj_id(d.msg, m))
+            if state is not None and state.committed:
+                self.log.info("member_already_committed", traj_id=state.traj_id)
+                continue
+            members.append((d, m, state))
+        if not members:  # all committed before their task's ack was: acknowledge it now
+            self._bare_acks.append(d)
+            self._outbox_ready.set()
+            return
         self._tasks[d.entry_id] = _Running(len(members))
-        self._waiting.extend((d, m) for m in members)
+        self._waiting.extend(members)
 
     async def _starter(self) -> None:
         """Start waiting members as slots free (not only when a whole group fits)."""
@@ -304,11 +360,13 @@ class RolloutWorker:
     def _start_waiting(self) -> None:
         limit = self.cfg.rollout.max_concurrency
         while self._waiting and self.active < limit and self._starting():
-            d, member = self._waiting.popleft()
+            d, member, state = self._waiting.popleft()
             self.follower.lock.enter()
             self._count_active(+1)
             self.started += 1
-            ep = asyncio.create_task(self._episode(d, member), name=f"{d.msg.group_id}-m{member}")
+            ep = asyncio.create_task(
+                self._episode(d, member, state), name=f"{d.msg.group_id}-m{member}"
+            )
             self._episodes.add(ep)
             ep.add_done_callback(self._episode_done)
 
@@ -323,9 +381,13 @@ class RolloutWorker:
         if not ep.cancelled() and ep.exception() is not None and self._failure is None:
             self._failure = ep.exception()
 
-    async def _episode(self, d: Delivery[Task], member: int) -> None:
+    async def _episode(self, d: Delivery[Task], member: int, state: EpisodeState | None) -> None:
+        def make() -> Any:
+            return self.episodes.make(d.msg, member)
+
         try:
-            traj = await self.runner.run(d.msg, member, lambda: self.episodes.make(d.msg, member))
+            on_turn = self._save_state if self._resuming else None
+            traj = await self.runner.run(d.msg, member, make, resume=state, on_turn=on_turn)
         except Exception as err:
             # Set here, before the slot's release wakes the starter: nothing starts after it.
             if self._failure is None:
@@ -340,7 +402,13 @@ class RolloutWorker:
         running.unfinished -= 1
         # The cursor lets a grouper rebuild the task to re-run a member lost to a timeout.
         traj = msgspec.structs.replace(traj, cursor=d.msg.cursor)
+        self._states.pop(traj.traj_id, None)  # its commit replaces the state
         self._outbox.append((d, traj, running.unfinished == 0))
+        self._outbox_ready.set()
+
+    def _save_state(self, state: EpisodeState) -> None:
+        """An episode's turn boundary: its state goes into the next commit."""
+        self._states[state.traj_id] = encode_state(state)
         self._outbox_ready.set()
 
     # -- output ------------------------------------------------------------------------------
@@ -357,24 +425,31 @@ class RolloutWorker:
 
     async def _commit_outbox(self) -> None:
         batch, self._outbox = self._outbox, []
-        if not batch:
+        states, self._states = self._states, {}
+        bare, self._bare_acks = self._bare_acks, []
+        if not (batch or states or bare):
             return
         stats = self.keys.stats
-        acks = [d.entry_id for d, _, last in batch if last]
+        acked = [*(d for d, _, last in batch if last), *bare]  # tasks this commit acknowledges
+        acks = [d.entry_id for d in acked]
+        resumed = [t for _, t, _ in batch if "resumed_turn" in t.timings]
         statuses = Counter(t.status for _, t, _ in batch)
         # The feeder's backlog counts its own tasks done; a re-run task is not one of them.
-        done = Counter(
-            "tasks_done" if d.msg.members is None else "rerun_tasks_done"
-            for d, _, last in batch
-            if last
-        )
+        done = Counter("tasks_done" if d.msg.members is None else "rerun_tasks_done" for d in acked)
 
         def counters(p: Any) -> None:
-            p.hincrby(stats, "trajectories", len(batch))
+            if batch:
+                p.hincrby(stats, "trajectories", len(batch))
             for status, k in statuses.items():
                 p.hincrby(stats, f"episodes_{status}", k)
             for field, k in done.items():
                 p.hincrby(stats, field, k)
+            if resumed:
+                p.hincrby(stats, EPISODES_RESUMED, len(resumed))
+                saved_s = sum(t.timings["saved_s"] for t in resumed)
+                p.hincrbyfloat(stats, RESUMED_SAVED_S, round(saved_s, 6))
+            if self._resuming:
+                self._stage_episode_states(p, states, batch, acked)
 
         outputs = [(self.keys.trajectories, t) for _, t, _ in batch]
         if self._on_cluster:
@@ -382,7 +457,11 @@ class RolloutWorker:
         else:
             await self.input.acommit(self.aclient, acks, outputs, counters)
         for entry_id in acks:
-            del self._tasks[entry_id]
+            self._tasks.pop(entry_id, None)  # a bare ack's task was never running
+        if states:
+            await afailpoint(EPISODE_SAVED, self.log)
+        if not batch:
+            return
         self.log.info(
             "trajectories_committed",
             trajectories=[
@@ -396,10 +475,37 @@ class RolloutWorker:
                     "tool_calls": t.num_tool_calls,
                     "error": t.error or None,
                     "episode_s": round(t.timings.get("episode_s", 0.0), 4),
+                    **(
+                        {"resumed_turn": int(t.timings["resumed_turn"])}
+                        if "resumed_turn" in t.timings
+                        else {}
+                    ),
                 }
                 for d, t, _ in batch
             ],
         )
+
+    def _stage_episode_states(
+        self,
+        p: Any,
+        states: dict[str, bytes],
+        batch: list[tuple[Delivery[Task], Trajectory, bool]],
+        acked: list[Delivery[Task]],
+    ) -> None:
+        """Queue the episode-state writes of a commit: the turn boundaries' states; for a
+        committed trajectory, the marker that keeps its member from running again while its
+        task is not acknowledged; for an acknowledged task, no entry of any member."""
+        key = self.keys.episodes
+        done = {d.entry_id for d in acked}
+        marks = {
+            t.traj_id: encode_state(EpisodeState(traj_id=t.traj_id, committed=True))
+            for d, t, _ in batch
+            if d.entry_id not in done
+        }
+        if states or marks:
+            p.hset(key, mapping={**states, **marks})
+        for d in acked:
+            p.hdel(key, *(traj_id(d.msg, m) for m in d.msg.member_indices()))
 
     # -- liveness ----------------------------------------------------------------------------
 

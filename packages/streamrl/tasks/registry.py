@@ -118,7 +118,7 @@ def tool_limits(cfg: ToolsConfig) -> ToolLimits:
             name: RateLimiter(rate, burst=max(1, int(rate)))
             for name, rate in cfg.rate_limits.items()
         },
-        breaker=CircuitBreaker(cfg.max_consecutive_tool_errors),
+        breaker=CircuitBreaker(cfg.breaker_window_s, cfg.breaker_error_rate, cfg.breaker_min_calls),
     )
 
 

@@ -18,7 +18,7 @@ import asyncio
 import math
 import random
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -107,6 +107,12 @@ class SyntheticEnvironment(Environment):
             return StepResult(observations=[f"step {self.steps} done"], done=False)
         reward = await self.ctx.score(action.answer, [], CallContext(f"{call_prefix}-score"))
         return StepResult(observations=[], done=True, reward=reward)
+
+    def save_state(self) -> dict[str, Any] | None:
+        return {"steps": self.steps}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
 
 
 class SyntheticTask(TaskDef[SyntheticOptions]):

@@ -4,6 +4,11 @@ A call that gets no result within `time_limit_s + result_margin_s` (its tool wor
 killed, say) is sent again up to `retries` times, then reported to the agent as a tool
 error. rq itself would notice a killed worker's job only at its next maintenance pass.
 
+Each attempt's result comes back on a list of its own, keyed by the call id and a nonce this
+execution draws (`Keys.tool_result`); an execution waits on its own attempts' lists only, so
+a result left by another execution of the call (a replayed episode has the same call ids)
+never reaches it, while a slow earlier attempt of its own still may answer.
+
 A call to a tool named in `tools.non_idempotent` carries its idempotency key (call id plus a
 hash of name and arguments); the tool worker runs it once per key (`streamrl.tools.ledger`),
 so neither a resend nor a replayed episode repeats its side effect.
@@ -15,6 +20,7 @@ import asyncio
 import math
 import re
 import time
+import uuid
 
 import redis
 import redis.asyncio as aioredis
@@ -71,9 +77,14 @@ class ToolClient:
         wait_s = self.cfg.time_limit_s + self.cfg.result_margin_s
         start = time.monotonic()
         key = ledger_key(call_id, name, arguments) if name in self.cfg.non_idempotent else ""
+        results: list[str] = []  # this execution's result lists, one per attempt
         for attempt in range(self.cfg.retries + 1):
-            await asyncio.to_thread(self._enqueue, name, arguments, call_id, attempt, wait_s, key)
-            got = await self.aclient.blpop([self.keys.tool_result(call_id)], timeout=wait_s)
+            nonce = uuid.uuid4().hex
+            results.append(self.keys.tool_result(call_id, nonce))
+            await asyncio.to_thread(
+                self._enqueue, name, arguments, call_id, nonce, attempt, wait_s, key
+            )
+            got = await self.aclient.blpop(results, timeout=wait_s)
             if got is not None:
                 data = got[1] if isinstance(got[1], bytes) else str(got[1]).encode()
                 try:
@@ -94,13 +105,21 @@ class ToolClient:
         )
 
     def _enqueue(
-        self, name: str, arguments: str, call_id: str, attempt: int, wait_s: float, key: str
+        self,
+        name: str,
+        arguments: str,
+        call_id: str,
+        nonce: str,
+        attempt: int,
+        wait_s: float,
+        key: str,
     ) -> None:
         self.queue.enqueue_call(
             JOB_PATH,
             kwargs={
                 "ns": self.keys.ns,
                 "call_id": call_id,
+                "nonce": nonce,  # the attempt's result list
                 "name": name,
                 "arguments": arguments,
                 "time_limit_s": self.cfg.time_limit_s,

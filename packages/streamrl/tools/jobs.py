@@ -1,6 +1,7 @@
 """The rq job a tool worker runs for each call (rq's JSON serializer carries its kwargs).
 
-The job pushes its result onto the call's result list, where the rollout worker waits with
+The job pushes its result onto the result list of its attempt (the call id and the
+caller's nonce), where the rollout worker waits with
 BLPOP on its event loop; rq's own result store is not used for the answer, so waiting for a
 call costs no thread.
 
@@ -121,6 +122,7 @@ def run_tool_call(
     *,
     ns: str,
     call_id: str,
+    nonce: str,
     name: str,
     arguments: str,
     time_limit_s: float,
@@ -135,8 +137,8 @@ def run_tool_call(
     worker = f"tools-{os.getpid()}"
     job = rq.get_current_job()
     if time.time() > deadline:
-        # The caller has given up on this attempt and sent another, which waits on the same
-        # result list: answering this one would hand it a stale "expired". Skip it.
+        # The caller has given up on this attempt and sent another; it still listens on
+        # this attempt's list, where an "expired" would end its call. Skip it.
         structlog.get_logger().warning("tool_call_expired", call_id=call_id, worker=worker)
         return {"ok": False, "error": "expired", "duration_s": 0.0}
     if ledger_key and job is not None:
@@ -155,7 +157,7 @@ def run_tool_call(
     else:
         result = _execute(call_id, name, arguments, time_limit_s, output_cap, worker)
     if job is not None:
-        key = Keys(ns).tool_result(call_id)
+        key = Keys(ns).tool_result(call_id, nonce)
         pipe = job.connection.pipeline(transaction=True)
         pipe.lpush(key, encode_body(result))
         pipe.expire(key, RESULT_TTL_S)

@@ -129,7 +129,7 @@ class TrainerLoop:
         items, advantages, rewards, min_versions = [], [], [], []
         for d in groups:
             for traj, adv in zip(d.msg.members, d.msg.advantages, strict=True):
-                mask = traj.mask_array() if traj.status != "error" else None
+                mask = traj.mask_array() if traj.valid else None
                 items.append(
                     (
                         traj.token_array(),
