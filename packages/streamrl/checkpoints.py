@@ -476,10 +476,11 @@ def trim_history(
 ) -> dict[str, int]:
     """Keep a window of what grows with the run; returns how many went, per key.
 
-    The emitted and dropped group ids and the tool ledger's records (keyed by the call
-    id, which starts with the group id) of groups older than `group_floor` of `floor`
-    go: no member of such a group can arrive again, so nothing asks for them (without a
-    kept checkpoint, all stay). The dead letters keep the newest `keep_dead_letters`,
+    The emitted and dropped group ids, the tool ledger's records (keyed by the call id,
+    which starts with the group id) and the episode states (keyed by the trajectory id:
+    those a dead-lettered task left) of groups older than `group_floor` of `floor` go: no
+    member of such a group can arrive again, so nothing asks for them (without a kept
+    checkpoint, all stay). The dead letters keep the newest `keep_dead_letters`,
     the metrics stream the newest `keep_metrics` steps. Read a page per command (SSCAN,
     HSCAN), so other clients are served in between."""
     out: dict[str, int] = {}
@@ -493,9 +494,10 @@ def trim_history(
         for key in (keys.groups_emitted, keys.groups_dropped):
             gone = [m for m in client.sscan_iter(key, count=_PAGE) if old(as_str(m))]
             out[key] = _in_pages(partial(client.srem, key), gone)
-        records = client.hscan_iter(keys.tool_ledger, count=_PAGE)  # NOVALUES: Redis 7.4
-        gone = [f for f, _ in records if old(as_str(f).split("-", 1)[0])]
-        out[keys.tool_ledger] = _in_pages(partial(client.hdel, keys.tool_ledger), gone)
+        for key in (keys.tool_ledger, keys.episodes):  # fields: `<group id>-...`
+            fields = client.hscan_iter(key, count=_PAGE)  # NOVALUES needs Redis 7.4
+            gone = [f for f, _ in fields if old(as_str(f).split("-", 1)[0])]
+            out[key] = _in_pages(partial(client.hdel, key), gone)
     for stream, keep in ((keys.dead, keep_dead_letters), (keys.metrics, keep_metrics)):
         out[stream] = int(cast(Any, client.xtrim(stream, maxlen=keep, approximate=False)))
     return {key: n for key, n in out.items() if n}

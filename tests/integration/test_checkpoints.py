@@ -314,10 +314,11 @@ def _traj(cursor: int) -> Trajectory:
 def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
     rclient: redis.Redis, keys: Keys
 ) -> None:
-    """Review M4: the emitted and dropped ids, the tool ledger, the dead letters and the
-    metrics keep a window, not the whole run. Ids and ledger records go once their group
-    is older than every group the oldest kept checkpoint can still redeliver (a task or
-    trajectory unfinished at its cut, a half-filled group, the feeder's next cursor)."""
+    """Review M4: the emitted and dropped ids, the tool ledger, the episode states, the
+    dead letters and the metrics keep a window, not the whole run. Ids, ledger records
+    and episode states go once their group is older than every group the oldest kept
+    checkpoint can still redeliver (a task or trajectory unfinished at its cut, a
+    half-filled group, the feeder's next cursor)."""
     for stream, group in ck.consumed_streams(keys):
         ensure_group(rclient, stream, group)
     gid = [build_task("synthetic", Prompt(text="p"), c, 2).group_id for c in range(30)]
@@ -326,6 +327,8 @@ def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
     for c in (2, 9, 16):
         rclient.hset(keys.tool_ledger, f"{gid[c]}-m1-0-0#abcdef012345", b"r")
     rclient.hset(keys.tool_ledger, "reward-call#abcdef012345", b"r")  # no group: kept
+    # Episode states: a dead-lettered task's stay behind; one of a task in flight.
+    rclient.hset(keys.episodes, mapping={f"{gid[5]}-m0": b"s", f"{gid[13]}-m1": b"s"})
     # At the cut: the task of group 13 pending, a trajectory of group 14 unread, group 11
     # half filled, the feeder about to write cursor 20. The oldest group that can still
     # get a member: 11.
@@ -346,6 +349,7 @@ def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
         keys.groups_emitted: 11,
         keys.groups_dropped: 1,
         keys.tool_ledger: 2,
+        keys.episodes: 1,
         keys.dead: 7,
         keys.metrics: 6,
     }
@@ -356,6 +360,7 @@ def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
         f"{gid[16]}-m1-0-0#abcdef012345".encode(),
         b"reward-call#abcdef012345",
     ]
+    assert rclient.hkeys(keys.episodes) == [f"{gid[13]}-m1".encode()]
     dead: Any = rclient.xrange(keys.dead)
     assert [fields[b"data"] for _, fields in dead] == [b"dead7", b"dead8", b"dead9"]
     assert rclient.xlen(keys.metrics) == 4
