@@ -58,9 +58,9 @@ def main(args: argparse.Namespace, cfg: Config) -> int:
     if not url:
         print("unhealthy: no Redis configured (REDIS_URL or redis.url)")
         return 1
-    # No retries (the workers' clients ride out outages for ~20 s): a health check answers
-    # at once.
-    client = make_client(url, retries=0, cluster=cfg.redis.cluster, socket_timeout=2)
+    # No retries (the workers' clients ride out outages for ~20 s, LOADING and BUSY for
+    # redis.busy_wait_s): a health check answers at once.
+    client = make_client(url, retries=0, cluster=cfg.redis.cluster, busy_wait_s=0, socket_timeout=2)
     why = check(client, Keys(cfg.run.name), args.worker, args.index)
     print(f"unhealthy: {why}" if why else "healthy")
     sys.stdout.flush()

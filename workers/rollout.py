@@ -107,7 +107,9 @@ async def serve(
     """Build the rollout worker and run it until stopped; `on_server` sees the engine
     server first (the colocated worker pauses it while it trains)."""
     cfg = ctx.cfg
-    aclient = make_async_client(ctx.redis_url, cluster=cfg.redis.cluster)
+    aclient = make_async_client(
+        ctx.redis_url, cluster=cfg.redis.cluster, busy_wait_s=cfg.redis.busy_wait_s
+    )
     # The task's parts first: a plug-in that does not load fails before the model does.
     episodes = load_episodes(cfg, ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log))
     policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
@@ -131,6 +133,7 @@ async def serve(
         follower=follower,
         log=ctx.log,
         stop=ctx.stop.is_set,
+        liveness=ctx.liveness,
     )
     try:
         await worker.run()

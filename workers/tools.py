@@ -31,7 +31,13 @@ def run(ctx: WorkerContext) -> int:
         serializer=JSONSerializer,
         name=ctx.consumer,
         maintenance_interval=MAINTENANCE_INTERVAL_S,
+        # rq waits for a job worker_ttl - 15 s at a time: a turn, and a liveness tick, at
+        # least four times per liveness limit
+        worker_ttl=15 + max(1, int(ctx.cfg.run.liveness_timeout_s / 4)),
         log=ctx.log,
+        liveness=ctx.liveness,
+        # past this its caller has given up on it (and sent it again)
+        call_limit_s=ctx.cfg.tools.time_limit_s + ctx.cfg.tools.result_margin_s,
     )
     worker.take_over_name()  # a restarted container's predecessor: gone, name still held
     install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))

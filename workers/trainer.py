@@ -124,6 +124,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
         stop=ctx.stop.is_set,
         pad_id=policy.pad_id,
         max_steps=ctx.max_steps or cfg.trainer.max_steps,
+        liveness=ctx.liveness,
         hooks=[
             publish,
             CheckpointHook(

@@ -3,7 +3,8 @@
 `--index N` runs replica N (what `streamrl up` passes); `--index auto` (what the compose
 stack passes) claims the lowest free index of the worker type, or the one this container
 held before a restart (streamrl.identity). Either way a heartbeat renews the identity's slot
-in Redis while the process lives: `streamrl health --worker NAME` reads it.
+in Redis while the process lives: `streamrl health --worker NAME` reads it; and a liveness
+beat while the worker's loop turns (`streamrl.liveness`): `streamrl up` reads that.
 """
 
 from __future__ import annotations
@@ -65,7 +66,15 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
                 args.name, index, cfg, run_dir, max_steps=args.steps, burst=args.burst
             )
         beat = Heartbeat(
-            ctx.client(), ctx.keys, args.name, ctx.index, holder, ctx.log, ctx.stop.set
+            ctx.client(),
+            ctx.keys,
+            args.name,
+            ctx.index,
+            holder,
+            ctx.log,
+            ctx.stop.set,
+            liveness=ctx.liveness,
+            liveness_s=cfg.run.liveness_timeout_s,
         ).start(take=args.index != "auto")
     except redis.RedisError as err:  # after the client's retries: Redis is not there
         ctx.log.error("redis_unreachable", error=f"{type(err).__name__}: {err}")

@@ -106,7 +106,13 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.tool_result_pattern,
             RQ_KEYS,
         ),
-        read_keys=(k.weights, k.weights_chunk_pattern, k.policy_floor, k.groups_started),
+        read_keys=(
+            k.weights,
+            k.weights_chunk_pattern,
+            k.policy_floor,
+            k.groups_started,
+            k.groups_waiting,
+        ),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace"),
         commands=(*_SCRIPTS, *_RQ),
     )
@@ -128,6 +134,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_started,
             k.groups_dropped,
             k.groups_reruns,
+            k.groups_waiting,
         ),
         read_keys=(k.policy_version,),
         categories=("stream", "string", "hash", "set", "keyspace"),

@@ -75,6 +75,33 @@ class RunConfig(_Section):
         le=600,
         description="Wait before a restart; doubles with each restart in the window (max 60 s).",
     )
+    trainer_stop_timeout_s: float = Field(
+        600.0,
+        ge=1,
+        le=86400,
+        description=(
+            "On stop, how long `streamrl up` lets the trainer write its final checkpoint "
+            "after SIGTERM before it SIGKILLs it (the other workers get 20 s)."
+        ),
+    )
+    log_max_mb: float = Field(
+        100.0,
+        gt=0,
+        le=1_000_000,
+        description="`streamrl up`: a worker's JSON log rolls over at this size (MiB).",
+    )
+    log_backups: int = Field(
+        5, ge=1, le=1000, description="Rolled-over logs kept per worker (`<id>.log.1`, ...)."
+    )
+    liveness_timeout_s: float = Field(
+        300.0,
+        ge=2,
+        le=86400,
+        description=(
+            "`streamrl up` kills and restarts a worker whose liveness beat is older than this "
+            "(a stopped process; a main loop stuck outside start-up, train steps, checkpoints)."
+        ),
+    )
 
 
 class RedisConfig(_Section):
@@ -101,6 +128,15 @@ class RedisConfig(_Section):
     )
     appendfsync: Literal["always", "everysec", "no"] = Field(
         "everysec", description="AOF fsync policy of the embedded server."
+    )
+    busy_wait_s: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description=(
+            "How long a Redis command waits out LOADING (a restarted server loading its AOF) "
+            "and BUSY (a script past its time limit) replies before it fails."
+        ),
     )
     startup_timeout_s: float = Field(
         10.0, gt=0, le=120, description="Seconds to wait for the embedded server to answer."

@@ -21,6 +21,7 @@ import redis
 import structlog
 
 from streamrl.config import Config
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 from streamrl.tasks.registry import TaskSource, task_source
 from streamrl.transport import publish
@@ -86,11 +87,20 @@ class Feeder:
             pipe.execute()
         return room
 
-    def run(self, stop: threading.Event, poll_s: float = 0.1, burst: bool = False) -> None:
+    def run(
+        self,
+        stop: threading.Event,
+        poll_s: float = 0.1,
+        burst: bool = False,
+        liveness: Liveness | None = None,
+    ) -> None:
         """Keep the backlog full until `stop`; `burst`: return as soon as nothing more can
-        be written (the backlog is full, or the data has ended)."""
+        be written (the backlog is full, or the data has ended). Ticks `liveness` each
+        time round."""
+        alive = liveness or Liveness()
         self.log.info("feeder_start", task=self.cfg.task.name, dataset=self.cfg.task.dataset)
         while not stop.is_set():
+            alive.tick()
             if self.fill() == 0:
                 if burst:
                     break

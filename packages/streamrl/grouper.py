@@ -42,6 +42,7 @@ import structlog
 from redis.commands.core import Script
 
 from streamrl.config import Config
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 from streamrl.rl.advantages import ADVANTAGES, is_zero_variance, masked_advantages
 from streamrl.tasks.registry import make_task
@@ -222,6 +223,14 @@ NONFINITE = "groups_nonfinite"  # stats counter: groups with a reward or advanta
 TaskBuilder = Callable[[int, int], Task]
 
 TIMEOUT_CHECK_EVERY_S = 1.0  # how often a grouper looks for timed-out groups (at most)
+WAITING_EVERY_S = 0.2  # how often a grouper publishes the groups waiting for the trainer
+WAITING_TTL_MS = 10_000  # a count older than this is gone (no grouper runs to renew it)
+
+# KEYS: the groups stream. ARGV: an exclusive start id `(<id>`, the most entries to count.
+# How many entries follow that id, counted in Redis (their payloads stay there).
+_COUNT_AFTER = """
+return #redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+"""
 
 
 @dataclass(frozen=True)
@@ -298,7 +307,9 @@ class Grouper:
         self._emit = client.register_script(_EMIT)
         self._drop = client.register_script(_DROP)
         self._timeout = client.register_script(_TIMEOUT)
+        self._count_after = client.register_script(_COUNT_AFTER)
         self._next_timeout_check = 0.0
+        self._next_waiting = 0.0
 
     def _assembly_keys(self, group_id: str) -> list[str]:
         """KEYS of the add-member and drop scripts."""
@@ -719,20 +730,61 @@ class Grouper:
             return []
         return self.handle_batch(deliveries, self.trainer_version())
 
-    def run(self, stop: threading.Event, burst: bool = False) -> None:
+    def run(
+        self, stop: threading.Event, burst: bool = False, liveness: Liveness | None = None
+    ) -> None:
         """Process until `stop` is set; with `burst`, also stop once the input is drained.
+        Ticks `liveness` each time round.
 
         Timed-out (or complete but stuck) groups are looked for every TIMEOUT_CHECK_EVERY_S
         (or half of `stall_ms`, if shorter)."""
         every = min(TIMEOUT_CHECK_EVERY_S, self.stall_ms() / 2000)
+        alive = liveness or Liveness()
         while not stop.is_set():
+            alive.tick()
             out = self.step()
             if time.monotonic() >= self._next_timeout_check:
                 self._next_timeout_check = time.monotonic() + every
                 self.check_timeouts()
+            if time.monotonic() >= self._next_waiting:
+                self._next_waiting = time.monotonic() + WAITING_EVERY_S
+                self.publish_waiting()
             if burst and not out and not self._has_pending():
                 return
+
+    def publish_waiting(self) -> int:
+        """Write how many groups wait for the trainer (`Keys.groups_waiting`, for rollout's
+        backpressure, whose role may not read `groups`): the trainer consumer group's lag,
+        counted up to `rollout.max_ready_groups` where Redis does not say it (6.2; entries
+        deleted past the group's position on 7); every entry before a trainer joined.
+        Redis' own count, unlike `groups - groups_trained`, which a trainer restart that
+        trains the groups after its cut again drifts. Its pending entries are taken (in its
+        batch, or trained and acknowledged with its next checkpoint)."""
+        waiting = self._waiting()
+        self.client.set(self.keys.groups_waiting, waiting, px=WAITING_TTL_MS)
+        return waiting
+
+    def _waiting(self) -> int:
+        length = int(self.client.xlen(self.keys.groups))
+        if length == 0:
+            return 0  # (or no stream yet: XINFO would fail)
+        groups: Any = self.client.xinfo_groups(self.keys.groups)
+        trainer = next((g for g in groups if _text(g["name"]) == Keys.CG_TRAINER), None)
+        if trainer is None:  # no trainer has joined yet: every entry waits
+            return length
+        after = f"({_text(trainer['last-delivered-id'])}"
+        bound = self.cfg.rollout.max_ready_groups
+        if "lag" not in trainer:  # Redis 6.2
+            return int(self._count_after(keys=[self.keys.groups], args=[after, bound]))
+        if trainer["lag"] is None:
+            entries: Any = self.client.xrange(self.keys.groups, min=after, count=bound)
+            return len(entries)
+        return int(trainer["lag"])
 
     def _has_pending(self) -> bool:
         info = self.client.xpending(self.keys.trajectories, self.keys.CG_GROUPER)
         return bool(info["pending"])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

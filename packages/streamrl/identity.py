@@ -11,6 +11,11 @@ the old claim to expire; a new replica never gets a live replica's index.
 The slot key carries a TTL that the worker's heartbeat renews every `ttl_s / 3`: a worker
 that dies, hangs or loses Redis lets its slot lapse within `ttl_s`, which is what
 `streamrl health --worker` checks (the compose health check) and what frees the index.
+
+With a liveness limit, the heartbeat also writes the worker's beat key (`Keys.worker_beat`:
+its holder and a count of beats) at least four times per limit, but only while the
+worker's loop is live (`streamrl.liveness`): `streamrl up` restarts a worker whose beat
+stops changing.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import redis
 import structlog
 
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 
 HEARTBEAT_TTL_S = 15.0
@@ -36,11 +42,12 @@ class IdentityError(RuntimeError):
     """No identity could be claimed, or another process holds this one."""
 
 
-def default_holder() -> str:
-    """This process's holder id, `<host name>:<pid>`: unique among the processes of one
-    host, and the same for a restarted container (its host name is the container's id, and
-    its process tree starts the same way each time, so the worker gets the same pid)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+def default_holder(pid: int | None = None) -> str:
+    """This process's holder id (or process `pid`'s on this host), `<host name>:<pid>`:
+    unique among the processes of one host, and the same for a restarted container (its
+    host name is the container's id, and its process tree starts the same way each time, so
+    the worker gets the same pid)."""
+    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
 
 
 def claim_index(
@@ -105,7 +112,8 @@ class Heartbeat:
     """Renews a worker's slot every `ttl_s / 3` on a daemon thread until `stop` is set.
     When another holder has taken the slot (two processes claim one identity), `on_lost`
     is called once and the heartbeat ends. A Redis error is logged and retried next beat:
-    the slot lapses only if Redis stays away for `ttl_s`."""
+    the slot lapses only if Redis stays away for `ttl_s`. With `liveness`, every beat (at
+    least every `liveness_s / 4`) also writes the beat key while the loop is live."""
 
     def __init__(
         self,
@@ -117,6 +125,8 @@ class Heartbeat:
         log: structlog.stdlib.BoundLogger,
         on_lost: Callable[[], None],
         ttl_s: float = HEARTBEAT_TTL_S,
+        liveness: Liveness | None = None,
+        liveness_s: float = 300.0,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -126,6 +136,9 @@ class Heartbeat:
         self.log = log
         self.on_lost = on_lost
         self.ttl_s = ttl_s
+        self.liveness = liveness
+        self.liveness_s = liveness_s
+        self.every_s = ttl_s / 3 if liveness is None else min(ttl_s / 3, liveness_s / 4)
         self.stop = threading.Event()
         self.beats = 0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -157,6 +170,12 @@ class Heartbeat:
     def _beat(self) -> bool:
         if renew(self.client, self.keys, self.worker, self.index, self.holder, self.ttl_s):
             self.beats += 1
+            if self.liveness is not None and self.liveness.live(self.liveness_s):
+                self.client.set(
+                    self.keys.worker_beat(self.worker, self.index),
+                    f"{self.holder} {self.beats}",
+                    px=int(self.liveness_s * 2000),  # only tidies up: the value is the beat
+                )
             return True
         self.log.error(
             "identity_lost",
@@ -167,7 +186,7 @@ class Heartbeat:
         return False
 
     def _run(self) -> None:
-        while not self.stop.wait(self.ttl_s / 3):
+        while not self.stop.wait(self.every_s):
             try:
                 if not self._beat():
                     return

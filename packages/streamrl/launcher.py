@@ -1,21 +1,25 @@
 """`streamrl up`: start Redis and every worker as its own process, show progress, stop.
 
 The run ends after the trainer's `--steps` (the trainer exits 0 when it has written its
-final checkpoint), on Ctrl-C or SIGTERM (exit code 0), or with exit code 1 naming the
-worker and its log when a worker fails for good: a worker that crashes is restarted alone
-after a backoff (1 s, doubling), up to `run.max_restarts` times within
-`run.restart_window_s` (a restarted trainer resumes from its newest complete checkpoint);
-a worker that exits with a fatal error (exit code 3: a tripped circuit breaker, a NaN
-loss) is not restarted. The embedded Redis is restarted from its AOF when it dies; the
-workers ride out the gap (`streamrl.transport.make_client`). Every worker runs in its own
-session, so stopping one kills its whole process group (tool subprocesses included) and
-nothing is left behind.
+final checkpoint), on Ctrl-C or SIGTERM (exit code 0; the trainer gets
+`run.trainer_stop_timeout_s` for its final checkpoint before SIGKILL, the others 20 s), or
+with exit code 1 naming the worker and its log when a worker fails for good: a worker that
+crashes is restarted alone after a backoff (1 s, doubling), up to `run.max_restarts` times
+within `run.restart_window_s` (a restarted trainer resumes from its newest complete
+checkpoint); a worker whose liveness beat stops for `run.liveness_timeout_s`
+(`streamrl.liveness`) is SIGKILLed and restarted the same way; a worker that exits with a
+fatal error (exit code 3: a tripped circuit breaker, a NaN loss) is not restarted. The
+embedded Redis is restarted from its AOF when it dies; the workers ride out the gap
+(`streamrl.transport.make_client`). Every worker runs in its own session, so stopping one
+kills its whole process group (tool subprocesses included) and nothing is left behind.
 
-`streamrl up --resume RUN_DIR` continues a stopped or crashed run: the embedded Redis
-comes back from the run directory's AOF; if Redis holds none of the run's data (an
-external one that was flushed, a lost AOF), the queues are restored from the newest
-complete checkpoint's snapshot. The policy floor is raised above every version published
-before, so the rollout workers wait for the trainer's restored policy before any episode.
+The launcher holds a lock on the run directory and records the processes it starts
+(`streamrl.rundir`). `streamrl up --resume RUN_DIR` continues a stopped or crashed run:
+it first stops what a launcher that died left running, then the embedded Redis comes back
+from the run directory's AOF; if Redis holds none of the run's data (an external one that
+was flushed, a lost AOF), the queues are restored from the newest complete checkpoint's
+snapshot. The policy floor is raised above every version published before, so the rollout
+workers wait for the trainer's restored policy before any episode.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl import rundir
 from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
-from streamrl.logs import configure_logging, redact_url
+from streamrl.identity import default_holder
+from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
 from streamrl.runtime import (
@@ -48,8 +54,9 @@ from streamrl.runtime import (
     NoRedisError,
     refuse_eviction,
     resolve_redis_url,
+    run_log,
 )
-from streamrl.transport import make_client
+from streamrl.transport import make_client, waits_out
 from streamrl.wire import TrainMetrics, WireError, decode
 
 STOP_TIMEOUT_S = 20.0
@@ -79,6 +86,9 @@ class WorkerProc:
     stderr_path: Path
     restarts: list[float] = field(default_factory=list)  # monotonic times of restarts
     restart_at: float | None = None  # a restart is due then (the process has exited)
+    beat: str | None = None  # its liveness beat as last read
+    beat_at: float = field(default_factory=time.monotonic)  # when it last changed (or spawn)
+    hangs: int = 0  # times it was killed for a beat that stopped
 
     @property
     def worker_id(self) -> str:
@@ -111,20 +121,25 @@ class Launcher:
         self._stop_signal: str | None = None
         self._stopped = False
         self.started = time.monotonic()
+        self._next_watch = 0.0  # the next liveness check
+        self._watch_from = 0.0  # beats older than this do not count (Redis was away)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> int:
         try:
             self._prepare_dir()
-        except RunDirError as err:
+            lock = rundir.RunDirLock(self.run_dir).acquire()
+        except (RunDirError, rundir.RunDirBusyError) as err:
             print(f"streamrl: {err}", file=sys.stderr)
             return 2
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / "launcher.log", "a") as log_file:
-            log = configure_logging("launcher", stream=log_file, run=self.cfg.run.name)
-            return self._run(log)
+        try:
+            logs = self.run_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            file = run_log(logs, "launcher", self.cfg)
+            return self._run(configure_logging("launcher", file=file, run=self.cfg.run.name))
+        finally:
+            lock.release()
 
     def _run(self, log: structlog.stdlib.BoundLogger) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,6 +151,8 @@ class Launcher:
                     "redis.cluster = true needs the URL of a node of the cluster (REDIS_URL "
                     "or redis.url): the embedded Redis of `streamrl up` is a single server"
                 )
+            if self.resume:
+                self._stop_orphans(log)
             if not url:
                 # One ACL user per worker type; this process is the operator.
                 self.redis = EmbeddedRedis(
@@ -144,21 +161,28 @@ class Launcher:
                     appendfsync=self.cfg.redis.appendfsync,
                     startup_timeout_s=self.cfg.redis.startup_timeout_s,
                 ).start()
+                self._record()
                 url = self.redis.url
             log.info("redis", url=redact_url(url), embedded=self.redis is not None)
             # Few retries: the monitor loop must stay free to restart a Redis that died.
-            client = make_client(url, retries=1, cluster=self.cfg.redis.cluster)
+            # Its own reads wait out no LOADING or BUSY (they are skipped, `_monitor`); the
+            # calls before and after it do, as the workers' do.
+            cluster = self.cfg.redis.cluster
+            client = make_client(url, 1, cluster=cluster, busy_wait_s=self.cfg.redis.busy_wait_s)
+            quick = make_client(url, 1, cluster=cluster, busy_wait_s=0)
             refuse_eviction(client)
             if self.resume:
                 self._resume_queues(client, log)
             else:
                 self._check_namespace(client)
             self._spawn_all()
+            self._record()
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
-            reason, code = self._monitor(client, log)
+            reason, code = self._monitor(quick, log)
             self._shutdown(log)
             self._write_summary(client, reason)
             client.close()
+            quick.close()
         except (RunDirError, NoRedisError, ckpts.PartialRunError) as err:
             print(f"\nstreamrl: {err}", file=sys.stderr)
             code = 2
@@ -205,6 +229,22 @@ class Launcher:
         log.info("resume", checkpoint=None if ck is None else str(ck.path), kept=kept, floor=floor)
         print(f"streamrl: resuming {self.run_dir} from {where}; {how}", file=self.out, flush=True)
 
+    def _stop_orphans(self, log: structlog.stdlib.BoundLogger) -> None:
+        """Stop the workers and embedded Redis that a launcher of this run left running
+        when it died (`streamrl.rundir`), before anything of this one starts."""
+        timeout_s = max(STOP_TIMEOUT_S, self.cfg.run.trainer_stop_timeout_s)  # its checkpoint
+        found = rundir.stop_orphans(self.run_dir, log, timeout_s)
+        if found:
+            names = ", ".join(f"{n} (pid {pid})" for n, pid in sorted(found.items()))
+            print(f"streamrl: stopped what the last launcher left running: {names}", file=self.out)
+
+    def _record(self) -> None:
+        """Record the processes this launcher runs now, for a `--resume` after its death."""
+        pids = {p.worker_id: p.popen.pid for p in self.procs}
+        if self.redis is not None and self.redis.proc is not None:
+            pids[rundir.REDIS] = self.redis.proc.pid
+        rundir.record(self.run_dir, pids)
+
     def _check_namespace(self, client: redis.Redis) -> None:
         if client.exists(self.keys.stats, self.keys.tasks):
             raise RunDirError(
@@ -226,7 +266,9 @@ class Launcher:
         return [*plan, ("feeder", 0)]
 
     def _spawn_all(self) -> None:
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Each worker writes its JSON log itself, rolling over by size (streamrl.logs).
+        logs = str(self.run_dir / "logs")
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_DIR_ENV: logs}
         if self.redis is None:
             # An external Redis: every worker gets what this process was given (REDIS_URL
             # and REDIS_PASSWORD_FILE from the environment, or the config's).
@@ -256,11 +298,11 @@ class Launcher:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
         err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
-        with open(log_path, "ab") as out, open(err_path, "ab") as err:
+        with open(err_path, "ab") as err:  # all else it prints (its log is its own)
             popen = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
+                stdout=err,
                 stderr=err,
                 env=env,
                 start_new_session=True,
@@ -281,9 +323,16 @@ class Launcher:
             ended = self._check_workers(log)
             if ended is not None:
                 return ended
+            self._watch_liveness(client, log)
             if time.monotonic() >= next_progress:
-                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                try:
                     self._progress(client)
+                except redis.RedisError as err:  # the line waits for the next tick
+                    if not (
+                        isinstance(err, redis.ConnectionError | redis.TimeoutError)
+                        or waits_out(err)
+                    ):
+                        raise
                 next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
             time.sleep(0.2)
 
@@ -307,6 +356,40 @@ class Launcher:
                 print(f"\nstreamrl: {failed}", file=sys.stderr)
                 return failed, 1
         return None
+
+    def _watch_liveness(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
+        """SIGKILL a worker whose liveness beat (`streamrl.liveness`) has not changed for
+        `run.liveness_timeout_s`; `_check_workers` then restarts it like a crash. The clock
+        stops while Redis does not answer (no worker can beat then) and restarts with it."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + LIVENESS_POLL_S
+        running = [p for p in self.procs if p.restart_at is None and p.popen.poll() is None]
+        if not running:
+            return
+        try:
+            raw: Any = client.mget([self.keys.worker_beat(p.name, p.index) for p in running])
+        except redis.RedisError:
+            self._watch_from = now
+            return
+        limit = self.cfg.run.liveness_timeout_s
+        for p, value in zip(running, raw, strict=True):
+            beat = value.decode() if isinstance(value, bytes) else None
+            if beat not in (None, p.beat) and beat.split(" ")[0] == default_holder(p.popen.pid):
+                p.beat, p.beat_at = beat, now
+            silent_s = now - max(p.beat_at, self._watch_from)
+            if silent_s <= limit:
+                continue
+            p.hangs += 1
+            log.error("worker_hung", worker=p.worker_id, pid=p.popen.pid, silent_s=silent_s)
+            print(
+                f"\nstreamrl: worker {p.worker_id} has not beaten for {silent_s:.0f}s "
+                f"(run.liveness_timeout_s = {limit:g}): killing it",
+                file=sys.stderr,
+            )
+            _signal_group(p.popen, signal.SIGKILL)
+            p.popen.wait()
 
     def _supervise(self, p: WorkerProc, rc: int, log: structlog.stdlib.BoundLogger) -> str | None:
         """A worker exited: schedule its restart, or say why the run must stop."""
@@ -358,6 +441,8 @@ class Launcher:
             log.error("redis_restart_failed", error=str(err))
             return f"the embedded Redis could not be restarted: {err}"
         self.redis_restarts.append(time.monotonic())
+        self._record()
+        self._watch_from = time.monotonic()
         log.info(
             "redis_restarted",
             pid=self.redis.proc.pid,
@@ -369,31 +454,37 @@ class Launcher:
     def _restart(self, p: WorkerProc, log: structlog.stdlib.BoundLogger) -> None:
         fresh = self._spawn(p.name, p.index, self._env)
         p.popen, p.restart_at = fresh.popen, None
+        p.beat, p.beat_at = None, fresh.beat_at
         p.restarts.append(time.monotonic())
+        self._record()
         log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
     def _shutdown(self, log: structlog.stdlib.BoundLogger) -> None:
-        """SIGTERM every worker's process group, then SIGKILL what is left."""
+        """SIGTERM every worker's process group, then SIGKILL what is left: after
+        STOP_TIMEOUT_S, or `run.trainer_stop_timeout_s` for the trainer (its final
+        checkpoint)."""
         if self._stopped:
             return
         self._stopped = True
         for p in self.procs:
             _signal_group(p.popen, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        start = time.monotonic()
         for p in self.procs:
+            limit = self.cfg.run.trainer_stop_timeout_s if p.name in TRAINS else STOP_TIMEOUT_S
             try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                p.popen.wait(timeout=max(0.1, start + limit - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("worker_kill", worker=p.worker_id)
+                log.warning("worker_kill", worker=p.worker_id, after_s=limit)
         for p in self.procs:
             _signal_group(p.popen, signal.SIGKILL)
             p.popen.wait()
 
     # -- reporting -------------------------------------------------------------------------
 
-    def _stats(self, client: redis.Redis) -> dict[str, int]:
+    def _stats(self, client: redis.Redis) -> dict[str, int | float]:
+        """The run's counters: whole ones, and sums of seconds (HINCRBYFLOAT)."""
         raw: Any = client.hgetall(self.keys.stats)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {k.decode(): _number(v) for k, v in raw.items()}
 
     def _metrics(self, client: redis.Redis) -> list[TrainMetrics]:
         out = []
@@ -448,6 +539,7 @@ class Launcher:
             "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
             "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
             "worker_restarts": {p.worker_id: len(p.restarts) for p in self.procs},
+            "worker_hangs": {p.worker_id: p.hangs for p in self.procs if p.hangs},
             "redis_restarts": len(self.redis_restarts),
             "resumed": self.resume,
         }
@@ -458,7 +550,16 @@ class Launcher:
 
 
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
+LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
 MAX_BACKOFF_S = 60.0
+
+
+def _number(raw: bytes) -> int | float:
+    """A counter's value: an int, or a float for a sum kept by HINCRBYFLOAT."""
+    try:
+        return int(raw)
+    except ValueError:
+        return float(raw)
 
 
 def restart_decision(

@@ -2,15 +2,22 @@
 
 Secrets never reach a log: Redis URLs are shown without their password and any field whose
 name says it holds a secret is masked.
+
+A process writes to a stream (stdout by default), or to a `LogFile` that rolls over by size
+(`logging.handlers.RotatingFileHandler`): `streamrl up` has every worker write its own
+`RUN_DIR/logs/<worker id>.log` so (`LOG_DIR_ENV`, `run.log_max_mb`, `run.log_backups`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import logging.handlers
 import re
 import sys
 from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
@@ -19,6 +26,37 @@ _URL_AUTH = re.compile(r"(?P<scheme>[a-z+]+://)(?P<auth>[^@/]*@)")
 _SECRET_KEYS = ("password", "secret", "token", "requirepass", "redis_url")
 _SECRET_NAME = re.compile("|".join(_SECRET_KEYS), re.IGNORECASE)
 _PLAIN = (int, float, bool, type(None))  # never secrets: a count of `tokens` stays readable
+
+# Set by `streamrl up` for its workers: the directory of their `<worker id>.log` files.
+LOG_DIR_ENV = "STREAMRL_LOG_DIR"
+
+
+@dataclass(frozen=True)
+class LogFile:
+    """A log file that rolls over at `max_mb` into `.1`, `.2`, ... keeping `backups`."""
+
+    path: Path
+    max_mb: float
+    backups: int
+
+    def logger(self) -> logging.Logger:
+        """This process's stdlib logger writing to the file (one per process: a second
+        call replaces the first's file)."""
+        handler = logging.handlers.RotatingFileHandler(
+            self.path,
+            maxBytes=max(1, int(self.max_mb * 2**20)),
+            backupCount=self.backups,
+            encoding="utf-8",
+        )
+        handler.setFormatter(logging.Formatter("%(message)s"))  # the JSON line as rendered
+        logger = logging.getLogger("streamrl.events")
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)  # structlog has filtered by level already
+        logger.propagate = False
+        return logger
 
 
 def redact_url(url: str) -> str:
@@ -58,9 +96,21 @@ def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[
 
 
 def configure_logging(
-    worker: str, stream: TextIO | None = None, level: int = logging.INFO, **ids: Any
+    worker: str,
+    stream: TextIO | None = None,
+    level: int = logging.INFO,
+    file: LogFile | None = None,
+    **ids: Any,
 ) -> structlog.stdlib.BoundLogger:
-    """Configure this process's structlog output and return a logger bound to its ids."""
+    """Configure this process's structlog output (to `file`, else `stream`, else stdout)
+    and return a logger bound to its ids."""
+    factory: Any = structlog.PrintLoggerFactory(file=stream or sys.stdout)
+    if file is not None:
+        events = file.logger()
+
+        def factory(*_args: Any) -> logging.Logger:
+            return events
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -71,7 +121,7 @@ def configure_logging(
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stdout),
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )
     log: structlog.stdlib.BoundLogger = structlog.get_logger().bind(worker=worker, **ids)

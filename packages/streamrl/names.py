@@ -155,6 +155,12 @@ class Keys:
         return self._k("groups", "dropped")
 
     @property
+    def groups_waiting(self) -> str:
+        """How many groups wait for the trainer (its consumer group's lag in `groups`), as
+        a grouper last read it from Redis (with a TTL): what rollout's backpressure reads."""
+        return self._k("groups", "waiting")
+
+    @property
     def groups_reruns(self) -> str:
         """Hash group id -> times its missing members were re-run after group_timeout."""
         return self._k("groups", "reruns")
@@ -197,3 +203,10 @@ class Keys:
         """String key holding who runs worker `<worker>-<index>` (its holder id), with a TTL
         its heartbeat renews: the identity claim of a replica, and its liveness."""
         return self._k("worker", worker, str(index))
+
+    def worker_beat(self, worker: str, index: int) -> str:
+        """String key holding worker `<worker>-<index>`'s liveness beat (its holder id and
+        a count of beats), written only while the worker's loop turns: `streamrl up`
+        restarts a worker whose beat stops changing (`streamrl.liveness`). Under
+        `worker_slots`, so each worker's ACL allows it."""
+        return f"{self.worker_slot(worker, index)}:beat"

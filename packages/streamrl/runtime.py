@@ -16,7 +16,8 @@ import structlog
 
 from streamrl.acl import read_password_file
 from streamrl.config import Config
-from streamrl.logs import configure_logging
+from streamrl.liveness import Liveness
+from streamrl.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.names import Keys
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
@@ -65,6 +66,7 @@ class WorkerContext:
     max_steps: int = 0
     burst: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
+    liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
 
     @property
     def keys(self) -> Keys:
@@ -81,7 +83,8 @@ class WorkerContext:
         return f"{self.worker_id}-{os.getpid()}"
 
     def client(self) -> redis.Redis:
-        return make_client(self.redis_url, cluster=self.cfg.redis.cluster)
+        r = self.cfg.redis
+        return make_client(self.redis_url, cluster=r.cluster, busy_wait_s=r.busy_wait_s)
 
 
 def with_password(url: str, password: str) -> str:
@@ -124,7 +127,14 @@ def make_context(
         )
     if cfg.redis.cluster and name == "tools":
         raise NoRedisError(RQ_NEEDS_ONE_REDIS)
-    log = configure_logging(name, worker_id=f"{name}-{index}", pid=os.getpid(), run=cfg.run.name)
+    log_dir = os.environ.get(LOG_DIR_ENV)  # set by `streamrl up`; else stdout
+    log = configure_logging(
+        name,
+        file=run_log(Path(log_dir), f"{name}-{index}", cfg) if log_dir else None,
+        worker_id=f"{name}-{index}",
+        pid=os.getpid(),
+        run=cfg.run.name,
+    )
     return WorkerContext(
         name=name,
         index=index,
@@ -135,6 +145,11 @@ def make_context(
         max_steps=max_steps,
         burst=burst,
     )
+
+
+def run_log(log_dir: Path, name: str, cfg: Config) -> LogFile:
+    """The rolling log file `<log_dir>/<name>.log` of a process of `streamrl up`."""
+    return LogFile(log_dir / f"{name}.log", cfg.run.log_max_mb, cfg.run.log_backups)
 
 
 def stop_on_signals(stop: threading.Event, log: structlog.stdlib.BoundLogger) -> None:

@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -30,6 +32,7 @@ from streamrl.names import Keys
 from streamrl.wire import DeadLetter, Message, WireError, decode, encode, raw_fields
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 Pipeline = Any  # redis.client.Pipeline; its stubs are generic in ways mypy cannot follow
 PipelineOp = Callable[[Pipeline], None]
@@ -323,13 +326,127 @@ def entry_id_key(entry_id: str) -> tuple[int, int]:
 # A worker rides out a Redis restart (the launcher brings a crashed server back from its
 # AOF in about a second): each command is retried on connection errors with backoff (up
 # to 1 s apart), about 20 s in all, before the error propagates and the worker restarts.
+# Replies that say Redis is there but cannot serve yet, LOADING (a restarted server
+# loading its AOF: minutes for a large one) and BUSY (a script past its time limit), are
+# waited out for `busy_wait_s` (`redis.busy_wait_s`) instead of a count of tries.
 _RETRIES = 30
 _BACKOFF = ExponentialBackoff(cap=1.0, base=0.05)
+BUSY_WAIT_S = 600.0
+_MAX_BACKOFF_STEP = 16  # backoff(n) is capped long before: keeps 2**n a small number
+
+
+def waits_out(err: BaseException) -> bool:
+    """Whether `err` is a reply to wait out: LOADING, or BUSY (which redis-py raises as a
+    plain ResponseError; BUSYGROUP and BUSYKEY are other errors)."""
+    return isinstance(err, redis.BusyLoadingError) or (
+        isinstance(err, redis.ResponseError) and _BUSY.search(str(err)) is not None
+    )
+
+
+# BUSY as the reply, or in a pipeline's error ("Command # 1 (...) of pipeline caused
+# error: BUSY ...", "Transaction discarded because of: BUSY ...")
+_BUSY = re.compile(r"(?:^|: )BUSY ")
+
+
+class _Budget:
+    """What one command's retries have spent: connection errors by count, LOADING and BUSY
+    by time since the first of them."""
+
+    def __init__(
+        self, retry: WaitingRetry | AsyncWaitingRetry, fail: _Fail, check: _Check, count: bool
+    ) -> None:
+        retry.backoff.reset()
+        self.retry = retry
+        self.fail = fail  # the client's: disconnect (with the count of failures if `count`)
+        self.check = check
+        self.with_count = count
+        self.failures = 0  # every failure (the backoff's step)
+        self.errors = 0  # connection errors and timeouts
+        self.busy_since: float | None = None
+
+    def failed(self, error: Exception) -> Any:
+        """Count a failure and tell the client's `fail` (what it returns); raise `error`
+        when it is no reply to retry."""
+        if isinstance(error, redis.ResponseError) and not waits_out(error):
+            raise error  # a real error reply (WRONGTYPE, NOGROUP, ...): never retried
+        if self.check is not None and not self.check(error):
+            raise error
+        self.failures += 1
+        if not waits_out(error):
+            self.errors += 1
+        elif self.busy_since is None:
+            self.busy_since = time.monotonic()
+        return self.fail(error, self.failures) if self.with_count else self.fail(error)
+
+    def delay(self, error: Exception) -> float:
+        """The wait before the next try; raise `error` when the budget is spent."""
+        if waits_out(error):
+            assert self.busy_since is not None
+            spent = time.monotonic() - self.busy_since > self.retry.busy_wait_s
+        else:
+            retries = self.retry.get_retries()
+            spent = retries >= 0 and self.errors > retries
+        if spent:
+            raise error
+        return self.retry.backoff.compute(min(self.failures, _MAX_BACKOFF_STEP))
+
+
+_RETRIED = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
+_Fail = Callable[..., Any]  # what the client does after a failure (disconnect)
+_Check = Callable[[Exception], bool] | None  # the client's own test of an error
+
+
+class WaitingRetry(Retry):
+    """redis-py's Retry that also waits out LOADING and BUSY for `busy_wait_s` (`_Budget`)."""
+
+    def __init__(self, backoff: ExponentialBackoff, retries: int, busy_wait_s: float) -> None:
+        super().__init__(backoff, retries, (*_RETRIED, socket.timeout))
+        self.backoff = backoff
+        self.busy_wait_s = busy_wait_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: _Fail,
+        is_retryable: _Check = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        budget = _Budget(self, fail, is_retryable, with_failure_count)
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                budget.failed(error)
+                time.sleep(budget.delay(error))
+
+
+class AsyncWaitingRetry(AsyncRetry):
+    """The asyncio twin of `WaitingRetry`."""
+
+    def __init__(self, backoff: ExponentialBackoff, retries: int, busy_wait_s: float) -> None:
+        super().__init__(backoff, retries, _RETRIED)
+        self.backoff = backoff
+        self.busy_wait_s = busy_wait_s
+
+    async def call_with_retry(
+        self,
+        do: Callable[[], Awaitable[T]],
+        fail: _Fail,
+        is_retryable: _Check = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        budget = _Budget(self, fail, is_retryable, with_failure_count)
+        while True:
+            try:
+                return await do()
+            except self._supported_errors as error:
+                await budget.failed(error)
+                await asyncio.sleep(budget.delay(error))
 
 
 def _options(retry: Retry | AsyncRetry) -> dict[str, Any]:
     """Connection options both clients share: timeouts that fit blocking stream reads,
-    and `retry` on connection errors."""
+    and `retry` on connection errors, LOADING and BUSY."""
     return {
         "socket_connect_timeout": 5,
         "health_check_interval": 30,
@@ -346,14 +463,22 @@ def _cluster_options(retry: Retry | AsyncRetry) -> dict[str, Any]:
 
 
 def make_client(
-    url: str, retries: int = _RETRIES, *, cluster: bool = False, **kwargs: Any
+    url: str,
+    retries: int = _RETRIES,
+    *,
+    cluster: bool = False,
+    busy_wait_s: float = BUSY_WAIT_S,
+    **kwargs: Any,
 ) -> redis.Redis:
     """A Redis client for `url` with timeouts that fit blocking stream reads, retrying
-    commands across a short Redis outage (`retries` times, backoff up to 1 s). Every write
-    the workers make is idempotent by id, so a retried command whose first attempt did land
-    does no harm. With `cluster`, a `RedisCluster` that discovers the cluster from the
-    node `url` names (every key of a run is in one slot: `streamrl.names`)."""
-    retry = Retry(_BACKOFF, retries)
+    commands across a short Redis outage (`retries` times, backoff up to 1 s) and LOADING
+    or BUSY replies for `busy_wait_s`. A retried command whose first attempt did land
+    (its reply was lost) runs twice: harmless for SET, HSET, XACK, the scripts' guarded
+    writes; an `XADD *` in it adds a second entry (the consumers skip a repeated group,
+    member, task or call by its id; a counter beside it counts twice). With `cluster`, a
+    `RedisCluster` that discovers the cluster from the node `url` names (every key of a run
+    is in one slot: `streamrl.names`)."""
+    retry = WaitingRetry(_BACKOFF, retries, busy_wait_s)
     if cluster:
         # The commands, scripts and one-slot transactions the workers use are the same on
         # both; the callers' annotations name the single-server client.
@@ -361,9 +486,11 @@ def make_client(
     return redis.Redis.from_url(url, **_options(retry), **kwargs)
 
 
-def make_async_client(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis:
+def make_async_client(
+    url: str, *, cluster: bool = False, busy_wait_s: float = BUSY_WAIT_S, **kwargs: Any
+) -> aioredis.Redis:
     """The asyncio twin of `make_client`."""
-    retry = AsyncRetry(_BACKOFF, _RETRIES)
+    retry = AsyncWaitingRetry(_BACKOFF, _RETRIES, busy_wait_s)
     if cluster:
         client = AsyncRedisCluster.from_url(url, **_cluster_options(retry), **kwargs)
         return cast(aioredis.Redis, client)

@@ -27,6 +27,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.acl import OPERATOR, ROLES
 from streamrl.config import load_config
 from streamrl.feeder import Feeder
+from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.queues import inspect
 from streamrl.redis_server import EmbeddedRedis, redis_server_binary, server_version
@@ -231,6 +232,10 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
         trainer, KEYS, KEYS.groups, KEYS.CG_TRAINER, "t0", Task, cfg.transport
     )
     [group] = groups.read(count=1)
+    # grouper: the groups waiting for the trainer published (its lag), read by rollout
+    op.xadd(KEYS.groups, {"v": "1"})  # one more, not taken yet
+    assert Grouper(grouper, KEYS, cfg, "g0", log).publish_waiting() == 1
+    assert rollout.get(KEYS.groups_waiting) == b"1"
     publish(trainer, KEYS.weights, first.msg)
     trainer.set(KEYS.weights_chunk(1, 0), b"w")
     trainer.set(KEYS.policy_version, 1)

@@ -75,7 +75,9 @@ def test_rollout_pauses_on_half_filled_groups(
             assert rclient.hlen(keys.groups_started) == 0
             assert await bp.check()
             assert pauses(rclient, keys) == 2  # the pause goes on, with another reason
-            rclient.hset(keys.stats, "groups_trained", 1)
+            rclient.xgroup_create(keys.groups, Keys.CG_TRAINER, "0")  # the trainer takes one
+            rclient.xreadgroup(Keys.CG_TRAINER, "trainer", {keys.groups: ">"}, count=1)
+            assert g.publish_waiting() == 2
             assert not await bp.check()
         await aclient.aclose()
         return logs
@@ -133,3 +135,43 @@ def test_slow_environment_shows_in_queues(rclient: redis.Redis, redis_url: str, 
     text = format_report(inspect(rclient, keys))
     assert "half-filled groups: 3 (oldest" in text
     assert "backpressure_pauses 1" in text
+
+
+def test_ready_groups_are_what_the_trainer_has_not_taken(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Groups waiting for the trainer are read from the groups stream (its trainer group's
+    undelivered entries, which a grouper publishes), not from counters: a trainer restart
+    that rewinds and trains groups again counts `groups_trained` twice for them (review
+    M5), and then a counter difference says fewer groups wait than do, and rollout would
+    not pause."""
+    cfg = parse_config({"transport": {"block_ms": 5}, "rollout": {"max_ready_groups": 1}})
+    g = Grouper(rclient, keys, cfg, "g0", structlog.get_logger())
+    for i in range(3):
+        add(rclient, g, *(member(i, m, float(m)) for m in range(4)))
+    assert rclient.xlen(keys.groups) == 3
+
+    async def reason() -> str | None:
+        g.publish_waiting()  # what the grouper's loop does every WAITING_EVERY_S
+        aclient = aioredis.Redis.from_url(redis_url)
+        try:
+            return await Backpressure(aclient, keys, cfg, structlog.get_logger()).reason()
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(reason()) == "3 groups wait for the trainer (max_ready_groups 1)"
+
+    def train(n: int) -> None:  # as the trainer: read, count, acknowledge
+        got: Any = rclient.xreadgroup(Keys.CG_TRAINER, "trainer", {keys.groups: ">"}, count=n)
+        ids = [e for e, _ in got[0][1]]
+        rclient.hincrby(keys.stats, "groups_trained", len(ids))
+        rclient.xack(keys.groups, Keys.CG_TRAINER, *ids)
+
+    rclient.xgroup_create(keys.groups, Keys.CG_TRAINER, "0")
+    train(2)
+    rclient.xgroup_setid(keys.groups, Keys.CG_TRAINER, "0")  # a restart rewinds to its cut
+    train(2)  # and trains them again: groups_trained 4 of 3 groups
+    assert rclient.hmget(keys.stats, ["groups", "groups_trained"]) == [b"3", b"4"]
+    assert asyncio.run(reason()) == "1 groups wait for the trainer (max_ready_groups 1)"
+    train(1)
+    assert asyncio.run(reason()) is None

@@ -9,6 +9,7 @@ import redis
 import structlog
 
 from streamrl.identity import Heartbeat, claim_index, holder_of, renew
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 
 LOG = structlog.get_logger()
@@ -96,3 +97,39 @@ def test_a_given_index_takes_its_slot_from_a_dead_predecessor(
     other.start()
     assert lost.is_set()
     other.close()
+
+
+def test_the_liveness_beat_follows_the_loop_not_the_thread(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """The beat key changes while the worker starts, while its loop ticks and during a busy
+    step; it stops when the loop stops ticking, though the heartbeat thread runs on (and
+    the identity slot stays renewed)."""
+    alive = Liveness()
+    beat_key = keys.worker_beat("feeder", 7)
+
+    def beats_within(s: float) -> set[bytes]:
+        seen: set[bytes] = set()
+        end = time.monotonic() + s
+        while time.monotonic() < end:
+            value = rclient.get(beat_key)
+            if value is not None:
+                seen.add(value)  # type: ignore[arg-type]
+            time.sleep(0.05)
+        return seen
+
+    beat = Heartbeat(
+        rclient, keys, "feeder", 7, "host:7", LOG, lambda: None, 30, alive, liveness_s=0.8
+    ).start(take=True)
+    try:
+        assert len(beats_within(0.7)) >= 2  # starting: no tick yet, live
+        alive.tick()
+        assert len(beats_within(0.5)) >= 2  # the loop just ticked
+        time.sleep(0.9)  # the loop stops ticking: the beat stops
+        assert len(beats_within(1.0)) == 1
+        assert holder_of(rclient, keys, "feeder", 7) == "host:7"  # identity kept
+        with alive.busy():  # a long step: live again
+            assert len(beats_within(1.0)) >= 2
+        assert bytes(rclient.get(beat_key)).startswith(b"host:7 ")  # type: ignore[arg-type]
+    finally:
+        beat.close()

@@ -30,6 +30,7 @@ from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
 from streamrl.config import Config
 from streamrl.hfchat import HFChat
+from streamrl.liveness import Liveness
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
@@ -315,7 +316,9 @@ def test_lora_publish_serves_exactly_the_merged_model(
     pub = WeightPublisher(rclient, keys, channel, LOG, keep=1)
     # A train state that holds adapters beside the frozen base (what LoRA training keeps).
     state = SimpleNamespace(params=adapters, base_params=base)
-    loop: Any = SimpleNamespace(version=0, step=0, state=state, cluster=Cluster())
+    loop: Any = SimpleNamespace(
+        version=0, step=0, state=state, cluster=Cluster(), liveness=Liveness()
+    )
     hook = PublishHook(1, pub, adapters=lambda st: (st.params, lora))
     follower = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
 

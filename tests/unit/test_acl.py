@@ -51,10 +51,14 @@ def test_every_role_is_an_allow_list_without_admin(read_only: bool) -> None:
         after = rules[rules.index("-@admin") + 1 :]
         assert all(r.startswith("+") and not r.startswith("+@") for r in after), role
         assert not {"+config", "+flushall", "+acl", "+keys", "+script", "+debug"} & set(after)
-        # the trainer declares every key it reads to the snapshot's EVAL: none read-only,
-        # and the colocated worker is a trainer too
-        reads_only = role in ("rollout", "grouper")
-        assert any(r.startswith("%R~") for r in rules) == (read_only and reads_only), role
+        # the trainer declares every key it reads to the snapshot's EVAL: none read-only;
+        # the colocated worker is a trainer too, and reads only what rollout reads of the
+        # grouper's (the groups waiting, its backpressure)
+        reads_only = role in ("rollout", "grouper", "colocated")
+        read_only_rules = [r for r in rules if r.startswith("%R~")]
+        assert bool(read_only_rules) == (read_only and reads_only), role
+        if role == "colocated" and read_only:
+            assert read_only_rules == [f"%R~{Keys('demo').groups_waiting}"]
 
 
 def test_patterns_follow_the_key_names() -> None:

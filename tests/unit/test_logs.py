@@ -2,8 +2,9 @@
 
 import io
 import json
+from pathlib import Path
 
-from streamrl.logs import configure_logging
+from streamrl.logs import LogFile, configure_logging
 
 
 def test_secrets_are_redacted_and_counts_kept() -> None:
@@ -49,3 +50,17 @@ def test_nested_secrets_are_redacted() -> None:
         {"traj_id": "g1-m0", "tokens": 55, "error": None, "token": "***"}
     ]
     assert not any(f"pw{i}" in line for i in range(1, 7))
+
+
+def test_a_log_file_rolls_over_by_size(tmp_path: Path) -> None:
+    """Review M4 (logs): a worker's JSON log rolls over at `max_mb` into `.1`, `.2`,
+    keeping `backups` of them; every line stays whole JSON."""
+    path = tmp_path / "rollout-0.log"
+    log = configure_logging("rollout", file=LogFile(path, max_mb=0.01, backups=2))
+    for i in range(1000):  # about 100 KB: ten times the size
+        log.info("trajectory_committed", n=i, pad="x" * 40)
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["rollout-0.log", "rollout-0.log.1", "rollout-0.log.2"]
+    assert all(f.stat().st_size <= 0.01 * 2**20 for f in files)
+    lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
+    assert max(e["n"] for e in lines) == 999 and len(lines) < 1000  # the oldest rolled off

@@ -43,6 +43,7 @@ import structlog
 
 from streamrl.config import Config
 from streamrl.failpoints import EPISODE_SAVED, afailpoint
+from streamrl.liveness import Liveness
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner, traj_id
@@ -59,8 +60,9 @@ RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool t
 
 class Backpressure:
     """Whether rollout may start a new task: not while `max_ready_groups` groups wait for
-    the trainer, nor while `max_partial_groups` groups are half filled (HLEN of the
-    groups-started hash). Each move into the paused state is counted once in stats
+    the trainer (the trainer consumer group's lag, as a grouper publishes it:
+    `Grouper.publish_waiting`), nor while `max_partial_groups` groups are half filled (HLEN
+    of the groups-started hash). Each move into the paused state is counted once in stats
     (`backpressure_pauses`) and logged with its reason, as is the resume."""
 
     def __init__(
@@ -81,10 +83,13 @@ class Backpressure:
         has finished but not yet committed (ready in a moment, not yet counted in Redis)."""
         rcfg = self.cfg.rollout
         pipe = self.aclient.pipeline(transaction=False)
-        pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
         pipe.hlen(self.keys.groups_started)
-        raw, partial = await pipe.execute()
-        ready = int(raw[0] or 0) - int(raw[1] or 0) + ending
+        pipe.get(self.keys.groups_waiting)
+        pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
+        partial, waiting, counted = await pipe.execute()
+        if waiting is None:  # no grouper has counted lately: the counters, roughly
+            waiting = int(counted[0] or 0) - int(counted[1] or 0)
+        ready = int(waiting) + ending
         if ready >= rcfg.max_ready_groups:
             return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"
         if rcfg.max_partial_groups and int(partial) >= rcfg.max_partial_groups:
@@ -156,8 +161,10 @@ class RolloutWorker:
         log: structlog.stdlib.BoundLogger,
         stop: Callable[[], bool],
         threads: WorkerThreads | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.aclient = aclient
+        self.liveness = liveness or Liveness()  # ticked by the supervising loop
         self.keys = keys
         self.cfg = cfg
         self.server = server
@@ -225,6 +232,7 @@ class RolloutWorker:
         committer = asyncio.create_task(self._committer(), name="commits")
         try:
             while not self.stop() and self._failure is None:
+                self.liveness.tick()  # the event loop turns (a blocking call would hold it)
                 done = [p for p in [*parts, committer] if p.done()]
                 for p in done:
                     p.result()  # re-raises a component's error: the process stops with it

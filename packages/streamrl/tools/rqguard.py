@@ -19,6 +19,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
+from streamrl.liveness import Liveness
 from streamrl.tools.jobs import JOB_PATH, run_tool_call
 
 
@@ -70,9 +71,30 @@ class ToolCallWorker(SimpleWorker):
 
     job_class = ToolCallJob
 
-    def __init__(self, *args: Any, log: structlog.stdlib.BoundLogger, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        log: structlog.stdlib.BoundLogger,
+        liveness: Liveness | None = None,
+        call_limit_s: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.streamrl_log = log
+        self.liveness = liveness or Liveness()
+        self.call_limit_s = call_limit_s  # a job is a busy step this long
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        """rq's heartbeat, which its loop sends each time round (after each job, each
+        dequeue timeout): the loop's liveness tick too (`streamrl.liveness`)."""
+        self.liveness.tick()
+        super().heartbeat(timeout, pipeline=pipeline)
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """Run one job: a busy step for up to the call's own limit (`call_limit_s`), so a
+        tool call longer than the liveness limit is not taken for a stuck worker."""
+        with self.liveness.busy(self.call_limit_s):
+            super().execute_job(job, queue)
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         try:

@@ -17,6 +17,7 @@ new episode once it has synced.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -37,6 +38,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
+from streamrl.liveness import Liveness
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
@@ -64,6 +66,31 @@ class Hook(Protocol):
     def __call__(self, loop: TrainerLoop, final: bool) -> None: ...
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _busy(method: F) -> F:
+    """A method of the loop that is one busy step of its liveness (`streamrl.liveness`)."""
+
+    @functools.wraps(method)
+    def run(loop: TrainerLoop, *args: Any, **kwargs: Any) -> Any:
+        with loop.liveness.busy():
+            return method(loop, *args, **kwargs)
+
+    return cast(F, run)
+
+
+def _busy_hook(call: F) -> F:
+    """A hook's call, one busy step of its loop's liveness (a checkpoint, a publication)."""
+
+    @functools.wraps(call)
+    def run(hook: Any, loop: TrainerLoop, final: bool) -> Any:
+        with loop.liveness.busy():
+            return call(hook, loop, final)
+
+    return cast(F, run)
+
+
 @dataclass
 class TrainerLoop:
     """State the hooks see: the train state, the step's groups, what is not yet acked."""
@@ -84,6 +111,7 @@ class TrainerLoop:
     # (step, group ids trained at it) for every step of the current state's history
     lineage: list[tuple[int, list[str]]] = field(default_factory=list)
     cluster: Cluster = field(default_factory=Cluster)
+    liveness: Liveness = field(default_factory=Liveness)  # its heartbeat reads it
 
     def __post_init__(self) -> None:
         if not self.cluster.leader:
@@ -110,6 +138,7 @@ class TrainerLoop:
         want = self.cfg.trainer.groups_per_step
         out: list[Delivery[Group]] = []
         while len(out) < want and not self.stop():
+            self.liveness.tick()
             for d in self.input.read(count=want - len(out)):
                 # Trained before, or twice in this batch (a group emitted again after Redis
                 # lost the record of its first emission): acked with the next checkpoint.
@@ -146,6 +175,7 @@ class TrainerLoop:
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
         return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
 
+    @_busy  # a step's duration (its JIT compile too) is the model's, not a stall
     def train_once(self, groups: list[Delivery[Group]] | None) -> TrainMetrics | None:
         """One step on `groups` (the leader's; None on the other processes, which get the
         batch from the leader); the step's metrics on the leader, None elsewhere."""
@@ -275,7 +305,8 @@ class TrainerLoop:
             groups = [] if done else self.collect()
             if len(groups) < self.cfg.trainer.groups_per_step:
                 groups = None  # stopped while waiting
-        go = self.cluster.broadcast(np.array([groups is not None]))
+        with self.liveness.busy():  # the others wait here while the leader collects
+            go = self.cluster.broadcast(np.array([groups is not None]))
         if not bool(go[0]):
             return None
         return groups if self.cluster.leader else []
@@ -315,6 +346,7 @@ class PublishHook:
     adapters: Callable[[TrainState], tuple[Any, LoraConfig]] | None = None
     published: int = 0
 
+    @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         version = loop.version + 1 if self.published else loop.version
         lora: LoraConfig | None = None
@@ -345,6 +377,7 @@ class CheckpointHook:
     checkpointer: ocp.AbstractCheckpointer
     trim: bool = True  # after each checkpoint (ckpts.trim_streams, ckpts.trim_history)
 
+    @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         if loop.step == 0:
             return  # nothing trained: the starting point needs no checkpoint
@@ -443,6 +476,7 @@ class ExportHook:
     max_shard_bytes: int | None = None
     lora: LoraConfig | None = None  # LoRA training: the adapters are merged into the export
 
+    @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
         start = time.monotonic()
         params = loop.cluster.gather(loop.state.policy_params(self.lora))

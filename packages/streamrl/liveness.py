@@ -1,0 +1,55 @@
+"""Whether a worker's main loop still turns: what its heartbeat's liveness beat says.
+
+The worker process has one `Liveness` (`WorkerContext.liveness`), passed to its loop. The
+loop calls `tick()` each time round; a step that may rightly outlast the liveness limit (a
+train step with its JIT compile, a checkpoint, a weights publication; a tool call, for up
+to its own time limit) runs inside `busy()`. Until the first tick the worker is starting
+(imports, model load, resume) and counts as live. The heartbeat thread
+(`streamrl.identity.Heartbeat`) writes the worker's beat key only while `live(limit_s)`: a
+loop that stops turning outside a busy step stops the beat as surely as a stopped process
+does (SIGSTOP, a frozen host), and `streamrl up` kills and restarts a worker whose beat is
+older than `run.liveness_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class Liveness:
+    """The loop's last tick and its busy steps; read by the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last_tick: float | None = None  # monotonic time of the last tick; None: starting
+        self._busy: dict[int, float] = {}  # busy steps running now -> their deadlines
+        self._next_id = 0
+
+    def tick(self) -> None:
+        """The loop turned once."""
+        self._last_tick = time.monotonic()
+
+    @contextmanager
+    def busy(self, max_s: float | None = None) -> Iterator[None]:
+        """A step that may take longer than the limit without being stuck (for up to
+        `max_s` seconds, if given); ticks at its end."""
+        deadline = time.monotonic() + max_s if max_s is not None else float("inf")
+        with self._lock:
+            token, self._next_id = self._next_id, self._next_id + 1
+            self._busy[token] = deadline
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._busy[token]
+            self.tick()
+
+    def live(self, limit_s: float) -> bool:
+        """Starting, in a busy step (within its `max_s`), or ticked within `limit_s`."""
+        now, last = time.monotonic(), self._last_tick
+        with self._lock:
+            busy = any(now < deadline for deadline in self._busy.values())
+        return last is None or busy or now - last < limit_s
