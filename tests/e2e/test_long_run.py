@@ -37,7 +37,7 @@ EARLY, LATE = (50, 149), (400, STEPS - 1)
 SLACK = {"used_memory": 1.15, "run_keys": 1.15, "snapshot": 1.5, "snapshot_ids": 1.25}
 SLACK_BYTES = {"used_memory": 96 << 10, "run_keys": 64 << 10, "snapshot": 32 << 10}
 SLACK_BYTES |= {"snapshot_ids": 50, "meta": 1024}
-ABSOLUTE = {"used_memory": 32 << 20, "run_keys": 4 << 20, "snapshot": 1 << 20}
+ABSOLUTE = {"used_memory": 32 << 20, "run_keys": 8 << 20, "snapshot": 2 << 20}
 
 
 def _run_key_bytes(client: redis.Redis, keys: Keys) -> int:
