@@ -18,11 +18,12 @@ from pathlib import Path
 
 import redis
 
+from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.identity import Heartbeat, claim_index, default_holder
 from streamrl.logs import redact_url
-from streamrl.runtime import WORKER_NAMES, make_context, stop_on_signals
+from streamrl.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
 from streamrl_workers.args import config_arguments
 
 
@@ -86,6 +87,8 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         return 1
     stop_on_signals(ctx.stop, ctx.log)
     ctx.log.info("worker_identity", index=ctx.index, holder=holder, auto=args.index == "auto")
+    if args.name not in ("trainer", "colocated"):  # those restore the queues themselves
+        wait_for_queues(ctx)
     module = importlib.import_module(f"streamrl_workers.{args.name}")
     try:
         code: int = module.run(ctx)
@@ -101,6 +104,18 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     if code == FATAL_EXIT_CODE:
         exit_fatal()
     return code
+
+
+def wait_for_queues(ctx: WorkerContext) -> None:
+    """Under `streamrl up --resume` after Redis lost the run, wait (until stopped) while
+    the trainer writes back the queues of the checkpoint it restores
+    (`checkpoints.RESTORE_PENDING`): a worker that started on empty queues would begin the
+    run's data again."""
+    pending = ctx.run_dir / "checkpoints" / ckpts.RESTORE_PENDING
+    if pending.exists():
+        ctx.log.info("waiting_for_queues", path=str(pending))
+    while pending.exists() and not ctx.stop.wait(0.2):
+        pass
 
 
 def exit_fatal() -> None:

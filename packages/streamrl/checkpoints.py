@@ -31,7 +31,8 @@ Restart (DESIGN.md, "Checkpoint and restart"):
   is re-created there, so no stale pending entry survives), which re-delivers exactly the
   groups consumed after it; those the restored lineage already holds are skipped by id.
 - Redis lost the run's data: `restore_queues` writes the snapshot back (entries keep their
-  ids; each consumer group starts before them, so all are delivered again).
+  ids; each consumer group starts before them, so all are delivered again). The trainer
+  does it, from the checkpoint whose state it restored (`RESTORE_PENDING`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ COMMIT = "COMMIT"
 META = "meta.json"
 QUEUES = "queues.msgpack"
 STATE = "state"
+# In the checkpoints root, written by `streamrl up --resume` when Redis lost the run: the
+# trainer writes back the queue snapshot of the checkpoint it restores (the one its Orbax
+# state comes from, which may be older than the newest complete one) and removes it; the
+# other workers start once it is gone.
+RESTORE_PENDING = "RESTORE_QUEUES"
 _PREFIX = "step_"
 SNAPSHOT_VERSION = 1
 

@@ -847,6 +847,15 @@ class TrainerConfig(_Section):
     max_steps: int = Field(
         0, ge=0, le=100_000_000, description="Stop after this many steps (0: run until stopped)."
     )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description=(
+            "Steps in a row whose loss or gradient norm is not finite (each one skipped: the "
+            "state kept, its groups dead-lettered) after which the run stops with an error."
+        ),
+    )
 
     lora_rank: int = Field(
         0,

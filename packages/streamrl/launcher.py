@@ -217,9 +217,9 @@ class Launcher:
         if kept:
             how = "Redis kept the queues"
         elif ck is not None:
-            counts = ckpts.restore_queues(client, self.keys, ck.snapshot())
-            log.info("queues_restored", step=ck.step, path=str(ck.path), entries=counts)
-            how = f"queues restored from the snapshot ({sum(counts.values())} entries)"
+            # The trainer restores them, from the checkpoint whose state it can restore.
+            (ck.path.parent / ckpts.RESTORE_PENDING).touch()
+            how = "the trainer restores the queues from the checkpoint it restores"
         else:
             how = "no checkpoint and no queues: starting afresh"
         published = client.get(self.keys.policy_version)

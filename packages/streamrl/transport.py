@@ -309,12 +309,21 @@ class RedisStreamConsumer(Generic[M]):
             consumer=self.name,
             deliveries=deliveries,
         )
-        self.commit(
-            [entry_id],
-            [(self.keys.dead, letter)],
-            extra=lambda p: p.hincrby(self.keys.stats, "dead_letters", 1),
-        )
+        self.commit([entry_id], extra=lambda p: stage_dead_letter(p, self.keys, letter))
         self.log.error("dead_letter", entry_id=entry_id, reason=reason, deliveries=deliveries)
+
+
+DEAD_LETTERS = "dead_letters"  # stats counter: entries moved to the dead letters
+# stats counter: groups the trainer took without training them (dead-lettered or dropped
+# as stale): no longer waiting for it, like the trained ones (`groups_trained`)
+GROUPS_SET_ASIDE = "groups_set_aside"
+
+
+def stage_dead_letter(pipe: Pipeline, keys: Keys, letter: DeadLetter) -> None:
+    """Queue on `pipe` what every dead letter writes: the letter in `<run>:dead` and the
+    count. Acknowledging its entry is the caller's part (at once, or with a checkpoint)."""
+    publish(pipe, keys.dead, letter)
+    pipe.hincrby(keys.stats, DEAD_LETTERS, 1)
 
 
 def entry_id_key(entry_id: str) -> tuple[int, int]:

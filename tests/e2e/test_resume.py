@@ -112,7 +112,9 @@ def test_resume_after_redis_lost_restores_the_queues(
     rclient.delete(*rclient.keys(keys.every_key))  # Redis lost the run
 
     out = resume(run_dir, 4, *sets, env=env)
-    assert "queues restored from the snapshot" in out, out
+    assert "the trainer restores the queues from the checkpoint it restores" in out, out
+    [restored] = events(run_dir, "trainer-0", "queues_restored")
+    assert restored["step"] == 2 and restored["entries"][keys.groups] > 0
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 4
     ids = check_lineage(run_dir, 4)

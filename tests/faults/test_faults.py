@@ -7,8 +7,9 @@ write (after the state, before the commit marker), one mid weight publish, and o
 rollout kill mid weight load (failpoints, `streamrl.failpoints`). The run is then stopped
 and its final state read back, from ids:
 
-- every task the feeder issued is trained exactly once in the final lineage, dropped by a
-  logged policy, or still queued (in flight: it would be trained on resume); none is lost;
+- every task the feeder issued is trained exactly once in the final lineage (from the
+  trainer's log; the checkpoint holds its window), dropped by a logged policy, or still
+  queued (in flight: it would be trained on resume); none is lost;
 - no group appears twice in the lineage, whose steps run 1..N without a gap, and each
   trainer restart continued at the step after the checkpoint it restored;
 - the cut-off checkpoint was ignored with a logged reason;
@@ -234,6 +235,18 @@ def check_restarts(logs: Logs) -> None:
     assert any("commit marker" in e["reason"] for e in removed), removed
 
 
+def logged_lineage(events: list[dict[str, Any]], last_step: int) -> list[list[Any]]:
+    """The final state's history, [step, group ids] per step, from the trainer's log: each
+    `train_step` line; a resume discards the steps after the checkpoint it restored."""
+    steps: dict[int, list[str]] = {}
+    for e in events:
+        if e["event"] == "trainer_resumed":
+            steps = {s: ids for s, ids in steps.items() if s <= e["step"]}
+        elif e["event"] == "train_step":
+            steps[e["step"]] = e["group_ids"]
+    return [[s, steps[s]] for s in sorted(steps) if s <= last_step]
+
+
 def final_redis_state(run_dir: Path, keys: Keys) -> tuple[int, set[str], set[str]]:
     """(feeder cursor, dropped group ids, group ids still queued), from the run's AOF."""
     with EmbeddedRedis(run_dir / "redis") as server:
@@ -257,9 +270,12 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
     assert sandbox_containers(ns) in (None, [])
 
     # The final lineage: steps 1..N, no group twice; restarts continued without a gap.
+    # meta.json holds its window (the steps a resume can need); the trainer's log, all.
     final = ckpts.latest_complete(run_dir / "checkpoints")
     assert final is not None and final.step >= MIN_STEPS
-    lineage = final.meta()["lineage"]
+    lineage = logged_lineage(logs.events["trainer-0"], final.step)
+    window = final.meta()["lineage"]
+    assert window and lineage[-len(window) :] == window
     assert [s for s, _ in lineage] == list(range(1, final.step + 1))
     trained_list = [g for _, gs in lineage for g in gs]
     trained = set(trained_list)
@@ -275,7 +291,7 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
     logged_drops = {
         e["group_id"]
         for name, es in logs.events.items()
-        if name.startswith("grouper")
+        if name.startswith(("grouper", "trainer"))  # the trainer drops what went stale
         for e in es
         if e["event"] == "group_dropped" and e.get("reason")
     }

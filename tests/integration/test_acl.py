@@ -244,11 +244,11 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
     groups.commit([group.entry_id])
     ckpts.trim_streams(trainer, KEYS, snap)
     ckpts.rewind_group(trainer, snap.stream(KEYS.groups))  # type: ignore[arg-type]
-    # operator: the queue report, and the snapshot restored into an empty run
+    # operator: the queue report; the trainer: the snapshot restored into an empty run
     assert inspect(op, KEYS).streams
     for key in op.scan_iter(KEYS.every_key):
         op.delete(key)
-    counts = ckpts.restore_queues(op, KEYS, snap)
+    counts = ckpts.restore_queues(trainer, KEYS, snap)
     assert counts[KEYS.tasks] == cfg.task.max_backlog - 1  # the first was rolled out
     assert rollout.get(KEYS.weights_chunk(1, 0)) is None  # the operator cleared it
 

@@ -34,6 +34,7 @@ from streamrl.rl.losses import (
     dapo_loss,
     dr_grpo_loss,
     grpo_loss,
+    missing_logp_rows,
     policy_loss,
     register,
 )
@@ -394,10 +395,13 @@ def test_rollout_logps_invalid_value(bad: float, message: str) -> None:
 
 def test_rollout_logps_missing() -> None:
     # row 1's masked tokens are all exactly 0.0: what transcripts hold when the engine
-    # reported no log-probs
-    old = np.array([[0.0, -0.5, -0.7], [0.0, 0.0, 0.0]], np.float32)
-    mask = np.array([[0, 1, 1], [0, 1, 1]], np.float32)
-    with pytest.raises(ValueError, match=r"all-zero \(missing\) log-probs in rows \[1\]"):
-        check_rollout_logps(old, mask)
+    # reported no log-probs; it passes the check and is found as missing (to be masked
+    # out). Row 0 has one exact 0.0 among others (a near-certain token); row 2 has no
+    # sampled token at all.
+    old = np.array([[0.0, -0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[0, 1, 1], [0, 1, 1], [0, 0, 0]], np.float32)
+    check_rollout_logps(old, mask)
+    assert missing_logp_rows(old, mask).tolist() == [False, True, False]
+    assert missing_logp_rows(old[1], mask[1]).tolist() == [True]  # one sequence, 1-D
     with pytest.raises(ValueError, match="shape"):
         check_rollout_logps(old, mask[:, :2])

@@ -36,7 +36,7 @@ def test_stub_answers_its_turn_tokens_after_its_latency() -> None:
     assert result.stopped
     tokens, logprobs = result.tokens, result.logprobs
     assert len(tokens) == len(logprobs) == 16 and tokens[-1] == STOP_ID
-    assert all(math.isfinite(lp) and lp < 0 for lp in logprobs)  # the trainer rejects 0 rows
+    assert all(math.isfinite(lp) and lp < 0 for lp in logprobs)  # the trainer masks out all-0 rows
     assert server.steps == 1 and server.tokens_generated == 16
 
 

@@ -240,3 +240,41 @@ def test_lora_trains_adapters_on_a_frozen_base(params: Params) -> None:
     kl_step = make_train_step(SPEC, kl_cfg, TEMPERATURE, make_optimizer(kl_cfg))
     _, m = kl_step(init_state(params, make_optimizer(kl_cfg), lora=lora), batch)
     assert float(m["kl"]) == pytest.approx(0.0, abs=1e-6)
+
+
+def _nan_updates() -> optax.GradientTransformation:
+    """An optimizer whose every update is NaN (what an overflow in its state gives)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return jax.tree.map(lambda u: u * np.float32(np.nan), updates), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+
+
+def test_a_non_finite_step_keeps_the_old_state(params: Params) -> None:
+    cfg = TrainerConfig(learning_rate=1e-2)
+    batch = build_batch(_items(params, [20, 24], seed=7), [1.0, -1.0], PAD)
+    # A finite loss whose update is not finite (review M1): the weights must not take it.
+    optimizer = _nan_updates()
+    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    state = init_state(params, optimizer)
+    new_state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert int(new_state.step) == 0 and _same(new_state.params, params)
+    # A NaN in the rollout log-probs: the loss and gradient are NaN; the state is kept too.
+    optimizer = make_optimizer(cfg)
+    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    state = init_state(params, optimizer)
+    bad = batch.old_logp.copy()
+    bad[0, 15] = np.nan
+    new_state, metrics = step(state, Batch(batch.tokens, batch.mask, bad, batch.advantages))
+    assert not np.isfinite(float(metrics["loss"]))
+    assert int(new_state.step) == 0 and _same(new_state.params, params)
+    assert _same(new_state.opt_state, state.opt_state)
+    # The same step on the good batch moves on.
+    new_state, metrics = step(state, batch)
+    assert int(new_state.step) == 1 and not _same(new_state.params, params)

@@ -317,12 +317,8 @@ def check_rollout_logps(old_logp: np.ndarray, mask: np.ndarray) -> None:
     old_logp, mask: [B, T] (or [T]) arrays, mask > 0 on the policy's sampled tokens. Only
     masked tokens are checked. Raises ValueError naming the rows when:
       - a masked log-prob is NaN or infinite (-inf would make the ratio inf);
-      - a masked log-prob is > 0 (log-softmax is <= 0 exactly, even in float32);
-      - every masked log-prob of a row is exactly 0.0: transcripts fill 0.0 where the
-        engine reported nothing, and a real row would need every sampled token to have
-        probability 1 to float32 precision. One exact 0.0 among others is allowed (a
-        near-certain token). A policy so collapsed that a whole transcript is certain
-        would be rejected too; it then has nothing left to learn from those rows.
+      - a masked log-prob is > 0 (log-softmax is <= 0 exactly, even in float32).
+    A row whose masked log-probs are all exactly 0.0 passes: see `missing_logp_rows`.
     """
     lp = np.atleast_2d(np.asarray(old_logp, dtype=np.float64))
     m = np.atleast_2d(np.asarray(mask)) > 0
@@ -335,9 +331,6 @@ def check_rollout_logps(old_logp: np.ndarray, mask: np.ndarray) -> None:
     positive = np.flatnonzero(np.any(m & np.isfinite(lp) & (lp > 0.0), axis=1))
     if positive.size:
         problems.append(f"positive log-probs in rows {positive[:8].tolist()}")
-    all_zero = np.flatnonzero(m.any(axis=1) & ~np.any(m & (lp != 0.0), axis=1))
-    if all_zero.size:
-        problems.append(f"all-zero (missing) log-probs in rows {all_zero[:8].tolist()}")
     if problems:
         raise ValueError(
             "rollout log-probs cannot be used as old_logp: "
@@ -345,3 +338,17 @@ def check_rollout_logps(old_logp: np.ndarray, mask: np.ndarray) -> None:
             + ". Make the engine report sampled-token log-probs, or recompute them in the "
             "trainer (use_rollout_logps off)."
         )
+
+
+def missing_logp_rows(old_logp: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """[B] bool: rows with sampled tokens whose masked log-probs are all exactly 0.0.
+
+    Transcripts fill 0.0 where the engine reported nothing, and a real row would need
+    every sampled token to have probability 1 to float32 precision (a policy so collapsed
+    on an easy prompt that its log-softmax rounds to 0: possible late in training, and
+    then the row has nothing left to teach). Either way the row's log-probs are
+    unavailable: the trainer masks it out of the loss instead of using them.
+    """
+    lp = np.atleast_2d(np.asarray(old_logp))
+    m = np.atleast_2d(np.asarray(mask)) > 0
+    return np.asarray(m.any(axis=1) & ~np.any(m & (lp != 0.0), axis=1))

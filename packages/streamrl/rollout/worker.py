@@ -50,7 +50,13 @@ from streamrl.rollout.episode import EpisodeRunner, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
-from streamrl.transport import Delivery, RedisStreamConsumer, as_str, is_cluster
+from streamrl.transport import (
+    GROUPS_SET_ASIDE,
+    Delivery,
+    RedisStreamConsumer,
+    as_str,
+    is_cluster,
+)
 from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_state, encode_state
 
 BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
@@ -85,10 +91,10 @@ class Backpressure:
         pipe = self.aclient.pipeline(transaction=False)
         pipe.hlen(self.keys.groups_started)
         pipe.get(self.keys.groups_waiting)
-        pipe.hmget(self.keys.stats, ["groups", "groups_trained"])
+        pipe.hmget(self.keys.stats, ["groups", "groups_trained", GROUPS_SET_ASIDE])
         partial, waiting, counted = await pipe.execute()
         if waiting is None:  # no grouper has counted lately: the counters, roughly
-            waiting = int(counted[0] or 0) - int(counted[1] or 0)
+            waiting = int(counted[0] or 0) - int(counted[1] or 0) - int(counted[2] or 0)
         ready = int(waiting) + ending
         if ready >= rcfg.max_ready_groups:
             return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"

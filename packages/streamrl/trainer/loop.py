@@ -5,11 +5,15 @@ checkpoint hang off the loop as hooks that run every N steps (and once more at t
 Groups are acknowledged only by the checkpoint hook, once the checkpoint that holds the
 update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending on
 the trainer's fixed consumer name, and the ids already trained are skipped if delivered
-again.
+again. A group is judged on its own before it joins a batch: one too stale is dropped, one
+the trainer cannot use is dead-lettered; either is acknowledged with the next checkpoint
+like a trained one. A step whose loss or gradient is not finite changes nothing (the
+state is kept, no hook runs) and dead-letters its groups; a few in a row stop the run.
 
 A trainer that starts where a run already went on (`resume`) restores the newest complete
-checkpoint (`streamrl.checkpoints`): its state, the lineage of group ids it trained, and
-the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
+checkpoint (`streamrl.checkpoints`) that Orbax can restore: its state, the window of the
+lineage of group ids it trained, the queues from its snapshot when Redis lost the run,
+and the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
 restored policy as a new version above every version published before, and sets the
 policy floor to it, so that no rollout worker serves the discarded lineage's weights to a
 new episode once it has synced.
@@ -18,6 +22,7 @@ new episode once it has synced.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import shutil
@@ -43,23 +48,39 @@ from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
 from streamrl.names import Keys
-from streamrl.rl.losses import check_rollout_logps
+from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState, build_batch
-from streamrl.transport import Delivery, RedisStreamConsumer, publish
-from streamrl.wire import Group, TrainMetrics
+from streamrl.transport import (
+    GROUPS_SET_ASIDE,
+    Delivery,
+    RedisStreamConsumer,
+    publish,
+    stage_dead_letter,
+)
+from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
 
 TRAINER_CONSUMER = "trainer"
 
+# Stats counters of what the trainer sets aside (its dead letters count under the
+# transport's DEAD_LETTERS, its drops under the grouper's GROUPS_DROPPED too).
+ROWS_MASKED = "trainer_rows_masked"  # rows trained without their (missing) rollout log-probs
+GROUPS_STALE = "trainer_groups_stale"  # groups too far off policy when the trainer took them
+NONFINITE_STEPS = "trainer_nonfinite_steps"  # steps skipped: loss or gradient norm not finite
+GROUPS_DROPPED = "groups_dropped"
 
-class NonFiniteLossError(FatalError):
+Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # one member's tokens, mask, rollout log-probs
+
+
+class NonFiniteStepsError(FatalError):
     pass
 
 
 class Hook(Protocol):
     """Runs after every `every`-th step, and at the end of the run unless the last step
-    was such a step (`final=True`); `every` 0: at the end only."""
+    was such a step (`final=True`); `every` 0: at the end only. Never after a skipped
+    (non-finite) step."""
 
     every: int
 
@@ -106,10 +127,20 @@ class TrainerLoop:
     max_steps: int = 0
     hooks: list[Hook] = field(default_factory=list)
     version: int = 0
-    unacked: list[str] = field(default_factory=list)
-    trained_ids: set[str] = field(default_factory=set)
+    # entry id -> the step under which its group is recorded (lineage or set_aside), for
+    # every group consumed since the last checkpoint: acknowledged with the next one
+    unacked: dict[str, int] = field(default_factory=dict)
+    # group id -> that step, for every group trained: never trained again
+    consumed: dict[str, int] = field(default_factory=dict)
+    # entry id -> that step, for every entry set aside: not judged again when delivered
+    # again (by id: a dead letter the operator replays is a new entry, and is judged anew)
+    aside: dict[str, int] = field(default_factory=dict)
     # (step, group ids trained at it) for every step of the current state's history
     lineage: list[tuple[int, list[str]]] = field(default_factory=list)
+    # (step, entry ids set aside while that step was assembled: dead-lettered or dropped)
+    set_aside: list[tuple[int, list[str]]] = field(default_factory=list)
+    # group ids of each step skipped in a row for a non-finite loss or gradient norm
+    nonfinite: list[list[str]] = field(default_factory=list)
     cluster: Cluster = field(default_factory=Cluster)
     liveness: Liveness = field(default_factory=Liveness)  # its heartbeat reads it
 
@@ -134,44 +165,102 @@ class TrainerLoop:
         return int(self.state.step)
 
     def collect(self) -> list[Delivery[Group]]:
-        """The next `groups_per_step` groups never trained before (fewer if stopped)."""
+        """The next `groups_per_step` groups to train on (fewer if stopped); the others read
+        on the way are set aside (`_admit`)."""
         want = self.cfg.trainer.groups_per_step
         out: list[Delivery[Group]] = []
         while len(out) < want and not self.stop():
             self.liveness.tick()
             for d in self.input.read(count=want - len(out)):
-                # Trained before, or twice in this batch (a group emitted again after Redis
-                # lost the record of its first emission): acked with the next checkpoint.
-                if d.msg.group_id in self.trained_ids or any(
-                    o.msg.group_id == d.msg.group_id for o in out
-                ):
-                    self.log.warning(
-                        "group_already_trained", group_id=d.msg.group_id, entry_id=d.entry_id
-                    )
-                    self.unacked.append(d.entry_id)
-                    continue
-                out.append(d)
+                if self._admit(d, out):
+                    out.append(d)
         return out
+
+    def _admit(self, d: Delivery[Group], taken: list[Delivery[Group]]) -> bool:
+        """Whether to train on `d`. Each group is judged on its own, so a bad one never
+        takes the good ones of its batch down with it. Not trained, acknowledged with the
+        next checkpoint like a trained one, and skipped if delivered again: a group
+        trained before or twice in this batch (emitted again after Redis lost the record
+        of its first emission); one too far off policy (dropped and counted); one the
+        trainer cannot use (dead-lettered with the reason)."""
+        gid, step = d.msg.group_id, self.step + 1
+        if d.entry_id in self.aside:
+            self.log.warning("group_already_set_aside", group_id=gid, entry_id=d.entry_id)
+            self.unacked[d.entry_id] = self.aside[d.entry_id]
+            return False
+        if gid in self.consumed or any(o.msg.group_id == gid for o in taken):
+            self.log.warning("group_already_trained", group_id=gid, entry_id=d.entry_id)
+            self.unacked[d.entry_id] = self.consumed.get(gid, step)
+            return False
+        stale = self._stale(d.msg)
+        if stale:
+            self._set_aside([d], stale, dead=False)
+            return False
+        try:
+            group_rows(d.msg, self.cfg.trainer.use_rollout_logps)
+        except ValueError as err:
+            self._set_aside([d], f"group unusable by the trainer: {err}", dead=True)
+            return False
+        return True
+
+    def _stale(self, group: Group) -> str:
+        """Why `group` is too far off policy to train on now ('' when it is not): any
+        member whose oldest turn is more than `grouper.off_policy_steps` versions behind
+        the trainer's (the grouper checks at emission; the trainer may have moved on)."""
+        limit = self.cfg.grouper.off_policy_steps
+        lags = [self.version - t.min_version for t in group.members if t.versions]
+        if lags and max(lags) > limit:
+            return (
+                f"stale at the trainer: a member is {max(lags)} policy versions behind "
+                f"trainer version {self.version} (grouper.off_policy_steps {limit})"
+            )
+        return ""
+
+    def _set_aside(self, groups: list[Delivery[Group]], reason: str, *, dead: bool) -> None:
+        """Record `groups` as consumed without training, under the step being assembled:
+        dead-lettered (`dead`) or dropped, counted, logged; acknowledged with the next
+        checkpoint (a crash before it delivers them again, and sets them aside again)."""
+        step = self.step + 1
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(self.keys.stats, GROUPS_SET_ASIDE, len(groups))
+        for d in groups:
+            if dead:
+                letter = DeadLetter(
+                    source=self.keys.groups,
+                    entry_id=d.entry_id,
+                    reason=reason,
+                    fields=encode(d.msg),
+                    consumer=TRAINER_CONSUMER,
+                    deliveries=d.deliveries,
+                )
+                stage_dead_letter(pipe, self.keys, letter)
+            else:
+                pipe.sadd(self.keys.groups_dropped, d.msg.group_id)
+                pipe.hincrby(self.keys.stats, GROUPS_DROPPED, 1)
+                pipe.hincrby(self.keys.stats, GROUPS_STALE, 1)
+        pipe.execute()
+        for d in groups:
+            self.aside[d.entry_id] = step
+            self.unacked[d.entry_id] = step
+            event = "dead_letter" if dead else "group_dropped"
+            self.log.error(event, group_id=d.msg.group_id, entry_id=d.entry_id, reason=reason)
+        self.set_aside.append((step, [d.entry_id for d in groups]))
 
     def _batch(self, groups: list[Delivery[Group]]) -> tuple[Batch, list[float], list[int]]:
         """The step's batch (rows padded to the step's multiple), rewards, min versions."""
-        items, advantages, rewards, min_versions = [], [], [], []
+        items: list[Row] = []
+        advantages: list[float] = []
+        rewards, min_versions, masked = [], [], 0
         for d in groups:
-            for traj, adv in zip(d.msg.members, d.msg.advantages, strict=True):
-                mask = traj.mask_array() if traj.valid else None
-                items.append(
-                    (
-                        traj.token_array(),
-                        _zeros_like(traj) if mask is None else mask,
-                        traj.logprob_array(),
-                    )
-                )
-                advantages.append(adv)
-                rewards.append(traj.reward)
-                min_versions.append(traj.min_version)
-        if self.cfg.trainer.use_rollout_logps:
-            for _, mask, logps in items:
-                check_rollout_logps(logps, mask)
+            rows, n = group_rows(d.msg, self.cfg.trainer.use_rollout_logps)
+            items += rows
+            masked += n
+            advantages += d.msg.advantages
+            rewards += [t.reward for t in d.msg.members]
+            min_versions += [t.min_version for t in d.msg.members]
+        if masked:
+            self.client.hincrby(self.keys.stats, ROWS_MASKED, masked)
+            self.log.warning("rows_masked", rows=masked, reason="rollout log-probs all 0.0")
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
         return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
 
@@ -186,15 +275,22 @@ class TrainerLoop:
             arrays = [np.asarray(getattr(batch, f)) for f in fields]
         shared = self.cluster.broadcast_arrays(arrays if groups is not None else None)
         batch = Batch(**dict(zip(fields, shared, strict=True)))
-        self.state, m = self.train_step(self.state, batch)
-        loss = scalar(m["loss"])
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(f"loss is {loss} at step {self.step}: stopping the run")
+        before = self.step
+        state, m = self.train_step(self.state, batch)
+        loss, grad_norm = scalar(m["loss"]), scalar(m["grad_norm"])
+        advanced = int(state.step) == before + 1
+        if not (advanced and math.isfinite(loss) and math.isfinite(grad_norm)):
+            if not advanced:  # the step kept the old state itself (it may donate its input)
+                self.state = state
+            self._skip(groups, loss, grad_norm)
+            return None
+        self.state = state
+        self.nonfinite.clear()
         if groups is None:
             return None
         for d in groups:
-            self.trained_ids.add(d.msg.group_id)
-            self.unacked.append(d.entry_id)
+            self.consumed[d.msg.group_id] = self.step
+            self.unacked[d.entry_id] = self.step
         self.lineage.append((self.step, [d.msg.group_id for d in groups]))
         return TrainMetrics(
             step=self.step,
@@ -205,10 +301,33 @@ class TrainerLoop:
             num_sequences=len(rewards),
             num_tokens=int(scalar(m["num_tokens"])),
             clip_fraction=scalar(m["clip_fraction"]),
-            grad_norm=scalar(m["grad_norm"]),
+            grad_norm=grad_norm,
             max_policy_lag=self.version - min(min_versions),
             step_time_s=time.monotonic() - start,
         )
+
+    def _skip(self, groups: list[Delivery[Group]] | None, loss: float, grad_norm: float) -> None:
+        """A step whose loss or gradient norm is not finite: the state stays that of the
+        last good step, no hook runs, and its groups are dead-lettered (a bad batch does
+        not come back for ever; a cause in the state shows as the next steps failing too).
+        After `trainer.max_nonfinite_steps` such steps in a row the run stops."""
+        step, limit = self.step + 1, self.cfg.trainer.max_nonfinite_steps
+        reason = (
+            f"non-finite step {step} (loss {loss}, grad_norm {grad_norm}, or the update): "
+            "the state was kept"
+        )
+        ids = [] if groups is None else [d.msg.group_id for d in groups]
+        self.nonfinite.append(ids)
+        if groups is not None:
+            self.client.hincrby(self.keys.stats, NONFINITE_STEPS, 1)
+            self._set_aside(groups, reason, dead=True)
+            self.log.error("train_step_skipped", step=step, reason=reason, group_ids=ids)
+        if len(self.nonfinite) >= limit:
+            raise NonFiniteStepsError(
+                f"{len(self.nonfinite)} steps in a row had a non-finite loss or gradient norm "
+                f"(trainer.max_nonfinite_steps {limit}), the last: {reason}; their groups "
+                f"(dead-lettered): {self.nonfinite}. Stopping the run"
+            )
 
     def record(self, metrics: TrainMetrics) -> None:
         pipe = self.client.pipeline(transaction=True)
@@ -223,12 +342,31 @@ class TrainerLoop:
         )
 
     def checkpoint_meta(self) -> dict[str, Any]:
+        """meta.json: the lineage (and set_aside) of the window the loop holds, and
+        `lineage_from`, the oldest step a resume from this checkpoint needs: that of the
+        oldest group pending at its cut (those after the cut are delivered again)."""
         return {
             "step": self.step,
             "version": self.version,
             "seed": self.cfg.run.seed,
             "lineage": [[step, ids] for step, ids in self.lineage],
+            "set_aside": [[step, ids] for step, ids in self.set_aside],
+            "lineage_from": min(self.unacked.values(), default=self.step + 1),
         }
+
+    def forget_before(self, step: int) -> None:
+        """Keep the records (lineage, set_aside and their ids) of `step` on only.
+
+        The window: a group can be delivered again only from the cut of a kept checkpoint
+        on, and the oldest such group of each is recorded at its `lineage_from` step or
+        later (`window_start`); a group emitted again after that is still skipped while
+        its step is in the window. So the records stay bounded by the steps since the
+        oldest kept checkpoint's cut (about (keep_checkpoints + 1) x checkpoint_every
+        steps of groups), not the run."""
+        self.lineage = [(s, ids) for s, ids in self.lineage if s >= step]
+        self.set_aside = [(s, ids) for s, ids in self.set_aside if s >= step]
+        self.consumed = {g: s for g, s in self.consumed.items() if s >= step}
+        self.aside = {e: s for e, s in self.aside.items() if s >= step}
 
     def resume(self, root: Path, checkpointer: ocp.AbstractCheckpointer) -> int | None:
         """Continue a run that already went on: restore the newest usable checkpoint under
@@ -265,9 +403,14 @@ class TrainerLoop:
                 params=tree["params"], opt_state=tree["opt_state"], step=tree["step"]
             )
             self.lineage = [(int(s), [str(g) for g in ids]) for s, ids in meta["lineage"]]
-            self.trained_ids = {g for _, ids in self.lineage for g in ids}
+            # checkpoints written before the trainer set groups aside have no record of it
+            aside = meta.get("set_aside", [])
+            self.set_aside = [(int(s), [str(e) for e in ids]) for s, ids in aside]
+            self.consumed = {g: s for s, ids in self.lineage for g in ids}
+            self.aside = {e: s for s, ids in self.set_aside for e in ids}
         if not c.leader:
             return self.step if restored is not None else None
+        self._restore_queues(root, restored)
         published = self.client.get(self.keys.policy_version)
         if restored is None and published is None:
             return None  # a fresh run
@@ -292,9 +435,28 @@ class TrainerLoop:
             checkpoint=None if restored is None else str(restored[0].path),
             version=version,
             groups_rewound_to=start,
-            trained_groups=len(self.trained_ids),
+            trained_groups=sum(len(ids) for _, ids in self.lineage),
         )
         return self.step
+
+    def _restore_queues(self, root: Path, restored: tuple[Any, ...] | None) -> None:
+        """When `streamrl up --resume` found that Redis lost the run (`RESTORE_PENDING`),
+        write back the queue snapshot of the checkpoint the state came from (none: the run
+        starts afresh), so that queues and state are one cut; then let the workers start."""
+        pending = root / ckpts.RESTORE_PENDING
+        if not pending.exists():
+            return
+        if not self.client.xlen(self.keys.groups):  # made empty by this trainer's consumer
+            self.client.delete(self.keys.groups)
+        if ckpts.namespace_present(self.client, self.keys):
+            self.log.warning("queues_already_present", path=str(pending))
+        elif restored is None:
+            self.log.error("queues_not_restored", reason="no checkpoint could be restored")
+        else:
+            counts = ckpts.restore_queues(self.client, self.keys, restored[2])
+            self.log.info("queues_restored", step=self.step, path=str(restored[0].path),
+                          entries=counts)  # fmt: skip
+        pending.unlink()
 
     def _next_groups(self) -> list[Delivery[Group]] | None:
         """The leader's groups for the next step; None when the run stops there. Every
@@ -319,9 +481,12 @@ class TrainerLoop:
             groups = self._next_groups()
             if groups is None:
                 break
+            before = self.step
             metrics = self.train_once(groups if self.cluster.leader else None)
             if metrics is not None:
                 self.record(metrics)
+            if self.step == before:
+                continue  # a skipped step: nothing new to publish, checkpoint or export
             for hook in self.hooks:
                 if hook.every and self.step % hook.every == 0:
                     hook(self, final=False)
@@ -331,8 +496,50 @@ class TrainerLoop:
         self.log.info("trainer_done", step=self.step, version=self.version)
 
 
-def _zeros_like(traj: Any) -> np.ndarray:
-    return np.zeros(len(traj.token_array()), dtype=np.uint8)
+def window_start(root: Path) -> int:
+    """The oldest `lineage_from` of the checkpoints under `root`: the first step whose
+    records a resume from any of them may need (0, all, for a checkpoint without it)."""
+    starts = []
+    for _step, path in ckpts.step_dirs(root):
+        try:
+            meta = json.loads((path / ckpts.META).read_text())
+            starts.append(int(meta["lineage_from"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0  # unreadable or older: keep everything
+    return min(starts, default=0)
+
+
+def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
+    """The group's batch rows, one per member, and how many of them are masked out for
+    missing rollout log-probs (`missing_logp_rows`; with `rollout_logps`, the ratio's
+    denominator). A member that is not `valid` (an error, a timeout) has an all-0 mask.
+    ValueError saying why when the group cannot be trained on: malformed arrays, members
+    and advantages that do not match, a non-finite advantage, rollout log-probs that
+    `check_rollout_logps` refuses."""
+    if len(group.members) != len(group.advantages):
+        raise ValueError(f"{len(group.members)} members but {len(group.advantages)} advantages")
+    if not all(math.isfinite(a) for a in group.advantages):
+        raise ValueError(f"non-finite advantages {group.advantages}")
+    rows: list[Row] = []
+    masked = 0
+    for t in group.members:
+        try:
+            tokens, mask, logps = t.token_array(), t.mask_array(), t.logprob_array()
+            if not len(tokens) == len(mask) == len(logps):
+                raise ValueError(
+                    f"tokens, mask and logprobs differ in length "
+                    f"({len(tokens)}, {len(mask)}, {len(logps)})"
+                )
+            if not t.valid:  # an error or timeout: counted in its group's statistics only
+                mask = np.zeros(len(tokens), np.uint8)
+            elif rollout_logps:
+                check_rollout_logps(logps, mask)
+                if missing_logp_rows(logps, mask)[0]:
+                    mask, masked = np.zeros(len(tokens), np.uint8), masked + 1
+        except ValueError as err:
+            raise ValueError(f"member {t.member}: {err}") from None
+        rows.append((tokens, mask, logps))
+    return rows, masked
 
 
 @dataclass
@@ -422,6 +629,7 @@ class CheckpointHook:
         )
         loop.unacked.clear()
         ckpts.prune(self.root, self.keep, loop.log)
+        loop.forget_before(window_start(self.root))
         if self.trim:
             floor = ckpts.oldest_snapshot(self.root)
             trimmed = ckpts.trim_streams(loop.client, loop.keys, floor)

@@ -295,6 +295,8 @@ class TrainStep:
 
     metrics (float32 scalars): loss, grad_norm (before clipping), clip_fraction,
     ratio_mean, kl, learning_rate, num_tokens (mask sum), and the loss's other metrics.
+    When the loss, the gradient or the update is not finite, the returned state is the
+    old one (its step not advanced).
     """
 
     def __init__(
@@ -422,11 +424,27 @@ class TrainStep:
         (grads, loss, metrics), _ = jax.lax.scan(body, init, (mbs, weights))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        grad_norm = optax.tree.norm(grads)
+        # A loss, gradient or update that is not finite would poison the weights (the clip
+        # turns an infinite gradient into NaN): the step keeps the old state, step count
+        # included, and the caller sees why in the metrics. Selected here, under jit, so
+        # the old state may be donated all the same.
+        finite = (
+            jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+        )
+
+        def keep(new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        new_state = state.replace(
+            step=jnp.where(finite, state.step + 1, state.step),
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+        )
         metrics = {
             **metrics,
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": jnp.asarray(self.schedule(state.step), jnp.float32),
             "num_tokens": jnp.sum(jnp.asarray(batch.mask)),
         }

@@ -1,0 +1,262 @@
+"""The trainer's loop on real Redis and real Orbax checkpoints, with scripted steps: a
+non-finite step keeps the state and runs no hook, and too many in a row stop the run
+naming their groups."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import redis
+import structlog
+
+from streamrl import checkpoints as ckpts
+from streamrl.config import Config, parse_config
+from streamrl.names import Keys
+from streamrl.queues import replay_dead
+from streamrl.trainer.loop import (
+    GROUPS_STALE,
+    NONFINITE_STEPS,
+    CheckpointHook,
+    NonFiniteStepsError,
+    PublishHook,
+    TrainerLoop,
+)
+from streamrl.trainer.publish import WeightPublisher
+from streamrl.trainer.step import Batch, TrainState
+from streamrl.trainer.stub import stub_state
+from streamrl.transport import GROUPS_SET_ASIDE, publish
+from streamrl.weightsync import DirChannel
+from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
+
+LOG = structlog.get_logger()
+
+
+def group(gid: str, versions: tuple[list[int], ...] = ([0], [0])) -> Group:
+    members = [
+        Trajectory(
+            traj_id=f"{gid}-{k}",
+            group_id=gid,
+            task_id=f"t-{gid}",
+            member=k,
+            num_generations=len(versions),
+            **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.7]),
+            prompt_len=1,
+            reward=float(k),
+            status="ok",
+            versions=v,
+        )
+        for k, v in enumerate(versions)
+    ]
+    advantages = [float(k) - 0.5 for k in range(len(versions))]
+    return Group(group_id=gid, task_id=f"t-{gid}", members=members, advantages=advantages)
+
+
+class ScriptedStep:
+    """A train step that plays `script`: "ok" advances the stub state; "nan" returns a
+    finite loss with NaN params and a NaN gradient norm (review M1: what a finite loss
+    with non-finite gradients gave)."""
+
+    row_multiple = 1
+
+    def __init__(self, script: list[str]) -> None:
+        self.script: Iterator[str] = iter(script)
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        bad = next(self.script) == "nan"
+        params = jnp.full((16,), jnp.nan if bad else 1.0, jnp.float32)
+        metrics = {
+            "loss": 1.0,
+            "grad_norm": math.nan if bad else 0.5,
+            "clip_fraction": 0.0,
+            "num_tokens": float(np.sum(batch.mask)),
+        }
+        return state.replace(step=state.step + 1, params={"stub": params}), metrics
+
+
+def config(**trainer: Any) -> Config:
+    return parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": 1, **trainer},
+            "grouper": {"off_policy_steps": 1000},  # the groups' version 0 stays fresh
+            "transport": {"block_ms": 50},
+        }
+    )
+
+
+@pytest.fixture
+def checkpointer() -> Iterator[ocp.StandardCheckpointer]:
+    c = ocp.StandardCheckpointer()
+    yield c
+    c.close()
+
+
+def make_loop(
+    cfg: Config,
+    rclient: redis.Redis,
+    keys: Keys,
+    root: Path,
+    step: Any,
+    checkpointer: ocp.StandardCheckpointer,
+    max_steps: int = 100,
+) -> TrainerLoop:
+    publisher = WeightPublisher(rclient, keys, DirChannel(root.parent / "weights"), LOG)
+    return TrainerLoop(
+        client=rclient,
+        keys=keys,
+        cfg=cfg,
+        state=stub_state(),
+        train_step=step,
+        log=LOG,
+        stop=lambda: False,
+        pad_id=0,
+        max_steps=max_steps,
+        hooks=[
+            PublishHook(1, publisher),
+            CheckpointHook(1, root, cfg.trainer.keep_checkpoints, checkpointer),
+        ],
+    )
+
+
+def dead_groups(client: redis.Redis, keys: Keys) -> list[str]:
+    raw: Any = client.xrange(keys.dead)
+    return [decode(decode(f, DeadLetter).fields, Group).group_id for _, f in raw]
+
+
+def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    entries = [publish(rclient, keys.groups, group(f"g{i}")).decode() for i in range(6)]
+    root = tmp_path / "checkpoints"
+    cfg = config(max_nonfinite_steps=3)
+    loop = make_loop(
+        cfg, rclient, keys, root, ScriptedStep(["nan", "ok", "nan", "nan", "nan"]), checkpointer
+    )
+    with pytest.raises(NonFiniteStepsError, match="3 steps in a row") as err:
+        loop.run()
+    # The error names the groups of the failed steps in a row.
+    assert "['g2'], ['g3'], ['g4']" in str(err.value)
+    # One good step: one checkpoint, one version over the initial 0; nothing NaN in either.
+    assert [s for s, _ in ckpts.step_dirs(root)] == [1]
+    assert rclient.get(keys.policy_version) == b"1"
+    assert loop.step == 1 and bool(jnp.all(loop.state.params["stub"] == 1.0))
+    restored = checkpointer.restore((root / "step_00000001" / ckpts.STATE).resolve())
+    assert np.all(np.asarray(restored["params"]["stub"]) == 1.0)
+    # The failed steps' groups are dead-lettered, counted; g0's was acknowledged with
+    # checkpoint 1, the last three wait for the next checkpoint.
+    assert dead_groups(rclient, keys) == ["g0", "g2", "g3", "g4"]
+    assert rclient.hget(keys.stats, NONFINITE_STEPS) == b"4"
+    meta = ckpts.verify(root / "step_00000001").meta()
+    assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, [entries[0]]]]
+    pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
+    assert pending["pending"] == 3
+
+
+def test_a_group_too_stale_when_taken_is_dropped_not_trained(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    # Issue 15 item 4: every member is checked when the trainer takes the group (the
+    # trainer may have moved on since the grouper emitted it), the oldest one included.
+    publish(rclient, keys.groups, group("g0", ([5], [4])))
+    stale = publish(rclient, keys.groups, group("g1", ([3], [5]))).decode()  # 3 behind v6
+    publish(rclient, keys.groups, group("g2", ([5], [4])))
+    root = tmp_path / "checkpoints"
+    cfg = parse_config(
+        {
+            **{"model": {"kind": "stub", "init": "checkpoint"}},
+            "trainer": {"groups_per_step": 1},
+            "grouper": {"off_policy_steps": 2},
+            "transport": {"block_ms": 50},
+        }
+    )
+    loop = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok", "ok"]), checkpointer, 2)
+    loop.version = 5  # what a resumed trainer publishes first
+    loop.run()
+    meta = ckpts.verify(root / "step_00000002").meta()
+    assert meta["lineage"] == [[1, ["g0"]], [2, ["g2"]]]
+    assert meta["set_aside"] == [[2, [stale]]]  # taken at version 6: dropped, counted
+    assert rclient.hget(keys.stats, GROUPS_STALE) == b"1"
+    assert rclient.hget(keys.stats, GROUPS_SET_ASIDE) == b"1"
+    assert rclient.hget(keys.stats, "groups_dropped") == b"1"
+    assert rclient.sismember(keys.groups_dropped, "g1")
+    assert rclient.xlen(keys.dead) == 0
+    pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
+    assert pending["pending"] == 0  # acknowledged with checkpoint 2
+
+
+def test_the_lineage_keeps_a_window_and_still_skips_duplicates(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    # Review M4: meta.json's lineage and the trainer's set of consumed ids hold the groups
+    # a resume can deliver again (from the oldest kept checkpoint's cut on), not the run.
+    steps, keep = 40, 2
+    root = tmp_path / "checkpoints"
+    cfg = config(keep_checkpoints=keep)
+    for i in range(steps):
+        publish(rclient, keys.groups, group(f"g{i}"))
+        if i in (10, 30):  # a group emitted again (Redis lost the record of its emission)
+            publish(rclient, keys.groups, group(f"g{i - 1}"))
+    loop = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"] * steps), checkpointer, steps)
+    sizes: list[tuple[int, int]] = []
+
+    @dataclass
+    class Probe:  # runs after the checkpoint hook: what the loop holds then
+        every: int = 1
+
+        def __call__(self, loop: TrainerLoop, final: bool) -> None:
+            sizes.append((len(loop.lineage), len(loop.consumed)))
+
+    loop.hooks.append(Probe())
+    with structlog.testing.capture_logs() as logs:
+        loop.run()
+    assert loop.step == steps
+    # Every group trained once: the duplicates were skipped, not trained.
+    trained = [e["group_ids"] for e in logs if e["event"] == "train_step"]
+    assert trained == [[f"g{i}"] for i in range(steps)]
+    skipped = [e["group_id"] for e in logs if e["event"] == "group_already_trained"]
+    assert skipped == ["g9", "g29"]
+    # The window: the steps from the oldest kept checkpoint's cut on (keep steps at
+    # checkpoint_every 1; a duplicate pending at a cut reaches back to its group's step,
+    # 2 more here, until that checkpoint is pruned), however long the run.
+    assert len(sizes) == steps and sizes[-1] == (keep, keep)
+    assert max(n for n, _ in sizes) <= keep + 2 and max(n for _, n in sizes) <= keep + 2
+    meta = ckpts.verify(root / f"step_{steps:08d}").meta()
+    assert len(meta["lineage"]) <= keep + 1 and meta["lineage_from"] == steps
+    assert meta["lineage"][-1] == [steps, [f"g{steps - 1}"]]
+
+    # A resumed trainer (Redis kept) is delivered the groups after the cut again and skips
+    # them: the window holds them.
+    publish(rclient, keys.groups, group("g-new"))
+    again = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"]), checkpointer, steps + 1)
+    assert again.resume(root, checkpointer) == steps
+    with structlog.testing.capture_logs() as logs:
+        again.run()
+    trained = [e["group_ids"] for e in logs if e["event"] == "train_step"]
+    assert trained == [["g-new"]]
+
+
+def test_a_dead_lettered_group_replayed_by_the_operator_trains(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    # A non-finite step's groups are dead-lettered; once the cause is mended the operator
+    # replays them (`streamrl queues --replay-dead`): a new entry of the same group, which
+    # the trainer must train, not skip as already handled.
+    first = [publish(rclient, keys.groups, group(f"g{i}")).decode() for i in range(2)]
+    root = tmp_path / "checkpoints"
+    step = ScriptedStep(["nan", "ok", "ok"])
+    loop = make_loop(config(), rclient, keys, root, step, checkpointer, max_steps=1)
+    loop.run()
+    meta = ckpts.verify(root / "step_00000001").meta()
+    assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, [first[0]]]]
+    assert replay_dead(rclient, keys) != []
+    loop.max_steps = 2
+    loop.run()
+    assert [ids for _, ids in loop.lineage] == [["g1"], ["g0"]]
