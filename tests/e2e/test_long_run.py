@@ -136,8 +136,7 @@ def test_five_hundred_steps_keep_redis_and_the_checkpoints_bounded(tmp_path: Pat
     ]
     assert len(writes) == STEPS
     print(f"snapshot_s max {max(w['snapshot_s'] for w in writes):.4f} s")
-    for n in ("used_memory", "run_keys", "snapshot", "snapshot_ids"):
+    for n in names:
         assert late[n] <= bound[n], (n, early[n], late[n])
     for n, most in ABSOLUTE.items():
         assert late[n] <= most, (n, late[n])
-    # meta.json holds the lineage, which the trainer bounds on its own; printed above.
