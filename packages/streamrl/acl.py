@@ -170,7 +170,7 @@ def roles(keys: Keys) -> dict[str, Role]:
     operator = Role(
         keys=(k.every_key,),
         categories=("read", "write", "keyspace", "stream", "string", "hash", "set", "list"),
-        commands=(*_SCRIPTS, "+time"),
+        commands=(*_SCRIPTS, "+time", "+info"),  # INFO: the eviction policy, at start
     )
     workers = {
         "feeder": feeder,

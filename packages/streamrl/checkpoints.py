@@ -9,17 +9,21 @@ Layout of `<run_dir>/checkpoints`::
       meta.json        step, policy version, seed, and the lineage: group ids per step
       queues.msgpack   the queue snapshot (`QueueSnapshot`), msgpack, no pickle
       COMMIT           written last, atomically (temp file, fsync, rename): the size of
-                       every file of the checkpoint and the sha256 of meta and queues
+                       every file of the checkpoint, the sha256 of meta and queues and
+                       the xxh3_128 of every state file
 
 A directory without a COMMIT, or whose files no longer match it, is not a checkpoint:
 `latest_complete` skips it with a logged reason in favour of the newest complete one.
 
 The queue snapshot is one atomic read of Redis (a Lua script): for each stream read by a
 consumer group, the group's last-delivered id, its pending ids and every entry still to
-be processed (pending or not yet delivered); the dead letters; the groups being assembled;
-the emitted and dropped group ids; counters, the feeder cursor, the policy version, the
-tool ledger. Taken while the trainer's state is that of step N, it is a consistent cut
-with it.
+be processed (pending or not yet delivered; the groups the trainer already trained are
+in its lineage, so only their ids); the groups being assembled; the emitted and dropped
+group ids; counters, the feeder cursor, the policy version, the states of the episodes
+in flight (`rollout.resume_episodes`). Taken while the trainer's state is that of step N,
+it is a consistent cut with it. After the script, a page per command, come the dead
+letters up to the last one at the cut and the tool ledger (a record made after the cut
+only keeps a replayed call from running twice).
 
 Restart (DESIGN.md, "Checkpoint and restart"):
 - Redis kept its data: everything the other workers did since the cut is still there and
@@ -38,17 +42,21 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 import redis
 import structlog
+import xxhash
 
 from streamrl.names import Keys
+from streamrl.tasks.base import group_cursor
 from streamrl.transport import as_str, entry_id_key
+from streamrl.wire import Message, Task, Trajectory, WireError, decode
 
 COMMIT = "COMMIT"
 META = "meta.json"
@@ -62,11 +70,16 @@ RESTORE_PENDING = "RESTORE_QUEUES"
 _PREFIX = "step_"
 SNAPSHOT_VERSION = 1
 
+M = TypeVar("M", bound=Message)
 Entry = tuple[str, list[bytes]]  # stream entry id, flat field/value list
 
 
 class CheckpointCorrupt(RuntimeError):
     """A checkpoint directory that must not be used; the message says why."""
+
+
+class PartialRunError(RuntimeError):
+    """Redis holds only part of a run that has a checkpoint; the message says what."""
 
 
 class StreamSnapshot(msgspec.Struct, frozen=True):
@@ -96,25 +109,34 @@ class QueueSnapshot(msgspec.Struct, frozen=True):
 
 # KEYS: n streams, then dead, started, emitted, dropped, h hashes, s strings, m member
 # hashes (those of the group ids in ARGV, in their order).
-# ARGV: n, group names (n), h, s, m, group ids (m).
+# ARGV: n, group names (n), h, s, m, group ids (m), k, t, entry ids (t): ids pending on
+# the group of stream k whose bodies are not needed (groups the trainer already trained).
 # -> false when the groups being assembled are not exactly the m given (the caller reads
-# them again and retries), else the snapshot.
+# them again and retries), else the snapshot, whose dead letters are only the last id of
+# the dead stream: the caller copies them after the script, up to that id.
 # Every key the script touches is declared (Redis Cluster routes by KEYS and refuses
 # undeclared ones), so the member hashes cannot be found inside the script: the caller
 # names them from a read of `started` made just before, and the script checks that read
 # against `started` as it is now. The script runs atomically, so when the check passes,
 # the member hashes it reads are those of every group being assembled at its own instant,
-# and the snapshot is one consistent cut as before.
+# and the snapshot is one consistent cut as before. It copies no payload the cut does
+# not need: a script blocks every client of Redis while it runs. The emitted and dropped
+# ids stay in it (`trim_history` keeps them few): an id emitted after the cut, restored
+# with a group then half filled, would keep that group from ever being emitted.
 _SNAPSHOT = """
 local n = tonumber(ARGV[1])
 local h = tonumber(ARGV[n + 2])
 local s = tonumber(ARGV[n + 3])
 local m = tonumber(ARGV[n + 4])
+local k = tonumber(ARGV[n + 5 + m])
+local t = tonumber(ARGV[n + 6 + m])
 local started_key = KEYS[n + 2]
 if redis.call('HLEN', started_key) ~= m then return false end
 for j = 1, m do
   if redis.call('HEXISTS', started_key, ARGV[n + 4 + j]) == 0 then return false end
 end
+local skip = {}
+for j = 1, t do skip[ARGV[n + 6 + m + j]] = true end
 local streams = {}
 for i = 1, n do
   local key, cg = KEYS[i], ARGV[1 + i]
@@ -131,8 +153,10 @@ for i = 1, n do
     if last ~= '' then
       for _, p in ipairs(redis.call('XPENDING', key, cg, '-', '+', 1000000000)) do
         pend[#pend + 1] = p[1]
-        local e = redis.call('XRANGE', key, p[1], p[1])
-        if #e == 1 then entries[#entries + 1] = e[1] end
+        if not (i == k and skip[p[1]]) then
+          local e = redis.call('XRANGE', key, p[1], p[1])
+          if #e == 1 then entries[#entries + 1] = e[1] end
+        end
       end
       for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+')) do
         entries[#entries + 1] = e
@@ -143,7 +167,9 @@ for i = 1, n do
   end
   streams[i] = {last, pend, entries}
 end
-local dead = redis.call('XRANGE', KEYS[n + 1], '-', '+')
+local dead = redis.call('XREVRANGE', KEYS[n + 1], '+', '-', 'COUNT', 1)
+local dead_last = ''
+if #dead == 1 then dead_last = dead[1][1] end
 local started = redis.call('HGETALL', KEYS[n + 2])
 local partial = {}
 for j = 1, m do
@@ -155,9 +181,9 @@ local hashes = {}
 for j = 1, h do hashes[j] = redis.call('HGETALL', KEYS[n + 4 + j]) end
 local strings = {}
 for j = 1, s do strings[j] = redis.call('GET', KEYS[n + 4 + h + j]) or false end
-local t = redis.call('TIME')
-return {streams, dead, started, partial, emitted, dropped, hashes, strings,
-        t[1] * 1000 + math.floor(t[2] / 1000)}
+local now = redis.call('TIME')
+return {streams, dead_last, started, partial, emitted, dropped, hashes, strings,
+        now[1] * 1000 + math.floor(now[2] / 1000)}
 """
 
 # KEYS: stream. ARGV: group, start id. Re-creates the group at `start`: its old pending
@@ -187,7 +213,16 @@ def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
 
 
 def _hash_keys(keys: Keys) -> list[str]:
-    return [keys.stats, keys.groups_reruns, keys.tool_ledger, keys.episodes]
+    """Hashes read in the snapshot's script: exact at the cut (an episode's state and its
+    trajectory's committed marker must agree with the streams)."""
+    return [keys.stats, keys.groups_reruns, keys.episodes]
+
+
+def _scanned_hash_keys(keys: Keys) -> list[str]:
+    """Hashes copied after the script (HSCAN), to which a late superset does no harm: a
+    ledger record made after the cut is the result of a call a restored episode makes
+    again, and the record keeps its side effect from running twice."""
+    return [keys.tool_ledger]
 
 
 def _string_keys(keys: Keys) -> list[str]:
@@ -205,22 +240,29 @@ def _entries(raw: list[Any]) -> list[Entry]:
 # A group starts or completes between our read of `started` and the script about once per
 # grouper write; a handful of tries always finds a quiet moment.
 _SNAPSHOT_TRIES = 100
+# Entries or fields per command when copying after the script: each command is short, so
+# other clients are served between them.
+_PAGE = 100
 
 
-def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
-    """One atomic read of every queue of the run (see the module docstring and
+def take_snapshot(client: redis.Redis, keys: Keys, trained: Collection[str] = ()) -> QueueSnapshot:
+    """A consistent cut of every queue of the run (see the module docstring and
     `_SNAPSHOT`: read the groups being assembled, then snapshot with their member hashes
-    declared, again while that set changed in between)."""
+    declared, again while that set changed in between).
+
+    `trained`: entry ids of `groups` the trainer has trained but not acknowledged (they
+    are in its lineage): the snapshot lists them as pending, without their bodies."""
     pairs = consumed_streams(keys)
     hkeys, skeys = _hash_keys(keys), _string_keys(keys)
     fixed = [s for s, _ in pairs]
     fixed += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
     fixed += [*hkeys, *skeys]
+    k = 1 + [s for s, _ in pairs].index(keys.groups)
     for _ in range(_SNAPSHOT_TRIES):
         gids = [as_str(g) for g in client.hkeys(keys.groups_started)]
         script_keys = [*fixed, *(keys.group_members(g) for g in gids)]
         args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys)]
-        args += [len(gids), *gids]
+        args += [len(gids), *gids, k, len(trained), *trained]
         raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
         if raw is not None:
             break
@@ -229,7 +271,7 @@ def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
             f"no queue snapshot in {_SNAPSHOT_TRIES} tries: the groups being assembled "
             "changed between every read of them and the snapshot"
         )
-    streams_raw, dead, started, partial, emitted, dropped, hashes, strings, now_ms = raw
+    streams_raw, dead_last, started, partial, emitted, dropped, hashes, strings, now_ms = raw
     streams = [
         StreamSnapshot(
             stream=stream,
@@ -240,19 +282,38 @@ def take_snapshot(client: redis.Redis, keys: Keys) -> QueueSnapshot:
         )
         for (stream, group), (last, pend, entries) in zip(pairs, streams_raw, strict=True)
     ]
+    saved = {key: _pairs(v) for key, v in zip(hkeys, hashes, strict=True)}
+    saved.update({key: _scan_hash(client, key) for key in _scanned_hash_keys(keys)})
     return QueueSnapshot(
         version=SNAPSHOT_VERSION,
         namespace=keys.ns,
         taken_ms=int(now_ms),
         streams=streams,
-        dead=_entries(dead),
+        dead=_copy_stream(client, keys.dead, as_str(dead_last)) if dead_last else [],
         groups_started=_pairs(started),
         partial_groups={as_str(gid): _pairs(m) for gid, m in partial},
         emitted=sorted(as_str(x) for x in emitted),
         dropped=sorted(as_str(x) for x in dropped),
-        hashes={k: _pairs(v) for k, v in zip(hkeys, hashes, strict=True) if v},
-        strings={k: bytes(v) for k, v in zip(skeys, strings, strict=True) if v},
+        hashes={key: v for key, v in saved.items() if v},
+        strings={key: bytes(v) for key, v in zip(skeys, strings, strict=True) if v},
     )
+
+
+def _copy_stream(client: redis.Redis, stream: str, last: str) -> list[Entry]:
+    """The entries of `stream` up to id `last`, a page per command."""
+    out: list[Entry] = []
+    start = "-"
+    while True:
+        page: Any = client.xrange(stream, start, last, count=_PAGE)
+        out += _entries(page)
+        if len(page) < _PAGE:
+            return out
+        start = "(" + as_str(page[-1][0])
+
+
+def _scan_hash(client: redis.Redis, key: str) -> dict[str, bytes]:
+    """Every field of hash `key`, a page per command (HSCAN)."""
+    return {as_str(f): bytes(v) for f, v in client.hscan_iter(key, count=_PAGE)}
 
 
 def encode_snapshot(snap: QueueSnapshot) -> bytes:
@@ -271,9 +332,42 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
     return snap
 
 
-def namespace_present(client: redis.Redis, keys: Keys) -> bool:
-    """Whether Redis holds this run's data (else it lost it, or never had it)."""
-    return bool(client.exists(keys.stats, keys.tasks, keys.groups, keys.feeder_cursor))
+def _run_keys(keys: Keys) -> list[str]:
+    """Keys every run holds once it has a checkpoint (and every restore writes)."""
+    streams = [s for s, _ in consumed_streams(keys)]
+    return [keys.stats, keys.feeder_cursor, keys.policy_version, *streams]
+
+
+def namespace_present(client: redis.Redis, keys: Keys, checkpointed: bool = False) -> bool:
+    """Whether Redis holds this run's data (else it lost it, or never had it).
+
+    A run with a checkpoint (`checkpointed`) is there only whole: its counters, feeder
+    cursor, policy version and every consumed stream with its consumer group; when only
+    part of it is (keys evicted or deleted), PartialRunError names what is missing, for
+    neither "kept" nor "lost" would resume it right. Without a checkpoint, any key of
+    the run counts (a run stopped early may not have made them all)."""
+    wanted = _run_keys(keys)
+    there = [bool(client.exists(k)) for k in wanted]
+    if not any(there):
+        return False
+    if not checkpointed:
+        return True
+    missing = [k for k, ok in zip(wanted, there, strict=True) if not ok]
+    for stream, group in consumed_streams(keys):
+        if stream not in missing and not _has_group(client, stream, group):
+            missing.append(f"{stream} (consumer group {group})")
+    if missing:
+        raise PartialRunError(
+            f"Redis holds part of run {keys.ns!r}: {', '.join(missing)} missing (evicted, or "
+            "deleted by hand). Delete the run's keys to restore its queues from the "
+            "checkpoint, or give back what is missing"
+        )
+    return True
+
+
+def _has_group(client: redis.Redis, stream: str, group: str) -> bool:
+    groups: Any = client.xinfo_groups(stream)
+    return any(as_str(g["name"]) == group for g in groups)
 
 
 def restore_queues(client: redis.Redis, keys: Keys, snap: QueueSnapshot) -> dict[str, int]:
@@ -354,6 +448,72 @@ def trim_streams(client: redis.Redis, keys: Keys, floor: QueueSnapshot | None) -
     return out
 
 
+def group_floor(keys: Keys, floor: QueueSnapshot) -> int:
+    """The lowest data-set cursor whose group can still get a member after the cut of
+    `floor` (the oldest kept checkpoint's snapshot): the groups of the tasks and
+    trajectories unfinished at the cut, the groups being assembled, and the feeder's next
+    cursor. Anything later comes from a task written after the cut, or re-runs a group
+    being assembled then; only a dead letter replayed by hand may reach an older group."""
+    ids = [*floor.groups_started, *floor.partial_groups]
+    ids += [t.group_id for t in _decoded(floor.stream(keys.tasks), Task)]
+    ids += [t.group_id for t in _decoded(floor.stream(keys.trajectories), Trajectory)]
+    cursors = [c for c in map(group_cursor, ids) if c is not None]
+    return min([int(floor.strings.get(keys.feeder_cursor, b"0")), *cursors])
+
+
+def _decoded(at_cut: StreamSnapshot | None, cls: type[M]) -> list[M]:
+    """The entries of `at_cut` that decode as `cls` (the others will be dead letters)."""
+    out = []
+    for _eid, fields in at_cut.entries if at_cut is not None else []:
+        try:
+            out.append(decode(dict(zip(fields[::2], fields[1::2], strict=True)), cls))
+        except WireError:
+            continue
+    return out
+
+
+def trim_history(
+    client: redis.Redis,
+    keys: Keys,
+    floor: QueueSnapshot | None,
+    *,
+    keep_dead_letters: int,
+    keep_metrics: int,
+) -> dict[str, int]:
+    """Keep a window of what grows with the run; returns how many went, per key.
+
+    The emitted and dropped group ids, the tool ledger's records (keyed by the call id,
+    which starts with the group id) and the episode states (keyed by the trajectory id:
+    those a dead-lettered task left) of groups older than `group_floor` of `floor` go: no
+    member of such a group can arrive again, so nothing asks for them (without a kept
+    checkpoint, all stay). The dead letters keep the newest `keep_dead_letters`,
+    the metrics stream the newest `keep_metrics` steps. Read a page per command (SSCAN,
+    HSCAN), so other clients are served in between."""
+    out: dict[str, int] = {}
+    if floor is not None:
+        low = group_floor(keys, floor)
+
+        def old(group_id: str) -> bool:
+            c = group_cursor(group_id)
+            return c is not None and c < low
+
+        for key in (keys.groups_emitted, keys.groups_dropped):
+            gone = [m for m in client.sscan_iter(key, count=_PAGE) if old(as_str(m))]
+            out[key] = _in_pages(partial(client.srem, key), gone)
+        for key in (keys.tool_ledger, keys.episodes):  # fields: `<group id>-...`
+            fields = client.hscan_iter(key, count=_PAGE)  # NOVALUES needs Redis 7.4
+            gone = [f for f, _ in fields if old(as_str(f).split("-", 1)[0])]
+            out[key] = _in_pages(partial(client.hdel, key), gone)
+    for stream, keep in ((keys.dead, keep_dead_letters), (keys.metrics, keep_metrics)):
+        out[stream] = int(cast(Any, client.xtrim(stream, maxlen=keep, approximate=False)))
+    return {key: n for key, n in out.items() if n}
+
+
+def _in_pages(remove: Callable[..., Any], items: list[Any]) -> int:
+    """`remove(*page)` for `items` a page per command; returns how many went."""
+    return sum(int(remove(*items[i : i + _PAGE])) for i in range(0, len(items), _PAGE))
+
+
 def _consumed_bound(client: redis.Redis, stream: str) -> str | None:
     """The oldest id some consumer group of `stream` may still need (pending, or its
     last-delivered id), or None when the stream or its groups do not exist."""
@@ -411,12 +571,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+# Checksums in the commit marker: sha256 for meta and the snapshot (small, and what a
+# restore trusts), xxh3_128 for the state files (about 10 GB/s on one core: it catches
+# corruption and same-size edits of a large state at little cost).
+SHA256, XXH3 = "sha256", "xxh3_128"
+_HASHES: dict[str, Callable[[], Any]] = {SHA256: hashlib.sha256, XXH3: xxhash.xxh3_128}
+
+
+def _digest(path: Path, kind: str) -> str:
+    h = _HASHES[kind]()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 def _inventory(path: Path) -> dict[str, dict[str, Any]]:
@@ -424,10 +591,8 @@ def _inventory(path: Path) -> dict[str, dict[str, Any]]:
     for p in sorted(path.rglob("*")):
         if p.is_file() and p.name != COMMIT:
             rel = str(p.relative_to(path))
-            entry: dict[str, Any] = {"size": p.stat().st_size}
-            if rel in (META, QUEUES):
-                entry["sha256"] = _sha256(p)
-            files[rel] = entry
+            kind = SHA256 if rel in (META, QUEUES) else XXH3
+            files[rel] = {"size": p.stat().st_size, kind: _digest(p, kind)}
     return files
 
 
@@ -482,8 +647,11 @@ def write_checkpoint(
     return commit(path, step, meta, snapshot, before_commit)
 
 
-def verify(path: Path) -> Checkpoint:
-    """The checkpoint in `path`, or CheckpointCorrupt saying why it is not one."""
+def verify(path: Path, state: bool = True) -> Checkpoint:
+    """The checkpoint in `path`, or CheckpointCorrupt saying why it is not one.
+
+    `state` False leaves out the checksums of the state files (their sizes are checked):
+    for callers that do not restore the state and would read it all for nothing."""
     marker_path = path / COMMIT
     if not marker_path.is_file():
         raise CheckpointCorrupt("no commit marker: the write was cut off")
@@ -502,8 +670,10 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointCorrupt(f"{rel} is missing")
         if p.stat().st_size != want["size"]:
             raise CheckpointCorrupt(f"{rel} has {p.stat().st_size} bytes, not {want['size']}")
-        if "sha256" in want and _sha256(p) != want["sha256"]:
-            raise CheckpointCorrupt(f"{rel} does not match its sha256")
+        checked = (SHA256, XXH3) if state or rel in (META, QUEUES) else ()
+        for kind in checked:
+            if kind in want and _digest(p, kind) != want[kind]:
+                raise CheckpointCorrupt(f"{rel} does not match its {kind}")
     if not (path / STATE).is_dir():
         raise CheckpointCorrupt("the state directory is missing")
     return Checkpoint(step, path)
@@ -538,7 +708,7 @@ def prune(root: Path, keep: int, log: structlog.stdlib.BoundLogger | None = None
     removed, complete = [], 0
     for _step, path in step_dirs(root):
         try:
-            verify(path)
+            verify(path, state=False)
             ok = True
         except CheckpointCorrupt:
             ok = False
@@ -560,7 +730,7 @@ def oldest_snapshot(root: Path) -> QueueSnapshot | None:
     restart can fall back), or None when there is none."""
     for _step, path in reversed(step_dirs(root)):
         try:
-            return verify(path).snapshot()
+            return verify(path, state=False).snapshot()
         except CheckpointCorrupt:
             continue
     return None
@@ -570,7 +740,7 @@ def remove_incomplete(root: Path, log: structlog.stdlib.BoundLogger | None = Non
     """At a trainer's start nothing is being written: every incomplete directory goes."""
     for _step, path in step_dirs(root):
         try:
-            verify(path)
+            verify(path, state=False)  # a corrupt state is skipped by the restore, not removed
         except CheckpointCorrupt as err:
             if log is not None:
                 log.warning("checkpoint_removed", path=str(path), reason=str(err))

@@ -817,6 +817,24 @@ class TrainerConfig(_Section):
             "the run's history. false: keep every entry (offline analysis of the streams)."
         ),
     )
+    keep_dead_letters: int = Field(
+        1_000,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Dead letters kept in <run>:dead (each holds its entry's payload): the oldest "
+            "beyond this are deleted after each checkpoint (with trim_streams)."
+        ),
+    )
+    keep_metrics: int = Field(
+        10_000,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Trainer steps kept in the metrics stream (and so in summary.json's rewards): "
+            "the oldest beyond this are deleted after each checkpoint (with trim_streams)."
+        ),
+    )
     export_every: int = Field(
         0,
         ge=0,

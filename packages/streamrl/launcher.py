@@ -52,6 +52,7 @@ from streamrl.runtime import (
     COORDINATOR_ENV,
     PASSWORD_FILE_ENV,
     NoRedisError,
+    refuse_eviction,
     resolve_redis_url,
     run_log,
 )
@@ -169,6 +170,7 @@ class Launcher:
             cluster = self.cfg.redis.cluster
             client = make_client(url, 1, cluster=cluster, busy_wait_s=self.cfg.redis.busy_wait_s)
             quick = make_client(url, 1, cluster=cluster, busy_wait_s=0)
+            refuse_eviction(client)
             if self.resume:
                 self._resume_queues(client, log)
             else:
@@ -181,7 +183,7 @@ class Launcher:
             self._write_summary(client, reason)
             client.close()
             quick.close()
-        except (RunDirError, NoRedisError) as err:
+        except (RunDirError, NoRedisError, ckpts.PartialRunError) as err:
             print(f"\nstreamrl: {err}", file=sys.stderr)
             code = 2
         finally:
@@ -211,7 +213,7 @@ class Launcher:
         """Before any worker starts: queues back from the snapshot if Redis lost them, and
         the policy floor above every version published so far."""
         ck = ckpts.latest_complete(self.run_dir / "checkpoints", log)
-        kept = ckpts.namespace_present(client, self.keys)
+        kept = ckpts.namespace_present(client, self.keys, checkpointed=ck is not None)
         if kept:
             how = "Redis kept the queues"
         elif ck is not None:

@@ -144,6 +144,7 @@ class EmbeddedRedis:
             f"appendonly {'yes' if self.appendonly else 'no'}",
             f"appendfsync {self.appendfsync}",
             'save ""',
+            "maxmemory-policy noeviction",  # the default, said: nothing of a run is evicted
             "daemonize no",
             f'logfile "{self.data_dir / "redis.log"}"',
             f'pidfile "{self.data_dir / "redis.pid"}"',

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -32,6 +33,24 @@ WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated")
 
 class NoRedisError(RuntimeError):
     pass
+
+
+def refuse_eviction(client: redis.Redis) -> None:
+    """Raise NoRedisError unless every server behind `client` keeps keys when its memory
+    is full (`maxmemory-policy noeviction`: writes then fail loudly). Any other policy may
+    evict the emitted set, a group's members or the tool ledger without an error, which
+    breaks exactly-once silently. Read from INFO (no CONFIG right needed)."""
+    info: Any = client.info("memory")
+    # A cluster client answers per node.
+    nodes = info.values() if "maxmemory_policy" not in info else [info]
+    for node in nodes:
+        policy = node.get("maxmemory_policy")
+        if policy != "noeviction":
+            raise NoRedisError(
+                f"Redis's maxmemory-policy is {policy}: it may evict the run's keys (the "
+                "emitted groups, the tool ledger) without an error; set maxmemory-policy "
+                "noeviction (redis.conf, or CONFIG SET maxmemory-policy noeviction)"
+            )
 
 
 @dataclass

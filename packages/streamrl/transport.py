@@ -238,15 +238,14 @@ class RedisStreamConsumer(Generic[M]):
         return out
 
     def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
-        rows: Any = self.client.xpending_range(
-            self.stream,
-            self.group,
-            min=min(ids, key=entry_id_key),
-            max=max(ids, key=entry_id_key),
-            count=len(ids) + 16,
-            consumername=self.name,
-        )
-        return {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        """The delivery count of each of `ids` (just claimed), one XPENDING per id in one
+        round trip: a range over them would also hold this consumer's other pending
+        entries, and a page of it could leave some of `ids` out."""
+        pipe = self.client.pipeline(transaction=False)
+        for eid in ids:
+            pipe.xpending_range(self.stream, self.group, min=eid, max=eid, count=1)
+        rows: Any = pipe.execute()
+        return {as_str(r["message_id"]): int(r["times_delivered"]) for row in rows for r in row}
 
     def _decode(self, entry_id: str, fields: dict[Any, Any], deliveries: int) -> Delivery[M] | None:
         try:

@@ -12,7 +12,9 @@ import redis
 
 from streamrl import checkpoints as ck
 from streamrl.names import Keys
-from streamrl.transport import ensure_group, entry_id_key
+from streamrl.tasks.base import Prompt, build_task
+from streamrl.transport import ensure_group, entry_id_key, publish
+from streamrl.wire import Trajectory, pack_arrays
 
 
 def _add(client: redis.Redis, stream: str, n: int, tag: str, ms: int | None = None) -> list[str]:
@@ -256,3 +258,152 @@ def test_a_restart_rewinds_to_a_trimmed_floor(rclient: redis.Redis, keys: Keys) 
     assert at_floor is not None
     ck.rewind_group(rclient, at_floor)
     assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 10) == groups[2:]
+
+
+def test_snapshot_stores_only_the_ids_of_groups_already_trained(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review H2: the groups pending on the trainer at the cut are trained (they are in the
+    lineage), so neither a rewind nor a restore needs their bodies: the snapshot keeps their
+    ids, not a copy of every payload trained since the last checkpoint."""
+    ensure_group(rclient, keys.groups, keys.CG_TRAINER)
+    body = b"x" * 200_000
+    trained = [
+        rclient.xadd(keys.groups, {"v": b"1", "data": body + bytes([i])}).decode()  # type: ignore[union-attr]
+        for i in range(40)
+    ]
+    assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 100) == trained
+    waiting = _add(rclient, keys.groups, 2, "group")  # emitted, not yet read by the trainer
+
+    whole = ck.encode_snapshot(ck.take_snapshot(rclient, keys))
+    assert len(whole) > 40 * 200_000  # without the ids: every trained payload copied
+    snap = ck.take_snapshot(rclient, keys, trained=trained)
+    size = len(ck.encode_snapshot(snap))
+    assert size < 20_000, size  # ids only
+    groups = snap.stream(keys.groups)
+    assert groups is not None
+    assert groups.pending == trained
+    assert [e for e, _ in groups.entries] == waiting
+
+    # Redis lost: restored, then rewound at the cut, the trainer is delivered what it has
+    # not trained yet; the trained ids are in its lineage.
+    rclient.delete(*rclient.keys(keys.every_key))
+    ck.restore_queues(rclient, keys, snap)
+    start = ck.rewind_group(rclient, groups)
+    assert entry_id_key(start) < entry_id_key(trained[0])
+    assert _read(rclient, keys.groups, keys.CG_TRAINER, "trainer", 100) == waiting
+
+
+def _traj(cursor: int) -> Trajectory:
+    task = build_task("synthetic", Prompt(text="p"), cursor, 2)
+    return Trajectory(
+        traj_id=f"{task.group_id}-m0",
+        group_id=task.group_id,
+        task_id=task.task_id,
+        member=0,
+        num_generations=2,
+        **pack_arrays([1, 2], [0, 1], [0.0, -0.1]),
+        prompt_len=1,
+        reward=1.0,
+        status="ok",
+        versions=[0],
+        cursor=cursor,
+    )
+
+
+def test_trim_keeps_a_window_of_group_ids_ledger_dead_letters_and_metrics(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review M4: the emitted and dropped ids, the tool ledger, the episode states, the
+    dead letters and the metrics keep a window, not the whole run. Ids, ledger records
+    and episode states go once their group is older than every group the oldest kept
+    checkpoint can still redeliver (a task or trajectory unfinished at its cut, a
+    half-filled group, the feeder's next cursor)."""
+    for stream, group in ck.consumed_streams(keys):
+        ensure_group(rclient, stream, group)
+    gid = [build_task("synthetic", Prompt(text="p"), c, 2).group_id for c in range(30)]
+    rclient.sadd(keys.groups_emitted, *gid[:20])
+    rclient.sadd(keys.groups_dropped, gid[3], gid[15])
+    for c in (2, 9, 16):
+        rclient.hset(keys.tool_ledger, f"{gid[c]}-m1-0-0#abcdef012345", b"r")
+    rclient.hset(keys.tool_ledger, "reward-call#abcdef012345", b"r")  # no group: kept
+    # Episode states: a dead-lettered task's stay behind; one of a task in flight.
+    rclient.hset(keys.episodes, mapping={f"{gid[5]}-m0": b"s", f"{gid[13]}-m1": b"s"})
+    # At the cut: the task of group 13 pending, a trajectory of group 14 unread, group 11
+    # half filled, the feeder about to write cursor 20. The oldest group that can still
+    # get a member: 11.
+    publish(rclient, keys.tasks, build_task("synthetic", Prompt(text="p"), 13, 2))
+    _read(rclient, keys.tasks, keys.CG_ROLLOUT, "rollout-1", 1)
+    publish(rclient, keys.trajectories, _traj(14))
+    rclient.hset(keys.group_members(gid[11]), "0", b"m")
+    rclient.hset(keys.groups_started, gid[11], 1)
+    rclient.set(keys.feeder_cursor, 20)
+    for i in range(10):
+        rclient.xadd(keys.dead, {"v": b"1", "data": f"dead{i}".encode()})
+        rclient.xadd(keys.metrics, {"v": b"1", "data": f"step{i}".encode()})
+    floor = ck.take_snapshot(rclient, keys)
+    assert ck.group_floor(keys, floor) == 11
+
+    deleted = ck.trim_history(rclient, keys, floor, keep_dead_letters=3, keep_metrics=4)
+    assert deleted == {
+        keys.groups_emitted: 11,
+        keys.groups_dropped: 1,
+        keys.tool_ledger: 2,
+        keys.episodes: 1,
+        keys.dead: 7,
+        keys.metrics: 6,
+    }
+    emitted: Any = rclient.smembers(keys.groups_emitted)
+    assert sorted(m.decode() for m in emitted) == gid[11:20]
+    assert rclient.smembers(keys.groups_dropped) == {gid[15].encode()}
+    assert sorted(rclient.hkeys(keys.tool_ledger)) == [
+        f"{gid[16]}-m1-0-0#abcdef012345".encode(),
+        b"reward-call#abcdef012345",
+    ]
+    assert rclient.hkeys(keys.episodes) == [f"{gid[13]}-m1".encode()]
+    dead: Any = rclient.xrange(keys.dead)
+    assert [fields[b"data"] for _, fields in dead] == [b"dead7", b"dead8", b"dead9"]
+    assert rclient.xlen(keys.metrics) == 4
+    # No checkpoint kept: no floor, the ids stay; the streams keep their length.
+    assert ck.trim_history(rclient, keys, None, keep_dead_letters=3, keep_metrics=4) == {}
+    assert rclient.scard(keys.groups_emitted) == 9
+
+
+def test_a_same_size_edit_of_the_state_fails_verify(tmp_path: Path) -> None:
+    """Review L4: the commit marker holds a checksum of every state file, not only its size."""
+    snap = ck.QueueSnapshot(ck.SNAPSHOT_VERSION, "run", 0, [], [], {}, {}, [], [], {}, {})
+    root = tmp_path / "checkpoints"
+    _write(root, 2, snap)
+    ck.verify(root / "step_00000002")
+    state = root / "step_00000002" / "state" / "params.bin"
+    data = bytearray(state.read_bytes())
+    data[100] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointCorrupt, match=r"state/params\.bin does not match its xxh3"):
+        ck.verify(root / "step_00000002")
+    assert ck.latest_complete(root) is None
+
+
+def test_namespace_present_means_every_key_of_a_checkpointed_run(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review L11: one key left of a run that has a checkpoint is not "Redis kept the
+    queues": a Redis that lost part of the run is named, not resumed as if it kept it."""
+    assert not ck.namespace_present(rclient, keys, checkpointed=True)  # nothing: lost
+    _populate(rclient, keys)
+    assert ck.namespace_present(rclient, keys, checkpointed=True)
+    rclient.delete(keys.feeder_cursor)
+    with pytest.raises(ck.PartialRunError, match=r"part of run .*feeder:cursor"):
+        ck.namespace_present(rclient, keys, checkpointed=True)
+    assert ck.namespace_present(rclient, keys)  # no checkpoint yet: any key is the run
+    rclient.set(keys.feeder_cursor, 5)
+    rclient.xgroup_destroy(keys.groups, keys.CG_TRAINER)
+    with pytest.raises(ck.PartialRunError, match=r"consumer group trainer"):
+        ck.namespace_present(rclient, keys, checkpointed=True)
+    # What a restore writes is a whole run.
+    snap_keys = Keys(keys.ns + "r")
+    _populate(rclient, snap_keys)
+    snap = ck.take_snapshot(rclient, snap_keys)
+    rclient.delete(*rclient.keys(snap_keys.every_key))
+    ck.restore_queues(rclient, snap_keys, snap)
+    assert ck.namespace_present(rclient, snap_keys, checkpointed=True)

@@ -161,3 +161,24 @@ def test_too_many_deliveries_go_to_dead_letters(
     assert letter.reason == "delivered 3 times, more than max_deliveries (2)"
     assert letter.deliveries == 3
     assert _pending(rclient, keys) == 0
+
+
+@MODES
+def test_every_claimed_entry_is_checked_against_max_deliveries(
+    rclient: redis.Redis, keys: Keys, redis_url: str, mode: str
+) -> None:
+    """Review L7: the delivery count of each claimed id is its own, even when the claiming
+    consumer owns many other pending entries between the ids it claims (they used to push
+    a claimed id off the one XPENDING page read, and it counted as a first delivery)."""
+    cfg = TransportConfig(block_ms=10, claim_idle_ms=60_000, claim_every_ms=10, max_deliveries=5)
+    c = RedisStreamConsumer(rclient, keys, keys.tasks, "cg", "b", Task, cfg)
+    ids = [publish(rclient, keys.tasks, _task(i)).decode() for i in range(32)]
+    rclient.xreadgroup("cg", "a", {keys.tasks: ">"}, count=1)  # ids[0]: a, which died
+    rclient.xreadgroup("cg", "b", {keys.tasks: ">"}, count=30)  # ids[1:31]: b, working
+    rclient.xreadgroup("cg", "a", {keys.tasks: ">"}, count=1)  # ids[31]: a
+    for eid in (ids[0], ids[31]):  # long idle, delivered 10 times already
+        rclient.xclaim(keys.tasks, "cg", "a", 0, [eid], idle=120_000, retrycount=10)
+    assert _read(c, mode, redis_url) == []  # both past max_deliveries: dead letters
+    dead = [decode(f, DeadLetter) for _, f in entries(rclient, keys.dead)]
+    assert sorted(d.entry_id for d in dead) == [ids[0], ids[31]]
+    assert all(d.deliveries == 11 for d in dead)

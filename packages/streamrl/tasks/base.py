@@ -85,6 +85,13 @@ def build_task(kind: str, prompt: Prompt, cursor: int, num_generations: int) -> 
     )
 
 
+def group_cursor(group_id: str) -> int | None:
+    """The data-set cursor a group id of `build_task` was made from (None: not one of
+    them). Groups are numbered by the feeder's cursor, so their ids are ordered by it."""
+    digits = group_id[1:]
+    return int(digits) if group_id[:1] == "g" and digits.isdigit() else None
+
+
 # reward(answer, calls, ctx) -> float, or a coroutine function returning one.
 Reward = Callable[[str | None, list[ToolRecord], "EpisodeContext"], float | Awaitable[float]]
 

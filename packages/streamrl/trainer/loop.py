@@ -575,13 +575,14 @@ class PublishHook:
 class CheckpointHook:
     """Writes checkpoint N (`streamrl.checkpoints`: the Orbax state, the queue snapshot,
     the commit marker), then acknowledges the groups it holds, prunes old ones and trims
-    the streams of entries no one can need again (`trim`)."""
+    the streams of entries no one can need again and what grows with the run to its window
+    (`trim`)."""
 
     every: int
     root: Path
     keep: int
     checkpointer: ocp.AbstractCheckpointer
-    trim: bool = True  # trim the streams after each checkpoint (ckpts.trim_streams)
+    trim: bool = True  # after each checkpoint (ckpts.trim_streams, ckpts.trim_history)
 
     @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
@@ -590,7 +591,9 @@ class CheckpointHook:
         start = time.monotonic()
         c = loop.cluster
         if c.leader:  # the cut: the trainer is between steps, its state is that of step N
-            snapshot = ckpts.take_snapshot(loop.client, loop.keys)
+            # The groups not yet acked are trained (in the lineage): ids only, no bodies.
+            snapshot = ckpts.take_snapshot(loop.client, loop.keys, trained=loop.unacked)
+            snapshot_s = time.monotonic() - start
             ckpts.prepare_dir(self.root, loop.step)
         c.barrier(f"checkpoint-{loop.step}-dir")
         path = ckpts.step_dir(self.root, loop.step)
@@ -620,6 +623,8 @@ class CheckpointHook:
             acked=len(loop.unacked),
             # unfinished at the cut: entries pending or not yet delivered, per stream
             in_flight={x.stream.rsplit(":", 1)[-1]: len(x.entries) for x in snapshot.streams},
+            snapshot_bytes=(ck.path / ckpts.QUEUES).stat().st_size,
+            snapshot_s=round(snapshot_s, 4),
             write_s=round(time.monotonic() - start, 4),
         )
         loop.unacked.clear()
@@ -628,6 +633,13 @@ class CheckpointHook:
         if self.trim:
             floor = ckpts.oldest_snapshot(self.root)
             trimmed = ckpts.trim_streams(loop.client, loop.keys, floor)
+            trimmed |= ckpts.trim_history(
+                loop.client,
+                loop.keys,
+                floor,
+                keep_dead_letters=loop.cfg.trainer.keep_dead_letters,
+                keep_metrics=loop.cfg.trainer.keep_metrics,
+            )
             if trimmed:
                 loop.log.info("streams_trimmed", step=loop.step, deleted=trimmed)
 

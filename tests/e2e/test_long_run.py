@@ -1,0 +1,142 @@
+"""A long run keeps its state bounded (issue 15, review M4 and H2): 500 trainer steps of the
+stub policy with a checkpoint at every step. Redis's memory, the queue snapshot and the
+checkpoint's meta.json are sampled as the run goes; what the run holds late must not
+exceed what it held early (plus a slack), nor an absolute bound."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from streamrl import checkpoints as ckpts
+from streamrl.names import Keys
+from streamrl.redis_server import EmbeddedRedis
+from tests.e2e.test_up import summary_of, up
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+STUB = REPO / "configs" / "stub.toml"
+STEPS, PER_STEP = 500, 10
+# Step ranges compared, of equal length (the peak of a longer one is higher by chance);
+# the last step is left out: after it the trainer reads no more while rollout fills the
+# backpressure bound until the workers stop.
+EARLY, LATE = (50, 149), (400, STEPS - 1)
+# Late may exceed early by this much: allocator and stream-node noise, and the work in
+# flight (the snapshot's bytes are mostly the groups, trajectories and tasks unfinished at
+# the cut, which backpressure bounds but the trainer's pace moves), not growth. Before the
+# window (review M4) the emitted ids alone added about 60 B per group to Redis and one id
+# per group to every snapshot: on main at 54548e6, steps 50-100 vs 400-500 gave run keys
+# 1.03 vs 1.35 MB, used_memory 2.03 vs 2.44 MB, snapshot ids 1,038 vs 5,037.
+SLACK = {"used_memory": 1.15, "run_keys": 1.15, "snapshot": 1.5, "snapshot_ids": 1.25}
+SLACK_BYTES = {"used_memory": 96 << 10, "run_keys": 64 << 10, "snapshot": 32 << 10}
+SLACK_BYTES |= {"snapshot_ids": 50, "meta": 1024}
+ABSOLUTE = {"used_memory": 32 << 20, "run_keys": 8 << 20, "snapshot": 2 << 20}
+
+
+def _run_key_bytes(client: redis.Redis, keys: Keys) -> int:
+    """What the run's keys take in Redis (MEMORY USAGE of each)."""
+    total = 0
+    for key in client.scan_iter(keys.every_key, count=1000):
+        total += int(client.memory_usage(key, samples=0) or 0)
+    return total
+
+
+def _newest_files(root: Path) -> dict[str, int]:
+    """Sizes of meta.json and queues.msgpack of the newest complete checkpoint, and the
+    count of ids and records its snapshot holds beside the work in flight."""
+    for _step, path in ckpts.step_dirs(root):
+        try:
+            if (path / ckpts.COMMIT).is_file():
+                snap = ckpts.decode_snapshot((path / ckpts.QUEUES).read_bytes())
+                return {
+                    "meta": (path / ckpts.META).stat().st_size,
+                    "snapshot": (path / ckpts.QUEUES).stat().st_size,
+                    "snapshot_ids": len(snap.emitted) + len(snap.dropped) + len(snap.dead),
+                }
+        except (FileNotFoundError, ckpts.CheckpointCorrupt):  # pruned while we looked
+            continue
+    return {}
+
+
+class Sampler(threading.Thread):
+    """Samples (trainer step, figures) every `every_s` while the run goes."""
+
+    def __init__(self, url: str, keys: Keys, root: Path, every_s: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.client = redis.Redis.from_url(url)
+        self.keys, self.root, self.every_s = keys, root, every_s
+        self.samples: list[tuple[int, dict[str, int]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            step = int(self.client.hget(self.keys.stats, "trainer_steps") or 0)
+            info: Any = self.client.info("memory")
+            figures = {
+                "used_memory": int(info["used_memory"]),
+                "run_keys": _run_key_bytes(self.client, self.keys),
+                **_newest_files(self.root),
+            }
+            self.samples.append((step, figures))
+
+    def peak(self, name: str, steps: tuple[int, int]) -> int:
+        got = [f[name] for s, f in self.samples if steps[0] <= s <= steps[1] and name in f]
+        assert got, f"no sample of {name} in steps {steps}"
+        return max(got)
+
+
+def test_five_hundred_steps_keep_redis_and_the_checkpoints_bounded(tmp_path: Path) -> None:
+    keys = Keys("longrun")
+    run_dir = tmp_path / "run"
+    with EmbeddedRedis(tmp_path / "redis", appendonly=False) as server:
+        sampler = Sampler(server.url, keys, run_dir / "checkpoints")
+        sampler.start()
+        start = time.monotonic()
+        proc = up(
+            run_dir,
+            STEPS,
+            f"run.name={keys.ns}",
+            f"trainer.groups_per_step={PER_STEP}",
+            "trainer.checkpoint_every=1",
+            "trainer.keep_metrics=50",
+            "rollout.max_ready_groups=20",
+            f'model.cache_dir="{tmp_path / "cache"}"',
+            config=STUB,
+            env={"REDIS_URL": server.url},
+        )
+        out, _ = proc.communicate(timeout=560)
+        wall_s = time.monotonic() - start
+        sampler.done.set()
+        sampler.join()
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == STEPS
+
+    names = ("used_memory", "run_keys", "snapshot", "snapshot_ids", "meta")
+    early = {n: sampler.peak(n, EARLY) for n in names}
+    late = {n: sampler.peak(n, LATE) for n in names}
+    bound = {n: int(early[n] * SLACK.get(n, 1.25)) + SLACK_BYTES[n] for n in names}
+    print(f"\n{STEPS} steps x {PER_STEP} groups, checkpoint every step: wall {wall_s:.1f} s")
+    head = f"max {EARLY[0]}-{EARLY[1]}", f"max {LATE[0]}-{LATE[1]}", "bound", "absolute"
+    print(f"{'':>12}" + "".join(f" {h:>12}" for h in head))
+    for n in names:
+        shown = f"{ABSOLUTE[n]:,}" if n in ABSOLUTE else "-"
+        print(f"{n:>12} {early[n]:>12,} {late[n]:>12,} {bound[n]:>12,} {shown:>12}")
+    writes = [
+        json.loads(line)
+        for line in (run_dir / "logs" / "trainer-0.log").read_text().splitlines()
+        if '"checkpoint_written"' in line
+    ]
+    assert len(writes) == STEPS
+    print(f"snapshot_s max {max(w['snapshot_s'] for w in writes):.4f} s")
+    for n in names:
+        assert late[n] <= bound[n], (n, early[n], late[n])
+    for n, most in ABSOLUTE.items():
+        assert late[n] <= most, (n, late[n])
