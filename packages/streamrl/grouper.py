@@ -113,7 +113,9 @@ return first
 
 # KEYS: members hash, emitted set, dropped set, trajectories stream, stats hash, started hash,
 #       reruns hash
-# ARGV: group id, entry id, consumer group, extra counter ('' none)
+# ARGV: group id, entry id, consumer group, extra counter ('' none), member index of the
+#       entry (its trajectory counts once: it may be held already, as the member whose add
+#       completed the group)
 _DROP = """
 redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
@@ -129,7 +131,10 @@ if first == 1 then
   end
 end
 local held = redis.call('HLEN', KEYS[1])
-redis.call('HINCRBY', KEYS[5], 'trajectories_dropped', held + 1)
+if redis.call('HEXISTS', KEYS[1], ARGV[5]) == 0 then
+  held = held + 1
+end
+redis.call('HINCRBY', KEYS[5], 'trajectories_dropped', held)
 redis.call('DEL', KEYS[1])
 redis.call('XACK', KEYS[4], ARGV[3], ARGV[2])
 return first
@@ -472,7 +477,7 @@ class Grouper:
     def _drop_call(self, d: Delivery[Trajectory], counter: str) -> _Call:
         """Drop the group (once; `counter` in stats counts the reason too)."""
         gid = d.msg.group_id
-        args = [gid, d.entry_id, self.keys.CG_GROUPER, counter]
+        args = [gid, d.entry_id, self.keys.CG_GROUPER, counter, d.msg.member]
         return self._drop, self._assembly_keys(gid), args
 
     def _finish_call(self, d: Delivery[Trajectory], decision: _Decision) -> _Call:

@@ -231,3 +231,29 @@ def test_concurrent_sandbox_calls_run_once(
         assert lines(effects) == 1 and hits(rclient, keys) == 1
     finally:
         assert [stop(w) for w in workers] == [0, 0]
+
+
+def test_two_executions_of_one_call_queued_together_are_both_answered(
+    redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """Two executions of one call (a re-run while the first is alive) queued before any tool
+    worker takes them: each attempt is its own rq job, so neither overwrites the other's
+    (and its result list); the ledger runs the side effect once and both get its result."""
+    effects = tmp_path / "effects"
+    command = f"echo ran >> {effects}; wc -l < {effects}"
+    cfg = ToolsConfig(non_idempotent=["shell"], time_limit_s=5.0, result_margin_s=10.0)
+
+    async def both() -> list[ToolResult]:
+        calls = [asyncio.create_task(shell(redis_url, keys, cfg, command, "g1-m0-2-0"))
+                 for _ in range(2)]  # fmt: skip
+        while rclient.llen(f"rq:queue:{keys.tool_queue}") < 2:  # both queued, none taken
+            await asyncio.sleep(0.05)
+        worker = spawn_worker("tools", redis_url, keys.ns, tmp_path, SUBPROCESS)
+        try:
+            return list(await asyncio.gather(*calls))
+        finally:
+            assert stop(worker) == 0
+
+    a, b = asyncio.run(both())
+    assert a.ok and a == b and a.output.endswith("stdout:\n1"), (a, b)
+    assert lines(effects) == 1

@@ -6,6 +6,7 @@ masked out, not fatal; a resumed trainer neither dead-letters nor trains anythin
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import subprocess
@@ -115,7 +116,9 @@ def test_queues_and_state_come_from_the_same_checkpoint(
     rclient: redis.Redis, redis_url: str, keys: Keys, tmp_path: Path
 ) -> None:
     # Review L10: Redis lost the run and the two newest checkpoints pass verify() but
-    # their Orbax state cannot be restored (same-size damage). The trainer falls back to
+    # their Orbax state cannot be restored (damage the commit marker describes: written
+    # so, or by an Orbax the trainer cannot read; the marker's checksums catch any later
+    # edit, review L4, so the test writes them for the damaged file). The trainer falls back to
     # checkpoint 1; the queues must come back from checkpoint 1 too, or the group trained
     # at step 2 (acked before checkpoint 3's cut) is in neither and is lost.
     for i in range(5):
@@ -127,6 +130,13 @@ def test_queues_and_state_come_from_the_same_checkpoint(
     for step in (2, 3):
         meta = ckpts.step_dir(root, step) / ckpts.STATE / "_METADATA"
         meta.write_bytes(b"x" * meta.stat().st_size)
+        marker_path = ckpts.step_dir(root, step) / ckpts.COMMIT
+        marker = json.loads(marker_path.read_text())
+        entry = marker["files"][f"{ckpts.STATE}/_METADATA"]
+        for kind in (ckpts.SHA256, ckpts.XXH3):
+            if kind in entry:
+                entry[kind] = ckpts._digest(meta, kind)
+        marker_path.write_text(json.dumps(marker))
         assert ckpts.verify(ckpts.step_dir(root, step)).step == step  # passes the marker
     rclient.delete(*rclient.keys(keys.every_key))  # Redis lost the run
 

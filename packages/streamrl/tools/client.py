@@ -127,7 +127,9 @@ class ToolClient:
                 "deadline": time.time() + wait_s,
                 "ledger_key": key,  # "": the tool is idempotent, run every call
             },
-            job_id=_JOB_ID_UNSAFE.sub("_", f"{self.keys.ns}-{call_id}-a{attempt}"),
+            # One job per attempt of one execution: two executions of a call at once (a
+            # re-run while the first is alive) must not overwrite each other's job and nonce.
+            job_id=_JOB_ID_UNSAFE.sub("_", f"{self.keys.ns}-{call_id}-a{attempt}-{nonce}"),
             timeout=math.ceil(self.cfg.time_limit_s) + 5,
             ttl=math.ceil(wait_s) + 1,
             result_ttl=60,
