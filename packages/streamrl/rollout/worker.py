@@ -62,6 +62,7 @@ from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_stat
 BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
 EPISODES_RESUMED = "episodes_resumed"  # stats counter: episodes resumed from a turn boundary
 RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool time not redone
+LOG_ROWS = 32  # trajectories per `trajectories_committed` log line (a line stays ~6 KB)
 
 
 class Backpressure:
@@ -476,28 +477,38 @@ class RolloutWorker:
             await afailpoint(EPISODE_SAVED, self.log)
         if not batch:
             return
-        self.log.info(
-            "trajectories_committed",
-            trajectories=[
-                {
-                    "traj_id": t.traj_id,
-                    "entry_id": d.entry_id,
-                    "status": t.status,
-                    "reward": t.reward,
-                    "versions": t.versions,
-                    "tokens": len(t.token_array()),
-                    "tool_calls": t.num_tool_calls,
-                    "error": t.error or None,
-                    "episode_s": round(t.timings.get("episode_s", 0.0), 4),
-                    **(
-                        {"resumed_turn": int(t.timings["resumed_turn"])}
-                        if "resumed_turn" in t.timings
-                        else {}
-                    ),
-                }
-                for d, t, _ in batch
-            ],
-        )
+        self._log_committed(batch)
+
+    def _log_committed(self, batch: list[tuple[Delivery[Task], Trajectory, bool]]) -> None:
+        """Log the trajectories of a commit."""
+        rows = [
+            {
+                "traj_id": t.traj_id,
+                "entry_id": d.entry_id,
+                "status": t.status,
+                "reward": t.reward,
+                "versions": t.versions,
+                "tokens": len(t.token_array()),
+                "tool_calls": t.num_tool_calls,
+                "error": t.error or None,
+                "episode_s": round(t.timings.get("episode_s", 0.0), 4),
+                **(
+                    {"resumed_turn": int(t.timings["resumed_turn"])}
+                    if "resumed_turn" in t.timings
+                    else {}
+                ),
+            }
+            for d, t, _ in batch
+        ]
+        # A line per LOG_ROWS of them: one line of a big batch (112 trajectories, 22 KB)
+        # outgrew a log file's run.log_max_mb and could not roll over.
+        for i in range(0, len(rows), LOG_ROWS):
+            self.log.info(
+                "trajectories_committed",
+                trajectories=rows[i : i + LOG_ROWS],
+                part=i // LOG_ROWS,
+                parts=-(-len(rows) // LOG_ROWS),
+            )
 
     def _stage_episode_states(
         self,
