@@ -31,10 +31,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 import redis
 import structlog
@@ -57,7 +58,7 @@ from streamrl.runtime import (
     run_log,
 )
 from streamrl.transport import make_client, waits_out
-from streamrl.wire import TrainMetrics, WireError, decode
+from streamrl.wire import Status, TrainMetrics, WireError, decode
 
 STOP_TIMEOUT_S = 20.0
 SUMMARY_SHOWN = (
@@ -123,6 +124,10 @@ class Launcher:
         self.started = time.monotonic()
         self._next_watch = 0.0  # the next liveness check
         self._watch_from = 0.0  # beats older than this do not count (Redis was away)
+        # The counters as last read (the summary's, should Redis fail for good) and the
+        # (time, groups) of recent reads: the progress line's rate over PROGRESS_WINDOW_S.
+        self._last_stats: dict[str, int | float] = {}
+        self._groups_seen: deque[tuple[float, int | float]] = deque()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -180,7 +185,7 @@ class Launcher:
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
             reason, code = self._monitor(quick, log)
             self._shutdown(log)
-            self._write_summary(client, reason)
+            self._write_summary(client, reason, log)
             client.close()
             quick.close()
         except (RunDirError, NoRedisError, ckpts.PartialRunError) as err:
@@ -484,41 +489,49 @@ class Launcher:
     def _stats(self, client: redis.Redis) -> dict[str, int | float]:
         """The run's counters: whole ones, and sums of seconds (HINCRBYFLOAT)."""
         raw: Any = client.hgetall(self.keys.stats)
-        return {k.decode(): _number(v) for k, v in raw.items()}
-
-    def _metrics(self, client: redis.Redis) -> list[TrainMetrics]:
-        out = []
-        raw: Any = client.xrange(self.keys.metrics)
-        for _id, fields in raw:
-            try:
-                out.append(decode(fields, TrainMetrics))
-            except WireError:
-                continue
-        return out
+        self._last_stats = {k.decode(): _number(v) for k, v in raw.items()}
+        return self._last_stats
 
     def _progress(self, client: redis.Redis) -> None:
         s = self._stats(client)
         last: Any = client.xrevrange(self.keys.metrics, count=1)
-        reward = decode(last[0][1], TrainMetrics).reward_mean if last else float("nan")
-        minutes = max(1e-9, (time.monotonic() - self.started) / 60)
+        dead = int(client.xlen(self.keys.dead))
+        try:
+            reward = decode(last[0][1], TrainMetrics).reward_mean if last else float("nan")
+        except WireError:
+            reward = float("nan")
+        now = time.monotonic()
+        rate = window_rate(self._groups_seen, now, s.get("groups", 0), PROGRESS_WINDOW_S)
         line = (
-            f"[{time.monotonic() - self.started:6.1f}s] step {s.get('trainer_steps', 0)}"
+            f"[{now - self.started:6.1f}s] step {s.get('trainer_steps', 0)}"
             f"/{self.steps or '-'} | policy v{s.get('policy_version', 0)} | "
-            f"{s.get('groups', 0) / minutes:5.1f} groups/min | reward {reward:.3f} | "
+            f"{rate * 60:5.1f} groups/min | reward {reward:.3f} | "
             f"traj {s.get('trajectories', 0)} | tool calls {s.get('tool_calls', 0)} | "
-            f"dropped {s.get('groups_dropped', 0)} | dead {s.get('dead_letters', 0)}"
+            f"dropped {s.get('groups_dropped', 0)} | dead {dead}"
         )
         end = "\r" if self.out.isatty() else "\n"
         print(line, end=end, file=self.out, flush=True)
 
-    def _write_summary(self, client: redis.Redis, reason: str) -> None:
-        s = self._stats(client)
-        rewards = [m.reward_mean for m in self._metrics(client)]
+    def _write_summary(
+        self, client: redis.Redis, reason: str, log: structlog.stdlib.BoundLogger
+    ) -> None:
+        """summary.json: the run's counters from Redis, or, when Redis is gone for good,
+        those the launcher last read (`redis_available` false; no rewards, no dead-letter
+        count)."""
+        try:
+            s = self._stats(client)
+            rewards = [m.reward_mean for m in step_metrics(client, self.keys, log)]
+            dead: int | None = int(client.xlen(self.keys.dead))
+            available = True
+        except redis.RedisError as err:
+            log.error("summary_without_redis", error=str(err))
+            s, rewards, dead, available = self._last_stats, [], None, False
         k = max(1, min(5, len(rewards) // 2))
         summary = {
             "run": self.cfg.run.name,
             "exit_reason": reason,
-            "elapsed_s": round(time.monotonic() - self.started, 2),
+            "elapsed_s": round(time.monotonic() - self.started, 2),  # this invocation's
+            "redis_available": available,
             "trainer_steps": s.get("trainer_steps", 0),
             "policy_version": s.get("policy_version", 0),
             "trajectories": s.get("trajectories", 0),
@@ -526,12 +539,11 @@ class Launcher:
             "groups_trained": s.get("groups_trained", 0),
             "groups_dropped": s.get("groups_dropped", 0),
             "trajectories_dropped": s.get("trajectories_dropped", 0),
-            "dead_letters": int(client.xlen(self.keys.dead)),
+            "dead_letters": dead,  # waiting in the dead-letter stream now
             "tool_calls": s.get("tool_calls", 0),
             "tool_errors": s.get("tool_errors", 0),
-            "episodes": {
-                st: s.get(f"episodes_{st}", 0) for st in ("ok", "truncated", "timeout", "error")
-            },
+            "tool_infra_errors": s.get("tool_infra_errors", 0),
+            "episodes": {st: s.get(f"episodes_{st}", 0) for st in get_args(Status)},
             "max_trajectory_policy_version": s.get("max_trajectory_policy_version", -1),
             "mean_reward_first": sum(rewards[:k]) / k if rewards else None,
             "mean_reward_last": sum(rewards[-k:]) / k if rewards else None,
@@ -549,7 +561,42 @@ class Launcher:
         print(f"\n{reason}; summary in {path}\n{json.dumps(shown)}", file=self.out, flush=True)
 
 
+def step_metrics(
+    client: redis.Redis, keys: Keys, log: structlog.stdlib.BoundLogger
+) -> list[TrainMetrics]:
+    """Each step's metrics once, by step: the last entry of a step that a restarted trainer
+    trained again (the stream keeps the entries of the steps it discarded too)."""
+    by_step: dict[int, TrainMetrics] = {}
+    unreadable = 0
+    raw: Any = client.xrange(keys.metrics)
+    for _id, fields in raw:
+        try:
+            m = decode(fields, TrainMetrics)
+        except WireError:
+            unreadable += 1
+            continue
+        by_step[m.step] = m
+    if unreadable:
+        log.warning("metrics_unreadable", entries=unreadable, stream=keys.metrics)
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def window_rate(
+    seen: deque[tuple[float, int | float]], now: float, count: int | float, window_s: float
+) -> float:
+    """Per second, the growth of a run's `count` over about the last `window_s` of the
+    samples in `seen` (appended to; the older dropped): a rate of this invocation, never
+    since the run began (a `--resume` inherits the count, not the time). 0 until two
+    samples."""
+    seen.append((now, count))
+    while len(seen) > 2 and now - seen[1][0] >= window_s:
+        seen.popleft()
+    t0, c0 = seen[0]
+    return (count - c0) / (now - t0) if now > t0 else 0.0
+
+
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
+PROGRESS_WINDOW_S = 60.0  # the progress line's groups/min: over about the last minute
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
 MAX_BACKOFF_S = 60.0
 

@@ -91,6 +91,13 @@ def test_a_stopped_trainer_is_killed_and_restarted(tmp_path: Path) -> None:
     assert s["worker_hangs"] == {"trainer-0": 1}
     assert s["worker_restarts"]["trainer-0"] == 1
     assert s["trainer_steps"] == steps
+    # A restarted trainer trains the steps after its checkpoint again: the summary counts
+    # each step's reward and groups once, as the state kept them (review code-86b402d, 4).
+    trained = _events(logs / "trainer-0.log", "train_step")
+    assert len(s["rewards_per_step"]) == steps
+    last = {e["step"]: e for e in trained}  # each step as the state kept it
+    assert s["rewards_per_step"] == [last[k]["reward_mean"] for k in sorted(last)]
+    assert s["groups_trained"] == sum(e["num_groups"] for e in last.values())
     assert not os.path.exists(f"/proc/{pid}")  # the stopped process is gone, not left stopped
 
 
@@ -211,3 +218,27 @@ def test_worker_logs_roll_over(tmp_path: Path) -> None:
         assert all(json.loads(x) for x in f.read_text().splitlines())  # whole JSON lines
     assert _events(logs / "rollout-0.log", "rollout_stop")  # the newest is the live one
     assert _events(logs / "launcher.log", "run_end")
+
+
+@pytest.mark.timeout(200)
+def test_a_redis_that_fails_for_good_still_leaves_a_summary(tmp_path: Path) -> None:
+    """The embedded Redis dies and may not restart (`run.max_restarts = 0`): the run stops
+    with exit code 1 and the documented summary.json, its counters the last the launcher
+    read (review code-86b402d, 4: a traceback and no summary before)."""
+    run_dir = tmp_path / "run"
+    proc = up(run_dir, 100_000, "run.max_restarts=0", config=STUB)
+    try:
+        _wait_for_steps(run_dir / "logs", 2)
+        time.sleep(11)  # a progress read (every 10 s) after the first steps
+        os.kill(rundir.orphans(run_dir)[rundir.REDIS], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out
+    assert "Traceback" not in out, out
+    s = summary_of(run_dir)
+    assert s["redis_available"] is False
+    assert s["trainer_steps"] >= 2, s  # from the last read before Redis died
+    assert "exit_reason" in s and s["worker_exit_codes"], s

@@ -5,6 +5,7 @@ naming their groups."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import structlog
 
 from streamrl import checkpoints as ckpts
 from streamrl.config import Config, parse_config
+from streamrl.launcher import step_metrics
 from streamrl.names import Keys
 from streamrl.queues import replay_dead
 from streamrl.trainer.loop import (
@@ -34,7 +36,7 @@ from streamrl.trainer.step import Batch, TrainState
 from streamrl.trainer.stub import stub_state
 from streamrl.transport import GROUPS_SET_ASIDE, publish
 from streamrl.weightsync import DirChannel
-from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
+from streamrl.wire import DeadLetter, Group, TrainMetrics, Trajectory, decode, pack_arrays
 
 LOG = structlog.get_logger()
 
@@ -107,6 +109,7 @@ def make_loop(
     step: Any,
     checkpointer: ocp.StandardCheckpointer,
     max_steps: int = 100,
+    checkpoint_every: int = 1,
 ) -> TrainerLoop:
     publisher = WeightPublisher(rclient, keys, DirChannel(root.parent / "weights"), LOG)
     return TrainerLoop(
@@ -121,7 +124,7 @@ def make_loop(
         max_steps=max_steps,
         hooks=[
             PublishHook(1, publisher),
-            CheckpointHook(1, root, cfg.trainer.keep_checkpoints, checkpointer),
+            CheckpointHook(checkpoint_every, root, cfg.trainer.keep_checkpoints, checkpointer),
         ],
     )
 
@@ -260,3 +263,46 @@ def test_a_dead_lettered_group_replayed_by_the_operator_trains(
     loop.max_steps = 2
     loop.run()
     assert [ids for _, ids in loop.lineage] == [["g1"], ["g0"]]
+
+
+def test_groups_trained_counts_the_state_s_groups_across_a_restart(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """A trainer restarted from its checkpoint trains the groups after the cut again: the
+    run's `groups_trained` counts the groups in the state's history (3 here), not every
+    training of them (4: review code-86b402d, 4, summary.json)."""
+    root = tmp_path / "checkpoints"
+    cfg = config()
+    for i in range(3):
+        publish(rclient, keys.groups, group(f"g{i}"))
+    first = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"] * 3), checkpointer, 3, 2)
+    first.run()  # steps 1-3, checkpoints at 2 and (final) 3
+    shutil.rmtree(root / "step_00000003")  # as if killed before the last one
+    assert rclient.hget(keys.stats, "groups_trained") == b"3"
+    again = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"]), checkpointer, 3, 2)
+    assert again.resume(root, checkpointer) == 2
+    with structlog.testing.capture_logs() as logs:
+        again.run()
+    assert [e["group_ids"] for e in logs if e["event"] == "train_step"] == [["g2"]]
+    assert rclient.hget(keys.stats, "groups_trained") == b"3"
+
+
+def test_the_summary_takes_each_step_s_metrics_once(rclient: redis.Redis, keys: Keys) -> None:
+    """The metrics stream keeps a restarted trainer's discarded steps too (2 and 3 below,
+    trained again): the summary's rewards are one per step, the last training of each;
+    an unreadable entry is logged, not silently dropped (review code-86b402d, 4)."""
+
+    def m(step: int, reward: float) -> TrainMetrics:
+        return TrainMetrics(
+            step=step, version=step, loss=0.0, reward_mean=reward, num_groups=1,
+            num_sequences=2, num_tokens=6, clip_fraction=0.0, grad_norm=0.1,
+            max_policy_lag=0, step_time_s=0.01,
+        )  # fmt: skip
+
+    for step, reward in [(1, 0.1), (2, 0.2), (3, 0.3), (2, 0.25), (3, 0.35), (4, 0.4)]:
+        publish(rclient, keys.metrics, m(step, reward))
+    rclient.xadd(keys.metrics, {"kind": "metrics", "v": "99", "body": "not msgpack"})
+    with structlog.testing.capture_logs() as logs:
+        got = step_metrics(rclient, keys, structlog.get_logger())
+    assert [(x.step, x.reward_mean) for x in got] == [(1, 0.1), (2, 0.25), (3, 0.35), (4, 0.4)]
+    assert [e["entries"] for e in logs if e["event"] == "metrics_unreadable"] == [1]

@@ -139,6 +139,10 @@ class TrainerLoop:
     lineage: list[tuple[int, list[str]]] = field(default_factory=list)
     # (step, entry ids set aside while that step was assembled: dead-lettered or dropped)
     set_aside: list[tuple[int, list[str]]] = field(default_factory=list)
+    # groups trained in the current state's history (restored with it): the run's
+    # `groups_trained`, which a restart that trains the groups after the cut again does
+    # not count twice
+    groups_trained: int = 0
     # group ids of each step skipped in a row for a non-finite loss or gradient norm
     nonfinite: list[list[str]] = field(default_factory=list)
     cluster: Cluster = field(default_factory=Cluster)
@@ -333,7 +337,8 @@ class TrainerLoop:
         pipe = self.client.pipeline(transaction=True)
         publish(pipe, self.keys.metrics, metrics)
         pipe.hset(self.keys.stats, "trainer_steps", metrics.step)
-        pipe.hincrby(self.keys.stats, "groups_trained", metrics.num_groups)
+        self.groups_trained += metrics.num_groups
+        pipe.hset(self.keys.stats, "groups_trained", self.groups_trained)
         pipe.execute()
         self.log.info(
             "train_step",
@@ -352,6 +357,7 @@ class TrainerLoop:
             "lineage": [[step, ids] for step, ids in self.lineage],
             "set_aside": [[step, ids] for step, ids in self.set_aside],
             "lineage_from": min(self.unacked.values(), default=self.step + 1),
+            "groups_trained": self.groups_trained,
         }
 
     def forget_before(self, step: int) -> None:
@@ -407,6 +413,10 @@ class TrainerLoop:
             aside = meta.get("set_aside", [])
             self.set_aside = [(int(s), [str(e) for e in ids]) for s, ids in aside]
             self.consumed = {g: s for s, ids in self.lineage for g in ids}
+            # checkpoints written before the count was kept: the window's groups
+            self.groups_trained = int(
+                meta.get("groups_trained", sum(len(ids) for _, ids in self.lineage))
+            )
             self.aside = {e: s for s, ids in self.set_aside for e in ids}
         if not c.leader:
             return self.step if restored is not None else None
