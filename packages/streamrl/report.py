@@ -350,13 +350,14 @@ def _time_axis(run: Interval) -> tuple[float, str]:
     return (1.0, "time since first event (s)") if run[1] <= 600 else (60.0, "time (min)")
 
 
-def _lines(ax: Axes, series: Mapping[str, Samples], scale: float, label: str) -> int:
-    drawn = 0
+def _legend(ax: Axes) -> None:
+    """Beside the axes, where it hides no line (rates are often flat at the top)."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _lines(ax: Axes, series: Mapping[str, Samples], scale: float) -> None:
     for key, samples in series.items():
-        if samples:
-            ax.plot([t / scale for t, _ in samples], [v for _, v in samples], label=f"{label}{key}")
-            drawn += 1
-    return drawn
+        ax.plot([t / scale for t, _ in samples], [v for _, v in samples], label=key)
 
 
 def _panels(
@@ -373,11 +374,20 @@ def _panels(
     fig = Figure(figsize=(9, 3.2 * len(present)), layout="constrained")
     axes = fig.subplots(len(present), 1, squeeze=False)[:, 0]
     for ax, (ylabel, names) in zip(axes, present, strict=True):
-        for c in names:
-            _lines(ax, data.series(c), scale, f"{c} " if len(names) > 1 else "")
+        workers = sorted({w for c in names for w in data.series(c)})
+        for k, c in enumerate(names):
+            series = data.series(c)
+            for w in series:
+                ax.plot(
+                    [t / scale for t, _ in series[w]],
+                    [v for _, v in series[w]],
+                    ("-", "--", ":")[k % 3],
+                    color=f"C{workers.index(w) % 10}",
+                    label=f"{c} {w}" if len(names) > 1 else w,
+                )
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        _legend(ax)
     axes[-1].set_xlabel(xlabel)
     fig.suptitle(title)
     return Plot(name, title, fig, missing)
@@ -414,10 +424,10 @@ def _queue_plot(data: RunData) -> Plot:
     fig = Figure(figsize=(9, 3.2 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (ylabel, series) in zip(axes, panels, strict=True):
-        _lines(ax, series, scale, "")
+        _lines(ax, series, scale)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        _legend(ax)
     axes[-1].set_xlabel(xlabel)
     fig.suptitle(title)
     missing = [] if lag else ["queue.<stream>.lag"]
@@ -443,7 +453,9 @@ def _breakdown_plot(breakdowns: Mapping[str, Mapping[str, float]]) -> Plot:
     left = np.zeros(len(rows))
     for cat in CATEGORIES:
         frac = np.array([breakdowns[w][cat] / sum(breakdowns[w].values()) for w in rows])
-        ax.barh(rows, frac, left=left, color=COLORS[cat], label=cat)
+        bars = ax.barh(rows, frac, left=left, color=COLORS[cat], label=cat)
+        labels = [f"{f:.0%}" if f >= 0.06 else "" for f in frac]
+        ax.bar_label(bars, labels=labels, label_type="center", fontsize=8, color="white")
         left += frac
     ax.set_xlim(0, 1)
     ax.invert_yaxis()
