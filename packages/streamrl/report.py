@@ -507,33 +507,52 @@ def _last(samples: Samples) -> float:
     return samples[-1][1]
 
 
+TOTAL_COUNTERS = ("trajectories_total", "groups_total", "examples_total", "policy_version")
+
+
 def _summary_lines(data: RunData) -> list[str]:
+    """The run's figures: summary.json's (when the launcher wrote one), then the trace's own
+    (train.step spans, the totals' and policy version's last samples, highest worker's)."""
+    rows: list[tuple[str, object, str]] = []
     s = data.summary
-    steps = sum(1 for spans in data.spans.values() for n, _, _ in spans if n == "train.step")
-    if s is None:
-        return [
-            "No summary.json (the run was not stopped by `streamrl up`, or is still running); "
-            f"the trace holds {steps} train.step spans."
+    if s is not None:
+        src = "summary.json"
+        rows += [
+            ("exit", s.get("exit_reason", "?"), src),
+            ("elapsed", f"{s.get('elapsed_s', 0)} s", src),
+            ("trainer steps", s.get("trainer_steps"), src),
+            ("policy version", s.get("policy_version"), src),
+            ("trajectories", s.get("trajectories"), src),
+            (
+                "groups (trained / dropped)",
+                f"{s.get('groups')} ({s.get('groups_trained')} / {s.get('groups_dropped')})",
+                src,
+            ),
+            ("tool calls (errors)", f"{s.get('tool_calls')} ({s.get('tool_errors')})", src),
+            ("dead letters", s.get("dead_letters"), src),
+            (
+                "reward, first steps -> last steps",
+                f"{s.get('mean_reward_first')} -> {s.get('mean_reward_last')}",
+                src,
+            ),
+            ("worker restarts", sum((s.get("worker_restarts") or {}).values()), src),
         ]
-    rows = [
-        ("exit", s.get("exit_reason", "?")),
-        ("elapsed", f"{s.get('elapsed_s', 0)} s"),
-        ("trainer steps", s.get("trainer_steps")),
-        ("policy version", s.get("policy_version")),
-        ("trajectories", s.get("trajectories")),
-        (
-            "groups (trained / dropped)",
-            f"{s.get('groups')} ({s.get('groups_trained')} / {s.get('groups_dropped')})",
-        ),
-        ("tool calls (errors)", f"{s.get('tool_calls')} ({s.get('tool_errors')})"),
-        ("dead letters", s.get("dead_letters")),
-        (
-            "reward, first steps -> last steps",
-            f"{s.get('mean_reward_first')} -> {s.get('mean_reward_last')}",
-        ),
-        ("worker restarts", sum((s.get("worker_restarts") or {}).values())),
-    ]
-    return _table(("figure", "value"), rows)
+    steps = sum(1 for spans in data.spans.values() for n, _, _ in spans if n == "train.step")
+    rows.append(("train.step spans", steps, "trace"))
+    for c in TOTAL_COUNTERS:
+        lasts = [_last(samples) for samples in data.series(c).values()]
+        if lasts:
+            rows.append((c, _num(max(lasts)), "trace (last sample)"))
+    lines = (
+        []
+        if s
+        else [
+            "No summary.json (the run was not stopped by `streamrl up`, or is "
+            "still running): the trace's figures alone.",
+            "",
+        ]
+    )
+    return [*lines, *_table(("figure", "value", "from"), rows)]
 
 
 def _rates_lines(data: RunData) -> list[str]:

@@ -246,6 +246,7 @@ def write_synthetic_run(run_dir: Path, *, counters: bool = True, tools: bool = T
                 "queue.groups.depth": lambda t: 2.0 if t < 60 else 2 + (t - 60) / 4,
                 "queue.groups.lag": lambda t: 1.0,
                 "examples_per_min": lambda t: 48.0,
+                "examples_total": lambda t: 8 * (t // 10),
                 "reward_mean": lambda t: 0.2 + t / 200,
                 "solve_rate": lambda t: t / 240,
                 "rss_mb": lambda t: 900 + t,
@@ -316,6 +317,9 @@ def test_report_of_a_synthetic_run(tmp_path: Path) -> None:
     assert "| trainer-0 | 120.0 | 55% | 40% | 0% | 0% | 5% |" in md
     assert "| rollout-0 | 120.0 | 90% | 0% | 5% | 5% | 0% |" in md
     assert "| tool.exec | 24 |" in md
+    assert "| trainer steps | 12 | summary.json |" in md
+    assert "| train.step spans | 12 | trace |" in md
+    assert "| examples_total | 96 | trace (last sample) |" in md  # 8 * (120 // 10)
     assert "| trainer-0 | 1,020 | 4,000 |" in md  # rss_mb's max: it wrote no rss_peak_mb
     assert "| rollout-0 | 1,320 | - |" in md
     assert "Not in the plots" not in md
