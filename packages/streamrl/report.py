@@ -409,7 +409,8 @@ def _reward_plot(data: RunData) -> Plot:
         ax.set_ylabel("reward (mean)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.suptitle("Reward per trainer step (summary.json)")
+        plot.title = "Reward per trainer step (summary.json: no reward counters in the trace)"
+        fig.suptitle(plot.title)
         plot.figure = fig
     return plot
 
@@ -503,6 +504,10 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
+def _maybe(x: object) -> str:
+    return _num(x) if isinstance(x, int | float) else str(x)
+
+
 def _last(samples: Samples) -> float:
     return samples[-1][1]
 
@@ -532,7 +537,7 @@ def _summary_lines(data: RunData) -> list[str]:
             ("dead letters", s.get("dead_letters"), src),
             (
                 "reward, first steps -> last steps",
-                f"{s.get('mean_reward_first')} -> {s.get('mean_reward_last')}",
+                f"{_maybe(s.get('mean_reward_first'))} -> {_maybe(s.get('mean_reward_last'))}",
                 src,
             ),
             ("worker restarts", sum((s.get("worker_restarts") or {}).values()), src),
@@ -656,7 +661,9 @@ def render_markdown(data: RunData, plots: Sequence[Plot], title: str) -> str:
         f"# Run report: {title}",
         "",
         f"{data.trace_files} trace files, {len(data.walls)} workers, {n_spans} spans, "
-        f"{data.run[1] - data.run[0]:.1f} s from the first event to the last.",
+        f"{data.run[1] - data.run[0]:.1f} s from the first event to the last."
+        if data.trace_files
+        else "No trace files in RUN_DIR/traces: the figures below are summary.json's alone.",
         "",
         "## Bottleneck",
         "",

@@ -345,5 +345,26 @@ def test_report_of_a_run_without_counters_or_tools(tmp_path: Path) -> None:
 
 def test_report_of_an_empty_run_dir_and_a_missing_one(tmp_path: Path) -> None:
     md = write_report(tmp_path).read_text()
-    assert "None named" in md and "0 trace files" in md
+    assert "None named" in md and "No trace files" in md
     assert cli.main(["report", str(tmp_path / "nope")]) == 2
+
+
+def test_report_of_a_run_with_summary_json_alone(tmp_path: Path) -> None:
+    """No trace files (a run before tracing): the reward plot falls back on summary.json's
+    per-step rewards, and the figures table shows summary.json's."""
+    summary = {
+        "run": "old",
+        "trainer_steps": 2,
+        "mean_reward_first": 0.1234,
+        "rewards_per_step": [0.1, 0.3],
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    md = write_report(tmp_path).read_text()
+    assert "No trace files in RUN_DIR/traces" in md
+    assert "| trainer steps | 2 | summary.json |" in md
+    assert "| reward, first steps -> last steps | 0.123 -> None | summary.json |" in md
+    assert sorted(p.name for p in (tmp_path / "report").glob("*.png")) == ["reward.png"]
+    reward = figures(load_run(tmp_path))[0]
+    assert reward.figure is not None
+    [(ylabel, lines, _)] = _drawn(reward.figure)
+    assert (ylabel, lines) == ("reward (mean)", [[0.1, 0.3]])
