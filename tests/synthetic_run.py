@@ -22,6 +22,10 @@ def _counters(w: TraceWriter, series: dict[str, Callable[[int], float]]) -> None
             w.counter(name, f(t), T0 + t * S)
 
 
+def _constant(value: float) -> Callable[[int], float]:
+    return lambda t: value
+
+
 def write_synthetic_run(run_dir: Path, *, counters: bool = True, tools: bool = True) -> None:
     """Six workers over 120 s. The trainer is the bottleneck by its queue: groups wait 2 deep
     until 60 s, then pile up by 1 every 4 s (15/min). rollout-0 is busier (90 % decoding)
@@ -87,7 +91,7 @@ def write_synthetic_run(run_dir: Path, *, counters: bool = True, tools: bool = T
             _counters(
                 r,
                 {
-                    "trajectories_per_min": lambda t, i=i: 24.0 + i,
+                    "trajectories_per_min": _constant(24.0 + i),
                     "policy_age": lambda t: 0.5,
                     "policy_age_max": lambda t: 1.0 + (t // 30),
                     "rss_peak_mb": lambda t: 1200.0 + t,
