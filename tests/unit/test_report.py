@@ -227,6 +227,7 @@ def test_report_of_a_synthetic_run(tmp_path: Path) -> None:
         assert f"]({name}.png)" in md
     assert "| trainer-0 | 120.0 | 55% | 40% | 0% | 0% | 5% |" in md
     assert "| rollout-0 | 120.0 | 90% | 0% | 5% | 5% | 0% |" in md
+    assert "| feeder-0 | 120.0 |" not in md  # counters alone: nothing known of its time
     assert "| tool.exec | 24 |" in md
     assert "| trainer steps | 12 | summary.json |" in md
     assert "| train.step spans | 12 | trace |" in md
