@@ -6,7 +6,7 @@ RUN_DIR ?= runs/demo
 CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
+.PHONY: demo report test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
 
 # The worked example task package (examples/unitconv) is installed beside streamrl, as a
 # user's own task package would be.
@@ -17,10 +17,16 @@ $(VENV)/.installed: pyproject.toml examples/unitconv/pyproject.toml
 	$(PY) -m pip install -q --no-deps -e examples/unitconv
 	touch $@
 
-# The demo's run directory is scratch: each `make demo` starts it afresh.
+# The demo's run directory is scratch: each `make demo` starts it afresh, and ends with its
+# report (RUN_DIR/report/report.md and its plots).
 demo: $(VENV)/.installed
 	rm -rf $(RUN_DIR)
 	$(VENV)/bin/streamrl up --config $(CONFIG) --steps $(STEPS) --run-dir $(RUN_DIR)
+	$(VENV)/bin/streamrl report $(RUN_DIR)
+
+# Plots and report.md of a run, from its files alone (no Redis): RUN_DIR/report/.
+report: $(VENV)/.installed
+	$(VENV)/bin/streamrl report $(RUN_DIR)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .

@@ -1,5 +1,6 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
-`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
+`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox,
+`report RUN_DIR` plots a run from its files.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
@@ -17,6 +19,7 @@ from streamrl_workers import (
     generate,
     health,
     queuescli,
+    reportcli,
     sandboxproxy,
     toolexec,
     workerproc,
@@ -46,15 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
     sandboxproxy.add_parser(sub)
+    reportcli.add_parser(sub)
     return parser
+
+
+# The commands that need no run config: a checkpoint, the sandbox proxy's own flags, a run's
+# files.
+NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": generate.main,
+    "sandbox-proxy": sandboxproxy.main,
+    "report": reportcli.main,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return generate.main(args)
-    if args.command == "sandbox-proxy":  # needs no run config
-        return sandboxproxy.main(args)
+    if args.command in NO_CONFIG:
+        return NO_CONFIG[args.command](args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:
