@@ -12,6 +12,7 @@ raw material its loop records on the hot path, each a dict or deque update under
 - `observe(name, value)`: a value per event (a tool call's latency, a reward, a policy
   age), kept for the window; reported as its mean, max or percentiles;
 - `set(name, value)`: a level (active episodes, policy version);
+- `count_from(name, fn)`: a counter whose total the worker keeps itself (read at a sample);
 - `probe(fn)`: levels read when a sample is taken (queue depths from Redis, RSS).
 
 A `Sampler` thread takes a sample every `metrics.interval_s`: the flat name -> value map
@@ -70,6 +71,9 @@ REWARD_MEAN = "reward_mean"
 SOLVE_RATE = "solve_rate"
 
 # Raw series behind the names above (what the hot path records).
+TRAJECTORIES = "trajectories"
+GROUPS = "groups"
+EXAMPLES = "examples"
 TOKENS = "tokens"
 TOOL_LATENCY_S = "tool_latency_s"
 TOOL_ERROR = "tool_error"  # 1 per failed call, 0 per good one: the window's mean is a rate
@@ -184,9 +188,9 @@ class _RateSpec:
 # What each raw series is reported as (the contract's names). A series not listed here
 # is reported under its own name (count: its total; observe: its window mean).
 COUNTED: dict[str, _RateSpec] = {
-    "trajectories": _RateSpec(TRAJECTORIES_TOTAL, TRAJECTORIES_PER_MIN, 60.0),
-    "groups": _RateSpec(GROUPS_TOTAL, GROUPS_PER_MIN, 60.0),
-    "examples": _RateSpec(EXAMPLES_TOTAL, EXAMPLES_PER_MIN, 60.0),
+    TRAJECTORIES: _RateSpec(TRAJECTORIES_TOTAL, TRAJECTORIES_PER_MIN, 60.0),
+    GROUPS: _RateSpec(GROUPS_TOTAL, GROUPS_PER_MIN, 60.0),
+    EXAMPLES: _RateSpec(EXAMPLES_TOTAL, EXAMPLES_PER_MIN, 60.0),
     TOKENS: _RateSpec(None, TOKENS_PER_S, 1.0),
 }
 OBSERVED: dict[str, dict[str, Stat]] = {
@@ -232,6 +236,7 @@ class Metrics:
         self._windows: dict[str, Window] = {}
         self._levels: dict[str, float] = {}
         self._probes: list[Callable[[], Mapping[str, float]]] = []
+        self._sources: dict[str, Callable[[], float]] = {}
         self._gauges: dict[str, Gauge] = {}
         self._counters: dict[str, Counter] = {}
 
@@ -255,6 +260,11 @@ class Metrics:
         with self._lock:
             self._levels[name] = float(value)
 
+    def count_from(self, name: str, total: Callable[[], float]) -> None:
+        """A counter whose running total the worker keeps itself (an engine's tokens):
+        `total()` is read at each sample, on the sampler thread."""
+        self._sources[name] = total
+
     def probe(self, fn: Callable[[], Mapping[str, float]]) -> None:
         """Call `fn` at each sample (on the sampler thread) for levels to report."""
         self._probes.append(fn)
@@ -270,9 +280,12 @@ class Metrics:
             except Exception as err:
                 if log is not None:
                     log.warning("metrics_probe_failed", error=f"{type(err).__name__}: {err}")
+        sourced = {name: float(total()) for name, total in self._sources.items()}
         now = self.clock()
         out: dict[str, float] = {}
         with self._lock:
+            for name, total in sourced.items():
+                self._totals[name] = total
             for name, total in self._totals.items():
                 spec = COUNTED.get(name, _RateSpec(name, f"{name}_per_min", 60.0))
                 rate = self._rates.get(name)

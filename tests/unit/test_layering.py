@@ -17,6 +17,7 @@ LIGHT_MODULES = [
     "streamrl.feeder",
     "streamrl.tools.client",
     "streamrl.tools.jobs",
+    "streamrl.metrics",
     "streamrl_workers.cli",
     "streamrl_workers.grouper",
     "streamrl_workers.tools",
