@@ -1,5 +1,6 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
-`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
+`status` shows a running one, `generate` samples once from a checkpoint, `tools exec` runs
+one tool call in the sandbox.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -18,6 +19,7 @@ from streamrl_workers import (
     health,
     queuescli,
     sandboxproxy,
+    statuscli,
     toolexec,
     workerproc,
 )
@@ -46,15 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
     sandboxproxy.add_parser(sub)
+    statuscli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return generate.main(args)
-    if args.command == "sandbox-proxy":  # needs no run config
-        return sandboxproxy.main(args)
+    # Commands that need no run config (status: a run directory can name the run).
+    no_config = {
+        "generate": generate.main,
+        "sandbox-proxy": sandboxproxy.main,
+        "status": statuscli.main,
+    }
+    if args.command in no_config:
+        return no_config[args.command](args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:

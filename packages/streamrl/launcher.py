@@ -46,6 +46,7 @@ from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
 from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
+from streamrl.metrics import prometheus_port
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
 from streamrl.runtime import (
@@ -243,7 +244,14 @@ class Launcher:
         pids = {p.worker_id: p.popen.pid for p in self.procs}
         if self.redis is not None and self.redis.proc is not None:
             pids[rundir.REDIS] = self.redis.proc.pid
-        rundir.record(self.run_dir, pids)
+        ports = {p.worker_id: self._port(p.name, p.index) for p in self.procs}
+        rundir.record(self.run_dir, pids, self.cfg.run.name, {w: n for w, n in ports.items() if n})
+
+    def _port(self, name: str, index: int) -> int:
+        """Worker `name-index`'s Prometheus port: `metrics.prometheus_port` plus its place
+        in the launch order (`_plan`: tools, grouper, trainer or colocated, rollout,
+        feeder; each by index), the same across its restarts; 0 when off."""
+        return prometheus_port(self.cfg.metrics.prometheus_port, self._plan().index((name, index)))
 
     def _check_namespace(self, client: redis.Redis) -> None:
         if client.exists(self.keys.stats, self.keys.tasks):
@@ -294,6 +302,9 @@ class Launcher:
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
         env = {**env, **self._credentials(name)}
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
+        port = self._port(name, index)
+        if port:
+            cmd += ["--set", f"metrics.prometheus_port={port}"]  # after the run's overrides
         if name in TRAINS and self.steps:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
