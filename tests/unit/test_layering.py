@@ -18,6 +18,8 @@ LIGHT_MODULES = [
     "streamrl.tools.client",
     "streamrl.tools.jobs",
     "streamrl.metrics",
+    "streamrl.status",
+    "streamrl_workers.statuscli",
     "streamrl_workers.cli",
     "streamrl_workers.grouper",
     "streamrl_workers.tools",
