@@ -274,20 +274,20 @@ class Metrics:
         """Every value now, by contract name (NaN-free: a window with no values is left
         out). Probes run here, outside the lock; one that fails is logged and skipped."""
         probed: dict[str, float] = {}
-        for fn in self._probes:
+        for fn in list(self._probes):  # a copy: the worker may add one meanwhile
             try:
                 probed.update(fn())
             except Exception as err:
                 if log is not None:
                     log.warning("metrics_probe_failed", error=f"{type(err).__name__}: {err}")
-        sourced = {name: float(total()) for name, total in self._sources.items()}
+        sourced = {name: float(total()) for name, total in list(self._sources.items())}
         now = self.clock()
         out: dict[str, float] = {}
         with self._lock:
             for name, total in sourced.items():
                 self._totals[name] = total
             for name, total in self._totals.items():
-                spec = COUNTED.get(name, _RateSpec(name, f"{name}_per_min", 60.0))
+                spec = COUNTED.get(name, _RateSpec(f"{name}_total", f"{name}_per_min", 60.0))
                 rate = self._rates.get(name)
                 if rate is None:
                     rate = self._rates[name] = Rate(self.rate_window_s, self._t0, spec.per_s)
@@ -463,6 +463,10 @@ class Sampler:
             except redis.RedisError as err:
                 self.failures += 1
                 self.log.warning("metrics_sample_failed", error=f"{type(err).__name__}: {err}")
+            except Exception:
+                # Counters never stop a worker: a defect here shows in the log, every sample.
+                self.failures += 1
+                self.log.exception("metrics_sample_failed")
             if stopping:
                 return
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from streamrl import metrics as m
 from streamrl.config import ConfigError, parse_config
+from streamrl.launcher import Launcher
 
 
 class Clock:
@@ -94,6 +96,19 @@ def test_sample_reports_the_contract_names() -> None:
     assert m.TOOL_LATENCY_P50_S not in s and m.REWARD_MEAN not in s
 
 
+def test_counters_of_other_names_get_a_total_and_a_rate() -> None:
+    clock = Clock()
+    metrics = m.Metrics("tools-0", clock=clock)
+    metrics.count("jobs", 6)
+    tokens = [0]
+    metrics.count_from(m.TOKENS, lambda: tokens[0])
+    clock.t += 60
+    tokens[0] = 120
+    s = metrics.sample()
+    assert s["jobs_total"] == 6 and s["jobs_per_min"] == pytest.approx(6.0)
+    assert s[m.TOKENS_PER_S] == pytest.approx(2.0)
+
+
 def test_a_failing_probe_is_skipped() -> None:
     metrics = m.Metrics("grouper-0")
 
@@ -123,3 +138,19 @@ def test_config_section() -> None:
         parse_config({"metrics": {"interval_s": 2, "rate_window_s": 0.5}})
     with pytest.raises(ConfigError, match=r"field `metrics\.keep_samples`"):
         parse_config({"metrics": {"keep_samples": 1}})
+
+
+def test_up_gives_each_worker_its_own_port(tmp_path: Path) -> None:
+    cfg = parse_config({"metrics": {"prometheus_port": 9100}, "tools": {"num_workers": 2}})
+    launcher = Launcher(cfg, "c.toml", [], tmp_path, 0)
+    ports = {f"{n}-{i}": launcher._port(n, i) for n, i in launcher._plan()}
+    assert ports == {
+        "tools-0": 9100,
+        "tools-1": 9101,
+        "grouper-0": 9102,
+        "trainer-0": 9103,
+        "rollout-0": 9104,
+        "feeder-0": 9105,
+    }
+    off = Launcher(parse_config({}), "c.toml", [], tmp_path, 0)
+    assert {off._port(n, i) for n, i in off._plan()} == {0}

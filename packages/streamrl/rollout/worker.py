@@ -510,7 +510,10 @@ class RolloutWorker:
     def probe(self) -> dict[str, float]:
         """Levels for `streamrl.metrics` (read on its thread): episodes running, the
         version served."""
-        return {ACTIVE_EPISODES: self.active, POLICY_VERSION: self.follower.loaded_version}
+        out: dict[str, float] = {ACTIVE_EPISODES: self.active}
+        if self.follower.loaded_version >= 0:  # none loaded yet: no version to show
+            out[POLICY_VERSION] = self.follower.loaded_version
+        return out
 
     def _log_committed(self, batch: list[tuple[Delivery[Task], Trajectory, bool]]) -> None:
         """Log the trajectories of a commit."""
