@@ -46,7 +46,7 @@ from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
 from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
-from streamrl.metrics import prometheus_port
+from streamrl.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
 from streamrl.runtime import (
@@ -511,11 +511,17 @@ class Launcher:
         s = self._stats(client)
         last: Any = client.xrevrange(self.keys.metrics, count=1)
         reward = decode(last[0][1], TrainMetrics).reward_mean if last else float("nan")
-        minutes = max(1e-9, (time.monotonic() - self.started) / 60)
+        # The groupers' own rate over metrics.rate_window_s: not the run's count over the
+        # time since this launcher started, which a --resume inflates.
+        rate = sum(
+            newest_sample(client, self.keys.worker_metrics(p.worker_id)).get(GROUPS_PER_MIN, 0.0)
+            for p in self.procs
+            if p.name == "grouper"
+        )
         line = (
             f"[{time.monotonic() - self.started:6.1f}s] step {s.get('trainer_steps', 0)}"
             f"/{self.steps or '-'} | policy v{s.get('policy_version', 0)} | "
-            f"{s.get('groups', 0) / minutes:5.1f} groups/min | reward {reward:.3f} | "
+            f"{rate:5.1f} groups/min | reward {reward:.3f} | "
             f"traj {s.get('trajectories', 0)} | tool calls {s.get('tool_calls', 0)} | "
             f"dropped {s.get('groups_dropped', 0)} | dead {s.get('dead_letters', 0)}"
         )

@@ -477,6 +477,12 @@ def prometheus_port(base: int, offset: int) -> int:
     return base + offset if base else 0
 
 
+def newest_sample(client: redis.Redis, key: str) -> dict[str, float]:
+    """The values of a worker's newest sample ({} when it has none)."""
+    series = read_series(client, key, count=1)
+    return series[-1][1] if series else {}
+
+
 def read_series(
     client: redis.Redis, key: str, count: int | None = None
 ) -> list[tuple[float, dict[str, float]]]:
