@@ -10,6 +10,10 @@ import pytest
 from streamrl import metrics as m
 from streamrl.config import ConfigError, parse_config
 from streamrl.launcher import Launcher
+from streamrl.tools.client import timed_out
+from streamrl.tools.registry import process_report
+from streamrl.tools.sandbox import ExecResult
+from streamrl.wire import ToolResult
 
 
 class Clock:
@@ -154,3 +158,16 @@ def test_up_gives_each_worker_its_own_port(tmp_path: Path) -> None:
     }
     off = Launcher(parse_config({}), "c.toml", [], tmp_path, 0)
     assert {off._port(n, i) for n, i in off._plan()} == {0}
+
+
+def test_tool_timeouts_are_told_from_other_errors() -> None:
+    def result(error: str, infra: bool = False) -> ToolResult:
+        return ToolResult(call_id="c", ok=not error, output="", error=error, infra=infra)
+
+    limit = process_report(
+        ExecResult(None, b"", b"", timed_out=True, truncated=False, duration_s=2.0), 2.0
+    )
+    assert timed_out(result(limit.error))  # "timed out after 2s"
+    assert timed_out(result("no tool worker answered within 3s, 2 attempts", infra=True))
+    assert not timed_out(result("exit status: 1"))
+    assert not timed_out(result(""))
