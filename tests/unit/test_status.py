@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import io
+from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from streamrl import metrics as m
+from streamrl.rundir import record
 from streamrl.status import Snapshot, WorkerState, average, largest, render, total
+from streamrl_workers.cli import build_parser
+from streamrl_workers.statuscli import target
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _workers() -> list[WorkerState]:
@@ -64,3 +72,29 @@ def test_a_frame_shows_workers_queues_and_the_pipeline() -> None:
     assert "200.0" in lines["trajectories/min"] and "60.0" in lines["groups/min"]
     assert "12" in lines["policy version"] and "0.600" in lines["reward"]
     assert "6" in lines["trajectories"]  # the queue's depth
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["status", *argv])
+
+
+def test_target_from_a_run_dir_or_a_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("REDIS_PASSWORD_FILE", raising=False)
+    run_dir = tmp_path / "run"
+    (run_dir / "redis").mkdir(parents=True)
+    # What `streamrl up` leaves: its embedded Redis's config and the launcher's record.
+    (run_dir / "redis" / "redis.conf").write_text("port 6399\nrequirepass pw\n")
+    record(run_dir, {}, "myrun")
+    assert target(_args(str(run_dir))) == ("redis://:pw@127.0.0.1:6399/0", "myrun")
+    # --redis-url wins over the run directory's Redis; --config names the run.
+    url = "redis://operator@h:1/0"
+    assert target(_args(str(run_dir), "--redis-url", url)) == (url, "myrun")
+    config = str(REPO / "configs" / "stub.toml")
+    monkeypatch.setenv("REDIS_URL", url)
+    assert target(_args("--config", config)) == (url, "stub")
+    with pytest.raises(ValueError, match="which run"):
+        target(_args())
+    monkeypatch.delenv("REDIS_URL")
+    with pytest.raises(ValueError, match="no Redis"):
+        target(_args("--config", config))
