@@ -1,6 +1,6 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
-`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox,
-`report RUN_DIR` plots a run from its files.
+`status` shows a running one, `report RUN_DIR` plots a run from its files, `generate`
+samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -21,6 +21,7 @@ from streamrl_workers import (
     queuescli,
     reportcli,
     sandboxproxy,
+    statuscli,
     toolexec,
     workerproc,
 )
@@ -50,15 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     aclcli.add_parser(sub)
     sandboxproxy.add_parser(sub)
     reportcli.add_parser(sub)
+    statuscli.add_parser(sub)
     return parser
 
 
 # The commands that need no run config: a checkpoint, the sandbox proxy's own flags, a run's
-# files.
+# files (status: a run directory can name the run).
 NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": generate.main,
     "sandbox-proxy": sandboxproxy.main,
     "report": reportcli.main,
+    "status": statuscli.main,
 }
 
 

@@ -8,6 +8,7 @@ from streamrl.runtime import WorkerContext
 
 def run(ctx: WorkerContext) -> int:
     feeder = Feeder(ctx.client(), ctx.keys, ctx.cfg, ctx.log)
+    ctx.metrics.probe(feeder.queue_probe)
     feeder.run(
         ctx.stop, burst=ctx.burst, liveness=ctx.liveness
     )  # burst: fill the backlog once, then exit

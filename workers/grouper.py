@@ -16,6 +16,7 @@ def run(ctx: WorkerContext) -> int:
         group_timeout_s=g.group_timeout_s,
         group_timeout_policy=g.group_timeout_policy if g.group_timeout_s else None,
     )
-    grouper.run(ctx.stop, burst=ctx.burst, liveness=ctx.liveness)
+    ctx.metrics.probe(grouper.queue_probe)
+    grouper.run(ctx.stop, burst=ctx.burst, liveness=ctx.liveness, metrics=ctx.metrics)
     ctx.log.info("grouper_stop")
     return 0

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from streamrl.metrics import ENGINE_BATCH_OCCUPANCY, TOKENS
 from streamrl.rollout.episode import EpisodeRunner, NewDialogue
 from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
 from streamrl.rollout.worker import RolloutWorker
@@ -63,6 +64,7 @@ class Policy:
     load: Load
     dialogue: NewDialogue
     tokens: Callable[[], int]
+    occupancy: Callable[[], float]  # busy batch slots over all (0..1)
 
 
 def transformer_policy(ctx: WorkerContext) -> Policy:
@@ -81,7 +83,14 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
         weights_dir=ctx.run_dir / WEIGHTS_DIR,
     )
     server = EngineServer(engine, -1, ctx.log)
-    return Policy(server, loader, chat.dialogue, lambda: engine.tokens_generated)
+    slots = engine.cfg.num_slots
+    return Policy(
+        server,
+        loader,
+        chat.dialogue,
+        lambda: engine.tokens_generated,
+        lambda: engine.active / slots,
+    )
 
 
 def stub_policy(ctx: WorkerContext) -> Policy:
@@ -94,7 +103,14 @@ def stub_policy(ctx: WorkerContext) -> Policy:
     # hold, release, swap, steps, stall_s); they are annotated with the engine server.
     server = cast("EngineServer", stub)
     loader = StubLoader(ctx.client(), ctx.keys, ctx.run_dir / WEIGHTS_DIR)
-    return Policy(server, loader, StubDialogue, lambda: stub.tokens_generated)
+    slots = ctx.cfg.rollout.max_batch_size
+    return Policy(
+        server,
+        loader,
+        StubDialogue,
+        lambda: stub.tokens_generated,
+        lambda: min(1.0, stub.in_flight / slots),
+    )
 
 
 async def _main(ctx: WorkerContext) -> None:
@@ -111,7 +127,8 @@ async def serve(
         ctx.redis_url, cluster=cfg.redis.cluster, busy_wait_s=cfg.redis.busy_wait_s
     )
     # The task's parts first: a plug-in that does not load fails before the model does.
-    episodes = load_episodes(cfg, ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log))
+    tools = ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log, ctx.metrics)
+    episodes = load_episodes(cfg, tools)
     policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
     server = policy.server
     if on_server is not None:
@@ -134,7 +151,11 @@ async def serve(
         log=ctx.log,
         stop=ctx.stop.is_set,
         liveness=ctx.liveness,
+        metrics=ctx.metrics,
     )
+    ctx.metrics.count_from(TOKENS, policy.tokens)
+    ctx.metrics.probe(worker.probe)
+    ctx.metrics.probe(lambda: {ENGINE_BATCH_OCCUPANCY: policy.occupancy()})
     try:
         await worker.run()
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from streamrl.metrics import queue_depth
 from streamrl.runtime import WorkerContext
 from streamrl.tools.jobs import close_sandbox, install_sandbox, install_tools, open_sandbox
 from streamrl.tools.registry import load_tools
@@ -39,6 +40,7 @@ def run(ctx: WorkerContext) -> int:
         # past this its caller has given up on it (and sent it again)
         call_limit_s=ctx.cfg.tools.time_limit_s + ctx.cfg.tools.result_margin_s,
     )
+    ctx.metrics.probe(lambda: {queue_depth("tools"): queue.count})  # jobs not yet taken
     worker.take_over_name()  # a restarted container's predecessor: gone, name still held
     install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
     ctx.log.info("tools_start", queue=queue.name, tools=sorted(tools))

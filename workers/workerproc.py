@@ -4,7 +4,8 @@
 stack passes) claims the lowest free index of the worker type, or the one this container
 held before a restart (streamrl.identity). Either way a heartbeat renews the identity's slot
 in Redis while the process lives: `streamrl health --worker NAME` reads it; and a liveness
-beat while the worker's loop turns (`streamrl.liveness`): `streamrl up` reads that.
+beat while the worker's loop turns (`streamrl.liveness`): `streamrl up` reads that. Its
+counters are sampled into Redis (and served to Prometheus) while it runs (`streamrl.metrics`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     if args.name not in ("trainer", "colocated"):  # those restore the queues themselves
         wait_for_queues(ctx)
     module = importlib.import_module(f"streamrl_workers.{args.name}")
+    sampler = ctx.start_metrics()
     try:
         code: int = module.run(ctx)
     except FatalError as err:
@@ -100,6 +102,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         ctx.log.exception("worker_failed")
         raise
     finally:
+        sampler.close()  # a last sample: the series ends with the final totals
         beat.close()
     if code == FATAL_EXIT_CODE:
         exit_fatal()

@@ -180,13 +180,19 @@ def roles(keys: Keys) -> dict[str, Role]:
         "trainer": trainer,
         "colocated": rollout.union(trainer),
     }
-    # Each worker claims and renews its own identity slot (streamrl.identity).
-    slot = Role(keys=(), categories=("string", "keyspace"), commands=_SCRIPTS)
+    # Each worker claims and renews its own identity slot (streamrl.identity) and writes
+    # its counters' samples (streamrl.metrics).
+    slot = Role(keys=(), categories=("string", "keyspace", "stream"), commands=_SCRIPTS)
     out = {
-        name: role.union(replace(slot, keys=(k.worker_slots(name),)))
-        for name, role in workers.items()
+        name: role.union(replace(slot, keys=_own_keys(k, name))) for name, role in workers.items()
     }
     return {**out, OPERATOR: operator}
+
+
+def _own_keys(keys: Keys, worker: str) -> tuple[str, ...]:
+    """A worker type's own keys: its identity slots, its counters' streams (the colocated
+    worker's are `colocated-<i>`)."""
+    return (keys.worker_slots(worker), keys.worker_metrics_of(worker))
 
 
 def worker_role(worker: str) -> str:

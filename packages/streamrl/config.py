@@ -894,6 +894,53 @@ class TrainerConfig(_Section):
         return self
 
 
+class MetricsConfig(_Section):
+    """Counters of every worker as time series (`streamrl.metrics`)."""
+
+    interval_s: float = Field(
+        1.0,
+        ge=0.05,
+        le=3600,
+        description="Seconds between two samples of a worker's counters (its metrics thread).",
+    )
+    keep_samples: int = Field(
+        3600,
+        ge=10,
+        le=1_000_000,
+        description=(
+            "Samples kept in Redis per worker (`{run}:metrics:<worker>`, trimmed with "
+            "XADD MAXLEN ~: a few more may stay)."
+        ),
+    )
+    rate_window_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description=(
+            "Sliding window of the rates (trajectories, groups, examples per minute, "
+            "tokens/s), tool latency percentiles and error rates, reward and policy age."
+        ),
+    )
+    prometheus_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "Serve the Prometheus text format on this port (0: off). `streamrl up` gives "
+            "each worker this port plus its place in the launch order (0, 1, ...)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _window(self) -> MetricsConfig:
+        if self.rate_window_s < self.interval_s:
+            raise ValueError(
+                f"metrics.rate_window_s ({self.rate_window_s:g}) is shorter than "
+                f"metrics.interval_s ({self.interval_s:g}): a rate needs two samples"
+            )
+        return self
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
@@ -915,6 +962,9 @@ class Config(_Section):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
         description="Trainer.",
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="Counters as time series, Prometheus."
     )
 
     @model_validator(mode="after")

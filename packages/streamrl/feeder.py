@@ -15,14 +15,15 @@ and enough of them would stop the feeder for good).
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import redis
 import structlog
 
 from streamrl.config import Config
 from streamrl.liveness import Liveness
+from streamrl.metrics import queue_depth, queue_lag
 from streamrl.names import Keys
+from streamrl.queues import backlog
 from streamrl.tasks.registry import TaskSource, task_source
 from streamrl.transport import publish
 
@@ -49,24 +50,18 @@ class Feeder:
         return cursor, self._waiting()
 
     def _waiting(self) -> int:
-        try:
-            groups: Any = self.client.xinfo_groups(self.keys.tasks)
-        except redis.ResponseError:  # no stream yet
-            return 0
-        rollout = next((g for g in groups if _str(g["name"]) == Keys.CG_ROLLOUT), None)
-        if rollout is None:  # no rollout worker has joined yet: every entry waits
-            return int(self.client.xlen(self.keys.tasks))
-        pending = int(rollout["pending"])
-        if rollout.get("lag") is not None:
-            return pending + int(rollout["lag"])
-        # Redis cannot say the lag (entries deleted mid-stream): count what follows the
-        # group's last delivered entry, up to what the backlog bound needs.
-        after: Any = self.client.xrange(
-            self.keys.tasks,
-            min=f"({_str(rollout['last-delivered-id'])}",
-            count=self.cfg.task.max_backlog + 1,
+        lag, pending = backlog(
+            self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1
         )
-        return pending + len(after)
+        return lag + pending
+
+    def queue_probe(self) -> dict[str, float]:
+        """The tasks queue as counters (`streamrl.metrics`): its depth (what the rollout
+        workers have not finished) and lag (not yet delivered to them)."""
+        lag, pending = backlog(
+            self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1
+        )
+        return {queue_depth("tasks"): lag + pending, queue_lag("tasks"): lag}
 
     def fill(self) -> int:
         """Write tasks until the backlog is full; returns how many were written."""
@@ -106,7 +101,3 @@ class Feeder:
                     break
                 stop.wait(poll_s)
         self.log.info("feeder_stop", cursor=self.backlog()[0])
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -43,7 +43,16 @@ from redis.commands.core import Script
 
 from streamrl.config import Config
 from streamrl.liveness import Liveness
+from streamrl.metrics import (
+    GROUPS,
+    GROUPS_HALF_FILLED,
+    OLDEST_HALF_FILLED_S,
+    Metrics,
+    queue_depth,
+    queue_lag,
+)
 from streamrl.names import Keys
+from streamrl.queues import backlog, partial_groups
 from streamrl.rl.advantages import ADVANTAGES, is_zero_variance, masked_advantages
 from streamrl.tasks.registry import make_task
 from streamrl.transport import Delivery, RedisStreamConsumer
@@ -220,6 +229,7 @@ class Outcome:
     group_id: str
 
 
+EMITTED = ("emitted", "released")  # outcomes that wrote a group to `groups`
 ZERO_VARIANCE = "groups_zero_variance"  # stats counter: groups whose rewards were all equal
 TOO_FEW_VALID = "groups_too_few_valid"  # stats counter: groups under min_valid_members
 NONFINITE = "groups_nonfinite"  # stats counter: groups with a reward or advantage not finite
@@ -231,7 +241,8 @@ TIMEOUT_CHECK_EVERY_S = 1.0  # how often a grouper looks for timed-out groups (a
 WAITING_EVERY_S = 0.2  # how often a grouper publishes the groups waiting for the trainer
 WAITING_TTL_MS = 10_000  # a count older than this is gone (no grouper runs to renew it)
 
-# KEYS: the groups stream. ARGV: an exclusive start id `(<id>`, the most entries to count.
+# KEYS: a stream (groups, trajectories). ARGV: an exclusive start id `(<id>`, the most
+# entries to count.
 # How many entries follow that id, counted in Redis (their payloads stay there).
 _COUNT_AFTER = """
 return #redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
@@ -736,10 +747,14 @@ class Grouper:
         return self.handle_batch(deliveries, self.trainer_version())
 
     def run(
-        self, stop: threading.Event, burst: bool = False, liveness: Liveness | None = None
+        self,
+        stop: threading.Event,
+        burst: bool = False,
+        liveness: Liveness | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Process until `stop` is set; with `burst`, also stop once the input is drained.
-        Ticks `liveness` each time round.
+        Ticks `liveness` each time round; counts the groups it emits in `metrics`.
 
         Timed-out (or complete but stuck) groups are looked for every TIMEOUT_CHECK_EVERY_S
         (or half of `stall_ms`, if shorter)."""
@@ -748,9 +763,13 @@ class Grouper:
         while not stop.is_set():
             alive.tick()
             out = self.step()
+            done = out
             if time.monotonic() >= self._next_timeout_check:
                 self._next_timeout_check = time.monotonic() + every
-                self.check_timeouts()
+                done = [*out, *self.check_timeouts()]
+            emitted = sum(o.kind in EMITTED for o in done)
+            if metrics is not None and emitted:
+                metrics.count(GROUPS, emitted)
             if time.monotonic() >= self._next_waiting:
                 self._next_waiting = time.monotonic() + WAITING_EVERY_S
                 self.publish_waiting()
@@ -770,21 +789,39 @@ class Grouper:
         return waiting
 
     def _waiting(self) -> int:
-        length = int(self.client.xlen(self.keys.groups))
-        if length == 0:
-            return 0  # (or no stream yet: XINFO would fail)
-        groups: Any = self.client.xinfo_groups(self.keys.groups)
-        trainer = next((g for g in groups if _text(g["name"]) == Keys.CG_TRAINER), None)
-        if trainer is None:  # no trainer has joined yet: every entry waits
-            return length
-        after = f"({_text(trainer['last-delivered-id'])}"
-        bound = self.cfg.rollout.max_ready_groups
-        if "lag" not in trainer:  # Redis 6.2
-            return int(self._count_after(keys=[self.keys.groups], args=[after, bound]))
-        if trainer["lag"] is None:
-            entries: Any = self.client.xrange(self.keys.groups, min=after, count=bound)
-            return len(entries)
-        return int(trainer["lag"])
+        lag, _ = backlog(
+            self.client,
+            self.keys.groups,
+            Keys.CG_TRAINER,
+            self.cfg.rollout.max_ready_groups,
+            self._count_entries_after,
+        )
+        return lag
+
+    def _count_entries_after(self, stream: str, after: str, cap: int) -> int:
+        return int(self._count_after(keys=[stream], args=[after, cap]))
+
+    def queue_probe(self) -> dict[str, float]:
+        """The grouper's queues as counters (`streamrl.metrics`): the depth (not yet
+        finished by their readers) and lag (not yet delivered) of `trajectories` (read by
+        the groupers) and `groups` (by the trainer), and the groups being assembled with
+        the age of the oldest. Lags are counted up to `rollout.max_ready_groups` x
+        `rollout.num_generations` where Redis does not report them."""
+        r = self.cfg.rollout
+        cap = r.max_ready_groups * r.num_generations
+        out: dict[str, float] = {}
+        for name, stream, group in (
+            ("trajectories", self.keys.trajectories, Keys.CG_GROUPER),
+            ("groups", self.keys.groups, Keys.CG_TRAINER),
+        ):
+            lag, pending = backlog(self.client, stream, group, cap, self._count_entries_after)
+            out[queue_depth(name)] = lag + pending
+            out[queue_lag(name)] = lag
+        sec, usec = self.client.time()  # the clock the start times were written with
+        half, oldest = partial_groups(self.client, self.keys, sec * 1000 + usec / 1000)
+        out[GROUPS_HALF_FILLED] = half
+        out[OLDEST_HALF_FILLED_S] = oldest or 0.0
+        return out
 
     def _has_pending(self) -> bool:
         info = self.client.xpending(self.keys.trajectories, self.keys.CG_GROUPER)

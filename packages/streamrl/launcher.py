@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -47,6 +46,7 @@ from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
 from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
+from streamrl.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
 from streamrl.runtime import (
@@ -124,10 +124,8 @@ class Launcher:
         self.started = time.monotonic()
         self._next_watch = 0.0  # the next liveness check
         self._watch_from = 0.0  # beats older than this do not count (Redis was away)
-        # The counters as last read (the summary's, should Redis fail for good) and the
-        # (time, groups) of recent reads: the progress line's rate over PROGRESS_WINDOW_S.
+        # The counters as last read: the summary's, should Redis fail for good.
         self._last_stats: dict[str, int | float] = {}
-        self._groups_seen: deque[tuple[float, int | float]] = deque()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -248,7 +246,14 @@ class Launcher:
         pids = {p.worker_id: p.popen.pid for p in self.procs}
         if self.redis is not None and self.redis.proc is not None:
             pids[rundir.REDIS] = self.redis.proc.pid
-        rundir.record(self.run_dir, pids)
+        ports = {p.worker_id: self._port(p.name, p.index) for p in self.procs}
+        rundir.record(self.run_dir, pids, self.cfg.run.name, {w: n for w, n in ports.items() if n})
+
+    def _port(self, name: str, index: int) -> int:
+        """Worker `name-index`'s Prometheus port: `metrics.prometheus_port` plus its place
+        in the launch order (`_plan`: tools, grouper, trainer or colocated, rollout,
+        feeder; each by index), the same across its restarts; 0 when off."""
+        return prometheus_port(self.cfg.metrics.prometheus_port, self._plan().index((name, index)))
 
     def _check_namespace(self, client: redis.Redis) -> None:
         if client.exists(self.keys.stats, self.keys.tasks):
@@ -299,6 +304,9 @@ class Launcher:
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
         env = {**env, **self._credentials(name)}
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
+        port = self._port(name, index)
+        if port:
+            cmd += ["--set", f"metrics.prometheus_port={port}"]  # after the run's overrides
         if name in TRAINS and self.steps:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
@@ -501,11 +509,17 @@ class Launcher:
         except WireError:
             reward = float("nan")
         now = time.monotonic()
-        rate = window_rate(self._groups_seen, now, s.get("groups", 0), PROGRESS_WINDOW_S)
+        # The groupers' own rate over metrics.rate_window_s: not the run's count over the
+        # time since this launcher started, which a --resume inflates.
+        rate = sum(
+            newest_sample(client, self.keys.worker_metrics(p.worker_id)).get(GROUPS_PER_MIN, 0.0)
+            for p in self.procs
+            if p.name == "grouper"
+        )
         line = (
             f"[{now - self.started:6.1f}s] step {s.get('trainer_steps', 0)}"
             f"/{self.steps or '-'} | policy v{s.get('policy_version', 0)} | "
-            f"{rate * 60:5.1f} groups/min | reward {reward:.3f} | "
+            f"{rate:5.1f} groups/min | reward {reward:.3f} | "
             f"traj {s.get('trajectories', 0)} | tool calls {s.get('tool_calls', 0)} | "
             f"dropped {s.get('groups_dropped', 0)} | dead {dead}"
         )
@@ -581,22 +595,7 @@ def step_metrics(
     return [by_step[k] for k in sorted(by_step)]
 
 
-def window_rate(
-    seen: deque[tuple[float, int | float]], now: float, count: int | float, window_s: float
-) -> float:
-    """Per second, the growth of a run's `count` over about the last `window_s` of the
-    samples in `seen` (appended to; the older dropped): a rate of this invocation, never
-    since the run began (a `--resume` inherits the count, not the time). 0 until two
-    samples."""
-    seen.append((now, count))
-    while len(seen) > 2 and now - seen[1][0] >= window_s:
-        seen.popleft()
-    t0, c0 = seen[0]
-    return (count - c0) / (now - t0) if now > t0 else 0.0
-
-
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
-PROGRESS_WINDOW_S = 60.0  # the progress line's groups/min: over about the last minute
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
 MAX_BACKOFF_S = 60.0
 

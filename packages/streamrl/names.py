@@ -101,6 +101,21 @@ class Keys:
             self.metrics,
         )
 
+    def worker_metrics(self, worker_id: str) -> str:
+        """Stream of one worker process's counter samples (`streamrl.metrics`), one entry
+        per `metrics.interval_s`, trimmed to ~`metrics.keep_samples` (`worker_id`:
+        `<worker>-<index>`)."""
+        return self._k("metrics", worker_id)
+
+    def worker_metrics_of(self, worker: str) -> str:
+        """Pattern of the `worker_metrics` streams of one worker type (its ACL)."""
+        return self._k("metrics", f"{worker}-*")
+
+    @property
+    def every_worker_metrics(self) -> str:
+        """Pattern of every `worker_metrics` stream (what `streamrl status` scans)."""
+        return self._k("metrics", "*")
+
     # Consumer groups: one per reading worker type.
     CG_ROLLOUT = "rollout"
     CG_GROUPER = "grouper"

@@ -12,6 +12,7 @@ transaction each: after a fix, the work they carry is done once more, not twice.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,7 +91,42 @@ def _groups(client: redis.Redis, stream: str, now_ms: float) -> list[GroupInfo]:
     return out
 
 
-def _partial_groups(client: redis.Redis, keys: Keys, now_ms: float) -> tuple[int, float | None]:
+def backlog(
+    client: redis.Redis,
+    stream: str,
+    group: str,
+    cap: int,
+    count_after: Callable[[str, str, int], int] | None = None,
+) -> tuple[int, int]:
+    """(lag, pending) of consumer group `group` on `stream`: the entries not yet delivered
+    to it, and those delivered but not acknowledged. (0, 0) without a stream; every entry
+    is lag before the group exists. Where Redis does not report the lag (6.2; entries
+    deleted past the group's position on 7), the entries after its last delivered one are
+    counted, up to `cap`: by `count_after(stream, exclusive start id, cap)` when given (a
+    script: no payload crosses the wire), else by XRANGE."""
+    length = int(client.xlen(stream))
+    if length == 0:
+        return 0, 0  # (or no stream yet: XINFO would fail)
+    groups: Any = client.xinfo_groups(stream)
+    found = next((g for g in groups if _text(g["name"]) == group), None)
+    if found is None:  # no reader has joined yet: every entry waits
+        return length, 0
+    pending = int(found["pending"])
+    lag = found.get("lag")
+    if lag is not None:
+        return int(lag), pending
+    after = f"({_text(found['last-delivered-id'])}"
+    if count_after is not None:
+        return int(count_after(stream, after, cap)), pending
+    entries: Any = client.xrange(stream, min=after, count=cap)
+    return len(entries), pending
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def partial_groups(client: redis.Redis, keys: Keys, now_ms: float) -> tuple[int, float | None]:
     """Groups with members held but not yet emitted or dropped, and the oldest one's age
     (since its first member arrived)."""
     raw: Any = client.hvals(keys.groups_started)
@@ -115,7 +151,7 @@ def inspect(client: redis.Redis, keys: Keys) -> QueueReport:
             dead[letter.source] = dead.get(letter.source, 0) + 1
         except WireError:
             dead["(undecodable)"] = dead.get("(undecodable)", 0) + 1
-    partial, oldest = _partial_groups(client, keys, now_ms)
+    partial, oldest = partial_groups(client, keys, now_ms)
     raw: Any = client.hgetall(keys.stats)
     stats = {k.decode(): v.decode() for k, v in raw.items()}
     return QueueReport(streams, dead, partial, oldest, stats)

@@ -4,7 +4,8 @@
 kernel drops it when the launcher dies, however it dies, so a second launcher on the same
 directory refuses to start while the first lives, and starts after a crash. The launcher
 records the pid and start time of every process it starts (the embedded Redis, each
-worker) in `RUN_DIR/launcher.procs.json`; `streamrl up --resume` of a run whose launcher
+worker) in `RUN_DIR/launcher.procs.json` (with the run's namespace and the workers'
+Prometheus ports, which `streamrl status` reads); `streamrl up --resume` of a run whose launcher
 was SIGKILLed stops those still running (its orphans) before it starts its own. A pid
 names the same process only with the same start time: a reused pid is left alone.
 """
@@ -70,13 +71,26 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
-def record(run_dir: Path, pids: dict[str, int]) -> None:
-    """Write the record of the processes the launcher runs now (name -> pid)."""
+def record(
+    run_dir: Path, pids: dict[str, int], run: str = "", ports: dict[str, int] | None = None
+) -> None:
+    """Write the record of the processes the launcher runs now (name -> pid), with the
+    run's namespace and the workers' Prometheus ports (what `streamrl status` reads)."""
     procs = {name: {"pid": pid, "start": start_time(pid)} for name, pid in pids.items()}
     path = run_dir / PROCS_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"launcher": os.getpid(), "procs": procs}, indent=1) + "\n")
+    data = {"launcher": os.getpid(), "run": run, "procs": procs, "prometheus_ports": ports or {}}
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
+
+
+def recorded_run(run_dir: Path) -> str | None:
+    """The run namespace the record of `run_dir` names (None: no record, or none in it)."""
+    try:
+        data = json.loads((run_dir / PROCS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(data.get("run") or "") or None
 
 
 def orphans(run_dir: Path) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -18,6 +19,7 @@ from streamrl.acl import read_password_file
 from streamrl.config import Config
 from streamrl.liveness import Liveness
 from streamrl.logs import LOG_DIR_ENV, LogFile, configure_logging
+from streamrl.metrics import Metrics, Sampler, Sink, device_memory_probe, memory_probe
 from streamrl.names import Keys
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
@@ -67,6 +69,12 @@ class WorkerContext:
     burst: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
+    metrics: Metrics = field(init=False)  # its counters (streamrl.metrics)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.worker_id, self.cfg.metrics.rate_window_s)
+        self.metrics.probe(memory_probe)
+        self.metrics.probe(device_memory_probe)  # nothing unless the worker imported JAX
 
     @property
     def keys(self) -> Keys:
@@ -85,6 +93,27 @@ class WorkerContext:
     def client(self) -> redis.Redis:
         r = self.cfg.redis
         return make_client(self.redis_url, cluster=r.cluster, busy_wait_s=r.busy_wait_s)
+
+    def start_metrics(self, sinks: Iterable[Sink] | None = None) -> Sampler:
+        """Start the thread that samples `metrics` every `metrics.interval_s` into the
+        worker's series in Redis, to `sinks`, and for the Prometheus endpoint (when
+        `metrics.prometheus_port` is set); `close()` it on the way out."""
+        m = self.cfg.metrics
+        # A client of its own, with no retries: a sample that fails is dropped and the
+        # next one tries again (the worker's own clients wait out outages instead).
+        client = make_client(
+            self.redis_url, retries=0, cluster=self.cfg.redis.cluster, busy_wait_s=0
+        )
+        return Sampler(
+            self.metrics,
+            client,
+            self.keys.worker_metrics(self.worker_id),
+            self.log,
+            interval_s=m.interval_s,
+            keep_samples=m.keep_samples,
+            prometheus_port=m.prometheus_port,
+            sinks=sinks,
+        ).start()
 
 
 def with_password(url: str, password: str) -> str:

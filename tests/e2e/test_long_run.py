@@ -107,6 +107,12 @@ def test_five_hundred_steps_keep_redis_and_the_checkpoints_bounded(tmp_path: Pat
             "trainer.checkpoint_every=1",
             "trainer.keep_metrics=50",
             "rollout.max_ready_groups=20",
+            # No counter samples until the workers stop: the series fill up to
+            # metrics.keep_samples (trimmed by whole stream nodes of 100 entries) over the
+            # first minutes of any run, which is growth here but bounded by its own test
+            # (tests/integration/test_metrics.py).
+            "metrics.interval_s=3600",
+            "metrics.rate_window_s=3600",
             f'model.cache_dir="{tmp_path / "cache"}"',
             config=STUB,
             env={"REDIS_URL": server.url},

@@ -4,12 +4,22 @@ of Redis and the orchestration, every group accounted for."""
 from __future__ import annotations
 
 import json
+import re
+import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from streamrl.metrics import read_series
+from streamrl.names import Keys
+from streamrl.redis_server import free_port, url_from_conf
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.helpers import REPO, committed_trajectories
 
@@ -78,3 +88,106 @@ def test_stub_up_runs_a_thousand_groups(tmp_path: Path) -> None:
     stop = _events(rollout, "rollout_stop")[0]
     assert stop["weights_refused"] == 0 and stop["weight_syncs"] > 1
     assert stop["engine_steps"] == 2 * 4 * GROUPS  # two model calls per episode
+
+
+WORKERS = ("feeder-0", "rollout-0", "tools-0", "tools-1", "grouper-0", "trainer-0")
+# Launch order of `streamrl up` (Launcher._plan): each worker's Prometheus port offset.
+PORT_OFFSET = {"tools-0": 0, "tools-1": 1, "grouper-0": 2, "trainer-0": 3, "rollout-0": 4}
+
+
+def _free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free now."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _status(run_dir: Path) -> str:
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "status", str(run_dir), "--once"]
+    out = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _rate(frame: str, worker: str, unit: str) -> float:
+    m = re.search(rf"{worker}\s+│ live .*?([\d.]+) {unit}", frame)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.mark.timeout(180)
+def test_stub_up_counters_and_status(tmp_path: Path) -> None:
+    """Every worker of a stub run keeps its counter series in Redis with plausible values
+    and serves them to Prometheus; `streamrl status RUN_DIR --once` shows every worker live
+    with its rate."""
+    run_dir = tmp_path / "run"
+    base = _free_ports(len(WORKERS))
+    proc = up(
+        run_dir,
+        100_000,  # stopped below, once seen
+        "metrics.interval_s=0.2",
+        "metrics.rate_window_s=5",
+        f"metrics.prometheus_port={base}",
+        f'model.cache_dir="{tmp_path / "cache"}"',
+        config=STUB,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        frame = ""
+        while time.monotonic() < deadline:
+            frame = _status(run_dir) if (run_dir / "redis" / "redis.conf").exists() else ""
+            rates = [
+                _rate(frame, "rollout-0", "traj/min"),
+                _rate(frame, "grouper-0", "groups/min"),
+                _rate(frame, "trainer-0", "examples/min"),
+            ]
+            if all(re.search(rf"{w}\s+│ live", frame) for w in WORKERS) and min(rates) > 0:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"status never showed every worker live and busy:\n{frame}")
+        assert re.search(r"groups/min\s+│\s+[1-9]", frame), frame
+        assert re.search(r"policy version\s+│\s+[1-9]", frame), frame
+
+        url = url_from_conf(run_dir / "redis")
+        assert url is not None
+        client = redis.Redis.from_url(url)
+        keys = Keys("stub")
+        last: dict[str, dict[str, float]] = {}
+        for w in WORKERS:
+            series = read_series(client, keys.worker_metrics(w))
+            assert len(series) >= 2, w
+            assert [t for t, _ in series] == sorted(t for t, _ in series)
+            last[w] = series[-1][1]
+            assert 10 < last[w]["rss_mb"] <= last[w]["rss_peak_mb"] < 4096, w
+        client.close()
+        r, g, t = last["rollout-0"], last["grouper-0"], last["trainer-0"]
+        assert r["trajectories_total"] > 0 and r["trajectories_per_min"] > 0
+        assert r["tokens_per_s"] > 0 and 0 <= r["engine_batch_occupancy"] <= 1
+        assert 0 <= r["active_episodes"] <= 128 and r["policy_version"] >= 0
+        assert 0 <= r["reward_mean"] <= 1 and 0 <= r["solve_rate"] <= 1
+        assert 0 <= r["policy_age"] <= r["policy_age_max"] <= 16
+        assert g["groups_total"] > 0 and g["groups_per_min"] > 0
+        assert g["queue.trajectories.depth"] >= g["queue.trajectories.lag"] >= 0
+        assert g["queue.groups.depth"] >= 0 and g["groups_half_filled"] >= 0
+        assert t["examples_total"] > 0 and t["examples_per_min"] > 0
+        assert t["policy_version"] >= 1 and t["policy_age"] >= 0
+        assert 0 <= last["feeder-0"]["queue.tasks.depth"] <= 64 + 1  # task.max_backlog
+        assert last["tools-0"]["queue.tools.depth"] == 0  # the synthetic task calls no tool
+        assert not any(k.startswith("device_mem") for v in last.values() for k in v)  # CPU
+
+        port = base + PORT_OFFSET["trainer-0"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        found = re.search(r'^streamrl_examples_total\{worker="trainer-0"\} (\S+)$', text, re.M)
+        assert found and float(found.group(1)) > 0, text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    assert summary_of(run_dir)["groups"] > 0, out

@@ -164,6 +164,20 @@ def test_writes_outside_a_role_are_refused(connect: Connect, op: redis.Redis) ->
     assert connect("tools").exists("rq:job:x") == 0 and op.xlen(KEYS.groups) == 0
 
 
+def test_each_worker_writes_its_own_metrics(connect: Connect, op: redis.Redis) -> None:
+    """A worker's sampler appends to its own series (XADD MAXLEN ~), not another type's;
+    the operator (`streamrl status`) reads every series."""
+    for role in ("feeder", "rollout", "tools", "grouper", "trainer", "colocated"):
+        client = connect(role)
+        key = KEYS.worker_metrics(f"{role}-0")
+        client.xadd(key, {"values": "{}"}, maxlen=10, approximate=True)
+        other = "feeder" if role != "feeder" else "grouper"
+        assert denied(client, "XADD", KEYS.worker_metrics(f"{other}-0"), "*", "v", "1"), role
+        assert op.xlen(key) == 1
+    found = sorted(k.decode() for k in op.scan_iter(KEYS.every_worker_metrics))
+    assert len(found) == 6
+
+
 def test_read_only_keys(server: EmbeddedRedis, connect: Connect, op: redis.Redis) -> None:
     """The rollout reads `weights` and the grouper `policy:version`: Redis 7 refuses their
     writes; Redis 6.2 has no read-only patterns (documented in streamrl.acl)."""

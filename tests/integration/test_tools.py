@@ -8,10 +8,12 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 import structlog
 
+from streamrl import metrics as m
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient
@@ -27,10 +29,15 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def _calls(
-    url: str, keys: Keys, cfg: ToolsConfig, calls: list[tuple[str, str]]
+    url: str,
+    keys: Keys,
+    cfg: ToolsConfig,
+    calls: list[tuple[str, str]],
+    metrics: m.Metrics | None = None,
 ) -> list[ToolResult]:
     aclient = aioredis.Redis.from_url(url)
-    client = ToolClient(redis.Redis.from_url(url), aclient, keys, cfg, structlog.get_logger())
+    log = structlog.get_logger()
+    client = ToolClient(redis.Redis.from_url(url), aclient, keys, cfg, log, metrics)
     try:
         return list(
             await asyncio.gather(
@@ -48,6 +55,7 @@ def test_calls_and_bad_arguments(
     redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
     w = spawn_worker("tools", redis_url, keys.ns, tmp_path)
+    metrics = m.Metrics("rollout-0")
     try:
         wait_for_rq_worker(rclient, keys.tool_queue)
         good, bad, unknown = run(
@@ -60,6 +68,7 @@ def test_calls_and_bad_arguments(
                     ("calculator", '{"expression": '),
                     ("nope", "{}"),
                 ],
+                metrics,
             )
         )
         assert good.ok and good.output == "95"
@@ -73,8 +82,15 @@ def test_calls_and_bad_arguments(
         assert w.poll() is None
         stats = rclient.hgetall(keys.stats)
         assert stats[b"tool_calls"] == b"4" and stats[b"tool_errors"] == b"2"
+        # The rollout side's counters: two of three calls failed, none ran out of time.
+        s = metrics.sample()
+        assert s[m.TOOL_ERROR_RATE] == pytest.approx(2 / 3) and s[m.TOOL_TIMEOUT_RATE] == 0
+        assert 0 < s[m.TOOL_LATENCY_P50_S] <= s[m.TOOL_LATENCY_P99_S] < 30
     finally:
         assert stop(w) == 0
+    # The tools worker's own series: its queue, sampled until it stopped.
+    last = m.newest_sample(rclient, keys.worker_metrics("tools-0"))
+    assert last[m.queue_depth("tools")] == 0 and last[m.RSS_MB] > 0
 
 
 def test_killed_tool_worker_fails_fast_then_recovers(
@@ -85,9 +101,11 @@ def test_killed_tool_worker_fails_fast_then_recovers(
     w.send_signal(signal.SIGKILL)
     w.wait()
     start = time.monotonic()
-    [lost] = run(_calls(redis_url, keys, FAST, [("calculator", '{"expression": "1+1"}')]))
+    metrics = m.Metrics("rollout-0")
+    [lost] = run(_calls(redis_url, keys, FAST, [("calculator", '{"expression": "1+1"}')], metrics))
     elapsed = time.monotonic() - start
     assert not lost.ok and "no tool worker answered" in lost.error
+    assert metrics.sample()[m.TOOL_TIMEOUT_RATE] == 1.0
     # (time_limit 0.5 + margin 0.5) x 2 attempts: the agent hears within seconds, not minutes
     assert elapsed < 5
     w2 = spawn_worker("tools", redis_url, keys.ns, tmp_path, index=1)

@@ -41,6 +41,8 @@ def test_worker_commands_parse_with_the_real_cli() -> None:
         args = parser.parse_args([_expand(a) for a in svc["command"]])
         assert args.command == "worker" and args.name == name
         assert args.index == "auto"  # every replica claims an identity of its own
+        # its counters on a port of its own container (streamrl.metrics)
+        assert load_config(REPO / args.config, args.set).metrics.prometheus_port == 9100
         load_config(REPO / args.config)  # a real, valid file of this repo
         test = svc["healthcheck"]["test"]
         assert test[:2] == ["CMD", "streamrl"]

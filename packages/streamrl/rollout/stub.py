@@ -61,6 +61,7 @@ class StubServer:
         self._loop_thread: int | None = None
         self.steps = 0  # calls answered (the engine's decode steps, for the stop log)
         self.tokens_generated = 0
+        self.in_flight = 0  # calls sleeping now (the stub's batch occupancy)
         self.swaps = 0
         self.stall_s = 0.0  # the stub never stalls on a sync: nothing to reload
 
@@ -68,7 +69,11 @@ class StubServer:
         self._bind()
         await self._open.wait()
         version = self.version
-        await asyncio.sleep(self.latency_s)
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(self.latency_s)
+        finally:
+            self.in_flight -= 1
         n = min(self.turn_tokens, request.max_new_tokens)
         stopped = n == self.turn_tokens
         tokens = reply_tokens(n, stopped)

@@ -194,6 +194,7 @@ class WeightFollower:
         self.mode = mode
         self.last_id = "0-0"
         self.loaded_version = -1
+        self.newest_version = -1  # the newest version seen published (loaded or not)
         self._fulls: dict[int, Weights] = {}  # the newest full versions seen (LoRA bases)
         self.syncs = 0
         self.sync_s = 0.0
@@ -228,6 +229,7 @@ class WeightFollower:
             except WireError as err:
                 self.log.error("weights_entry_bad", entry_id=entry_id.decode(), reason=str(err))
         for msg in msgs:
+            self.newest_version = max(self.newest_version, msg.version)
             if msg.kind == "full":
                 self._fulls[msg.version] = msg
         for old in sorted(self._fulls)[:-4]:

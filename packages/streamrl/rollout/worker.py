@@ -44,6 +44,16 @@ import structlog
 from streamrl.config import Config
 from streamrl.failpoints import EPISODE_SAVED, afailpoint
 from streamrl.liveness import Liveness
+from streamrl.metrics import (
+    ACTIVE_EPISODES,
+    POLICY_AGE,
+    POLICY_VERSION,
+    REWARD,
+    SOLVED,
+    SOLVED_REWARD,
+    TRAJECTORIES,
+    Metrics,
+)
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner, traj_id
@@ -169,8 +179,10 @@ class RolloutWorker:
         stop: Callable[[], bool],
         threads: WorkerThreads | None = None,
         liveness: Liveness | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.aclient = aclient
+        self.metrics = metrics
         self.liveness = liveness or Liveness()  # ticked by the supervising loop
         self.keys = keys
         self.cfg = cfg
@@ -477,7 +489,31 @@ class RolloutWorker:
             await afailpoint(EPISODE_SAVED, self.log)
         if not batch:
             return
+        self._count_committed([t for _, t, _ in batch])
         self._log_committed(batch)
+
+    def _count_committed(self, trajectories: list[Trajectory]) -> None:
+        """Committed trajectories as counters: how many, their rewards, whether each solved
+        its task, and their policy age (versions between the oldest turn's policy and the
+        newest version this worker has seen published)."""
+        if self.metrics is None:
+            return
+        m = self.metrics
+        m.count(TRAJECTORIES, len(trajectories))
+        newest = max(self.follower.newest_version, self.follower.loaded_version)
+        for t in trajectories:
+            m.observe(REWARD, t.reward)
+            m.observe(SOLVED, float(t.reward >= SOLVED_REWARD))
+            if t.versions:
+                m.observe(POLICY_AGE, max(0, newest - min(t.versions)))
+
+    def probe(self) -> dict[str, float]:
+        """Levels for `streamrl.metrics` (read on its thread): episodes running, the
+        version served."""
+        out: dict[str, float] = {ACTIVE_EPISODES: self.active}
+        if self.follower.loaded_version >= 0:  # none loaded yet: no version to show
+            out[POLICY_VERSION] = self.follower.loaded_version
+        return out
 
     def _log_committed(self, batch: list[tuple[Delivery[Task], Trajectory, bool]]) -> None:
         """Log the trajectories of a commit."""

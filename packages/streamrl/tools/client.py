@@ -29,13 +29,22 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from streamrl.config import ToolsConfig
+from streamrl.metrics import TOOL_ERROR, TOOL_LATENCY_S, TOOL_TIMEOUT, Metrics
 from streamrl.names import Keys
 from streamrl.tools.jobs import JOB_PATH
 from streamrl.tools.ledger import ledger_key
+from streamrl.tools.registry import TIMED_OUT
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, is_cluster
 from streamrl.wire import ToolResult, WireError, decode_body
 
 _JOB_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+NO_ANSWER = "no tool worker answered within"  # a lost call's error starts so
+
+
+def timed_out(result: ToolResult) -> bool:
+    """Whether a call ran out of time: past its time limit in the sandbox, or no tool
+    worker answered it in time."""
+    return result.error.startswith((TIMED_OUT, NO_ANSWER))
 
 
 class ToolClient:
@@ -48,6 +57,7 @@ class ToolClient:
         keys: Keys,
         cfg: ToolsConfig,
         log: structlog.stdlib.BoundLogger,
+        metrics: Metrics | None = None,
     ) -> None:
         self.keys = keys
         self.cfg = cfg
@@ -57,13 +67,25 @@ class ToolClient:
         # Built by every rollout worker, tools or not: a cluster is refused at the first call.
         self._on_cluster = is_cluster(client)
         self._slots = asyncio.Semaphore(cfg.max_parallel_calls)
+        self.metrics = metrics
+
+    def _count(self, result: ToolResult, latency_s: float) -> None:
+        """A call's latency (queueing here, on rq and in the sandbox), error and timeout,
+        as the windowed series of `streamrl.metrics`."""
+        if self.metrics is None:
+            return
+        self.metrics.observe(TOOL_LATENCY_S, latency_s)
+        self.metrics.observe(TOOL_ERROR, float(not result.ok))
+        self.metrics.observe(TOOL_TIMEOUT, float(timed_out(result)))
 
     async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
         """Run one call; infrastructure failures come back as a ToolResult error."""
         if self._on_cluster:
             raise RuntimeError(RQ_NEEDS_ONE_REDIS)
+        start = time.monotonic()
         async with self._slots:
             result = await self._call(name, arguments, call_id)
+        self._count(result, time.monotonic() - start)
         pipe = self.aclient.pipeline(transaction=False)
         pipe.hincrby(self.keys.stats, "tool_calls", 1)
         if not result.ok:
@@ -97,7 +119,7 @@ class ToolClient:
             ok=False,
             output="",
             error=(
-                f"no tool worker answered within {wait_s:g}s, {self.cfg.retries + 1} attempts "
+                f"{NO_ANSWER} {wait_s:g}s, {self.cfg.retries + 1} attempts "
                 "(tool infrastructure error)"
             ),
             duration_s=time.monotonic() - start,

@@ -94,11 +94,14 @@ def _run_tests_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
     return [sys.executable, "-I", "-S", "-c", harness.SOURCE], json.dumps(args).encode()
 
 
+TIMED_OUT = "timed out after"  # how a call's error starts when it ran past its time limit
+
+
 def process_report(r: ExecResult, time_limit_s: float) -> Outcome:
     """A program run as the agent sees it: its exit status, stdout and stderr. A non-zero
     status is a result, not a tool error; a time limit or the output cap is an error."""
     if r.timed_out:
-        return Outcome(False, _text(r.stdout), f"timed out after {time_limit_s:g}s")
+        return Outcome(False, _text(r.stdout), f"{TIMED_OUT} {time_limit_s:g}s")
     if r.truncated:
         out = _text(r.stdout + TRUNCATED)
         return Outcome(False, out, "output exceeded the output cap and was cut")

@@ -44,6 +44,7 @@ from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
 from streamrl.liveness import Liveness
+from streamrl.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
@@ -147,6 +148,7 @@ class TrainerLoop:
     nonfinite: list[list[str]] = field(default_factory=list)
     cluster: Cluster = field(default_factory=Cluster)
     liveness: Liveness = field(default_factory=Liveness)  # its heartbeat reads it
+    metrics: Metrics | None = None  # examples trained and their policy age (streamrl.metrics)
 
     def __post_init__(self) -> None:
         if not self.cluster.leader:
@@ -296,6 +298,7 @@ class TrainerLoop:
             self.consumed[d.msg.group_id] = self.step
             self.unacked[d.entry_id] = self.step
         self.lineage.append((self.step, [d.msg.group_id for d in groups]))
+        self._count(min_versions)
         return TrainMetrics(
             step=self.step,
             version=self.version,
@@ -309,6 +312,19 @@ class TrainerLoop:
             max_policy_lag=self.version - min(min_versions),
             step_time_s=time.monotonic() - start,
         )
+
+    def _count(self, min_versions: list[int]) -> None:
+        """A step's examples (sequences) as counters, each with its policy age: versions
+        between its oldest turn's policy and the one trained."""
+        if self.metrics is None:
+            return
+        self.metrics.count(EXAMPLES, len(min_versions))
+        for v in min_versions:
+            self.metrics.observe(POLICY_AGE, max(0, self.version - v))
+
+    def probe(self) -> dict[str, float]:
+        """The version trained (and published) now, for `streamrl.metrics`."""
+        return {POLICY_VERSION: self.version}
 
     def _skip(self, groups: list[Delivery[Group]] | None, loss: float, grad_norm: float) -> None:
         """A step whose loss or gradient norm is not finite: the state stays that of the

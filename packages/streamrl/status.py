@@ -1,0 +1,298 @@
+"""`streamrl status`: a live view of a run from Redis alone, drawn with `rich`.
+
+What it reads, each frame (a handful of round trips, as the operator user):
+
+- every worker's identity slot and liveness beat (`Keys.worker_slot`, `Keys.worker_beat`:
+  `streamrl.identity`): a worker is `live` while its slot is held and its loop beats,
+  `no beat` while its slot is held but its loop has not beaten lately, `gone` when its slot
+  lapsed (it stopped or died);
+- the newest sample of every worker's counters (`Keys.worker_metrics`: `streamrl.metrics`);
+- the run's counters (`Keys.stats`).
+
+Figures of one kind from several workers combine by what they mean: rates and totals add
+up (two groupers' groups per minute), a queue's depth is the largest any reader reports
+(each grouper sees the same stream), the policy version the newest, means are averaged.
+
+Where to connect comes from the run directory of `streamrl up` (the embedded Redis's
+operator URL and password, the run's name from the launcher's record) or, for a compose
+stack, from REDIS_URL (or --redis-url) and the run name of --config.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from streamrl import metrics as m
+from streamrl.metrics import decode_sample
+from streamrl.names import Keys
+
+SCAN_COUNT = 500
+BEAT_FRESH_S = 30.0  # a beat unchanged for longer than this shows as `no beat`
+
+
+@dataclass
+class WorkerState:
+    """One worker as the last frame saw it."""
+
+    worker_id: str
+    holder: str | None  # who holds its slot (None: lapsed)
+    beat: str | None  # its liveness beat's value
+    sample_age_s: float | None  # age of its newest counter sample
+    values: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.worker_id.rsplit("-", 1)[0]
+
+    def state(self, beat_age_s: float | None) -> str:
+        if self.holder is None:
+            return "gone"
+        if beat_age_s is not None and beat_age_s > BEAT_FRESH_S:
+            return "no beat"
+        return "live"
+
+
+@dataclass
+class Snapshot:
+    run: str
+    workers: list[WorkerState]
+    stats: dict[str, str]
+    beat_age_s: dict[str, float]  # worker id -> seconds since its beat last changed
+    taken_at: float  # unix seconds
+
+
+_SLOT = re.compile(r":worker:([A-Za-z_]+):(\d+)(:beat)?$")
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class StatusReader:
+    """Reads snapshots of one run; remembers when each beat last changed."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, clock: Callable[[], float] = time.time):
+        self.client = client
+        self.keys = keys
+        self.clock = clock
+        self._beats: dict[str, tuple[str, float]] = {}  # worker id -> (beat, first seen)
+
+    def _scan(self, pattern: str) -> list[str]:
+        return sorted({_text(k) for k in self.client.scan_iter(pattern, count=SCAN_COUNT)})
+
+    def read(self) -> Snapshot:
+        k = self.keys
+        now = self.clock()
+        slots: dict[str, str] = {}
+        beat_keys: dict[str, str] = {}
+        for key in self._scan(k.worker_slots("*")):
+            match = _SLOT.search(key)
+            if match is None:
+                continue
+            wid = f"{match.group(1)}-{match.group(2)}"
+            if match.group(3):
+                beat_keys[wid] = key
+            else:
+                slots[wid] = key
+        series = {key.rsplit(":", 1)[1]: key for key in self._scan(k.every_worker_metrics)}
+        ids = sorted(set(slots) | set(series), key=_order)
+        pipe = self.client.pipeline(transaction=False)
+        for wid in ids:
+            pipe.get(slots.get(wid, k.worker_slot(*_split(wid))))
+            pipe.get(beat_keys.get(wid, k.worker_beat(*_split(wid))))
+            pipe.xrevrange(series.get(wid, k.worker_metrics(wid)), count=1)
+        pipe.hgetall(k.stats)
+        replies = pipe.execute()
+        workers = []
+        beat_age: dict[str, float] = {}
+        for i, wid in enumerate(ids):
+            holder, beat, last = replies[3 * i : 3 * i + 3]
+            values: dict[str, float] = {}
+            age = None
+            if last:
+                entry_id, fields = last[0]
+                age = max(0.0, now - int(_text(entry_id).split("-")[0]) / 1000)
+                values = decode_sample(fields)
+            beat_s = None if beat is None else _text(beat)
+            if beat_s is not None:
+                seen = self._beats.get(wid)
+                if seen is None or seen[0] != beat_s:
+                    self._beats[wid] = (beat_s, now)
+                beat_age[wid] = now - self._beats[wid][1]
+            workers.append(
+                WorkerState(wid, None if holder is None else _text(holder), beat_s, age, values)
+            )
+        stats = {_text(a): _text(b) for a, b in replies[-1].items()}
+        return Snapshot(self.keys.ns, workers, stats, beat_age, now)
+
+
+def _split(worker_id: str) -> tuple[str, int]:
+    name, _, index = worker_id.rpartition("-")
+    return name, int(index) if index.isdigit() else 0
+
+
+_KIND_ORDER = ("feeder", "rollout", "colocated", "tools", "grouper", "trainer")
+
+
+def _order(worker_id: str) -> tuple[int, str, int]:
+    name, index = _split(worker_id)
+    rank = _KIND_ORDER.index(name) if name in _KIND_ORDER else len(_KIND_ORDER)
+    return rank, name, index
+
+
+# -- combining the workers' figures ------------------------------------------------------------
+
+
+def _values(workers: Iterable[WorkerState], name: str) -> list[float]:
+    return [
+        w.values[name]
+        for w in workers
+        if name in w.values and w.holder is not None and math.isfinite(w.values[name])
+    ]
+
+
+def total(workers: Iterable[WorkerState], name: str) -> float | None:
+    xs = _values(workers, name)
+    return sum(xs) if xs else None
+
+
+def largest(workers: Iterable[WorkerState], name: str) -> float | None:
+    xs = _values(workers, name)
+    return max(xs) if xs else None
+
+
+def average(workers: Iterable[WorkerState], name: str) -> float | None:
+    xs = _values(workers, name)
+    return sum(xs) / len(xs) if xs else None
+
+
+# The rate shown beside each worker type: what it produces.
+WORKER_RATE = {
+    "rollout": (m.TRAJECTORIES_PER_MIN, "traj/min"),
+    "colocated": (m.TRAJECTORIES_PER_MIN, "traj/min"),
+    "grouper": (m.GROUPS_PER_MIN, "groups/min"),
+    "trainer": (m.EXAMPLES_PER_MIN, "examples/min"),
+}
+
+
+def _fmt(value: float | None, spec: str = ".1f", unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def render(snap: Snapshot) -> Group:
+    """One frame: the workers, the queues, the groups and the policy."""
+    return Group(
+        Text(f"run {snap.run}  ·  {time.strftime('%H:%M:%S', time.localtime(snap.taken_at))}"),
+        _workers_table(snap),
+        _queues_table(snap),
+        _pipeline_table(snap),
+    )
+
+
+def _workers_table(snap: Snapshot) -> Table:
+    t = Table(title="workers", title_justify="left")
+    for col in ("worker", "state", "sample", "rate", "policy", "rss MB", "device MB"):
+        t.add_column(col, justify="left" if col in ("worker", "state") else "right")
+    for w in snap.workers:
+        state = w.state(snap.beat_age_s.get(w.worker_id))
+        style = {"live": "green", "no beat": "yellow", "gone": "red"}[state]
+        rate_name, unit = WORKER_RATE.get(w.kind, ("", ""))
+        rate = _fmt(w.values.get(rate_name), ".1f", f" {unit}") if rate_name else "-"
+        t.add_row(
+            w.worker_id,
+            Text(state, style=style),
+            _fmt(w.sample_age_s, ".1f", " s ago"),
+            rate,
+            _fmt(w.values.get(m.POLICY_VERSION), ".0f"),
+            _fmt(w.values.get(m.RSS_MB), ".0f"),
+            _fmt(w.values.get(m.DEVICE_MEM_MB), ".0f"),
+        )
+    return t
+
+
+def _queues_table(snap: Snapshot) -> Table:
+    t = Table(title="queues", title_justify="left")
+    for col in ("queue", "depth", "lag"):
+        t.add_column(col, justify="left" if col == "queue" else "right")
+    for stream in m.QUEUE_STREAMS:
+        depth = largest(snap.workers, m.queue_depth(stream))
+        lag = largest(snap.workers, m.queue_lag(stream))
+        t.add_row(stream, _fmt(depth, ".0f"), _fmt(lag, ".0f"))
+    return t
+
+
+def _pipeline_table(snap: Snapshot) -> Table:
+    ws = snap.workers
+    trainers = [w for w in ws if w.kind in ("trainer", "colocated")]
+    rollouts = [w for w in ws if w.kind in ("rollout", "colocated")]
+    rows = [
+        ("trajectories/min", _fmt(total(ws, m.TRAJECTORIES_PER_MIN))),
+        ("groups/min", _fmt(total(ws, m.GROUPS_PER_MIN))),
+        ("examples/min", _fmt(total(ws, m.EXAMPLES_PER_MIN))),
+        ("tokens/s", _fmt(total(ws, m.TOKENS_PER_S), ".0f")),
+        ("active episodes", _fmt(total(ws, m.ACTIVE_EPISODES), ".0f")),
+        ("batch occupancy", _fmt(average(ws, m.ENGINE_BATCH_OCCUPANCY), ".0%")),
+        ("half-filled groups", _fmt(largest(ws, m.GROUPS_HALF_FILLED), ".0f")),
+        ("oldest half-filled", _fmt(largest(ws, m.OLDEST_HALF_FILLED_S), ".1f", " s")),
+        ("policy version", _fmt(largest(trainers, m.POLICY_VERSION), ".0f")),
+        ("policy age (trained)", _fmt(average(trainers, m.POLICY_AGE), ".2f")),
+        ("policy age max", _fmt(largest(trainers, m.POLICY_AGE_MAX), ".0f")),
+        ("reward", _fmt(average(rollouts, m.REWARD_MEAN), ".3f")),
+        ("solve rate", _fmt(average(rollouts, m.SOLVE_RATE), ".1%")),
+        (
+            "tool latency p50/p90/p99",
+            "/".join(
+                _fmt(largest(rollouts, n), ".3f")
+                for n in (m.TOOL_LATENCY_P50_S, m.TOOL_LATENCY_P90_S, m.TOOL_LATENCY_P99_S)
+            )
+            + " s",
+        ),
+        (
+            "tool errors / timeouts",
+            f"{_fmt(average(rollouts, m.TOOL_ERROR_RATE), '.1%')} / "
+            f"{_fmt(average(rollouts, m.TOOL_TIMEOUT_RATE), '.1%')}",
+        ),
+        ("trainer steps (run)", snap.stats.get("trainer_steps", "-")),
+        ("groups (run)", snap.stats.get("groups", "-")),
+    ]
+    t = Table(title="pipeline", title_justify="left", show_header=False)
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for name, value in rows:
+        t.add_row(name, value)
+    return t
+
+
+def show(
+    reader: StatusReader,
+    console: Console,
+    *,
+    once: bool,
+    every_s: float = 1.0,
+    frames: int = 0,
+) -> None:
+    """Draw one frame (`once`), or redraw every `every_s` until interrupted (or after
+    `frames` frames, when not 0)."""
+    if once:
+        console.print(render(reader.read()))
+        return
+    shown = 0
+    with Live(render(reader.read()), console=console, auto_refresh=False) as live:
+        try:
+            while not frames or shown < frames:
+                time.sleep(every_s)
+                live.update(render(reader.read()), refresh=True)
+                shown += 1
+        except KeyboardInterrupt:
+            pass

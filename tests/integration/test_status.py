@@ -1,0 +1,62 @@
+"""`streamrl status`'s reader against a real Redis: workers found by their identity slots and
+their counter series, liveness from the slots and beats, a frame drawn live."""
+
+from __future__ import annotations
+
+import io
+
+import redis
+import structlog
+from rich.console import Console
+
+from streamrl import metrics as m
+from streamrl.names import Keys
+from streamrl.status import StatusReader, show
+
+LOG = structlog.get_logger()
+
+
+def _sample(client: redis.Redis, keys: Keys, worker_id: str, **values: float) -> None:
+    metrics = m.Metrics(worker_id)
+    for name, value in values.items():
+        metrics.set(name, value)
+    m.Sampler(
+        metrics, client, keys.worker_metrics(worker_id), LOG, interval_s=1, keep_samples=10
+    ).sample_once()
+
+
+def test_reader_finds_workers_and_their_state(rclient: redis.Redis, keys: Keys) -> None:
+    rclient.set(keys.worker_slot("rollout", 0), "h:1", px=60_000)
+    rclient.set(keys.worker_beat("rollout", 0), "h:1 1", px=60_000)
+    rclient.set(keys.worker_slot("grouper", 1), "h:2", px=60_000)  # no sample yet
+    _sample(rclient, keys, "rollout-0", trajectories_per_min=90.0, policy_version=4)
+    _sample(rclient, keys, "trainer-0", examples_per_min=30.0)  # its slot lapsed: gone
+    rclient.hset(keys.stats, "trainer_steps", 7)
+    clock = [1_000_000.0]
+    reader = StatusReader(rclient, keys, clock=lambda: clock[0])
+    snap = reader.read()
+    by_id = {w.worker_id: w for w in snap.workers}
+    assert list(by_id) == ["rollout-0", "grouper-1", "trainer-0"]  # kinds in pipeline order
+    assert by_id["rollout-0"].state(snap.beat_age_s.get("rollout-0")) == "live"
+    assert by_id["rollout-0"].values[m.TRAJECTORIES_PER_MIN] == 90.0
+    assert by_id["grouper-1"].values == {} and by_id["grouper-1"].sample_age_s is None
+    assert by_id["trainer-0"].holder is None and by_id["trainer-0"].state(None) == "gone"
+    assert snap.stats["trainer_steps"] == "7"
+    # The beat did not change for 31 s (two reads apart): the loop is stuck.
+    clock[0] += 31
+    snap = reader.read()
+    rollout = next(w for w in snap.workers if w.worker_id == "rollout-0")
+    assert rollout.state(snap.beat_age_s["rollout-0"]) == "no beat"
+    rclient.set(keys.worker_beat("rollout", 0), "h:1 2", px=60_000)
+    snap = reader.read()
+    assert rollout.state(snap.beat_age_s["rollout-0"]) == "live"
+
+
+def test_live_view_redraws(rclient: redis.Redis, keys: Keys) -> None:
+    rclient.set(keys.worker_slot("grouper", 0), "h:1", px=60_000)
+    _sample(rclient, keys, "grouper-0", groups_per_min=12.0)
+    out = io.StringIO()
+    console = Console(file=out, width=120, color_system=None, force_terminal=False)
+    show(StatusReader(rclient, keys), console, once=False, every_s=0.01, frames=2)
+    text = out.getvalue()
+    assert "grouper-0" in text and "12.0 groups/min" in text
