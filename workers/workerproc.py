@@ -77,6 +77,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             liveness=ctx.liveness,
             liveness_s=cfg.run.liveness_timeout_s,
         ).start(take=args.index != "auto")
+        ctx.open_trace()
     except redis.RedisError as err:  # after the client's retries: Redis is not there
         ctx.log.error("redis_unreachable", error=f"{type(err).__name__}: {err}")
         print(
@@ -100,6 +101,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         ctx.log.exception("worker_failed")
         raise
     finally:
+        ctx.tracer.close()
         beat.close()
     if code == FATAL_EXIT_CODE:
         exit_fatal()

@@ -894,6 +894,30 @@ class TrainerConfig(_Section):
         return self
 
 
+class TraceConfig(_Section):
+    """Perfetto traces (`streamrl.tracing`): each worker process writes its spans and
+    counters to RUN_DIR/traces/<worker>.pftrace; `streamrl trace RUN_DIR` merges them."""
+
+    enabled: bool = Field(
+        True, description="Write each worker's trace file (spans cost ~2 us each when on)."
+    )
+    flush_s: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Packets held are written at least this often (seconds): what a crash of the "
+            "worker may lose at most, besides a chunk not yet full."
+        ),
+    )
+    chunk_packets: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Packets held before they are written in one write, between flushes.",
+    )
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
@@ -915,6 +939,10 @@ class Config(_Section):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig,
         description="Trainer.",
+    )
+    trace: TraceConfig = Field(
+        default_factory=TraceConfig,
+        description="Perfetto trace files of the workers.",
     )
 
     @model_validator(mode="after")

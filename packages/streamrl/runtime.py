@@ -19,6 +19,7 @@ from streamrl.config import Config
 from streamrl.liveness import Liveness
 from streamrl.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.names import Keys
+from streamrl.tracing import Tracer, open_tracer
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
 # host:port of trainer process 0's coordination service (trainer.num_processes > 1)
@@ -67,6 +68,8 @@ class WorkerContext:
     burst: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
+    # its spans and counters (RUN_DIR/traces/<worker_id>.pftrace once `open_trace` ran)
+    tracer: Tracer = field(default_factory=Tracer.disabled)
 
     @property
     def keys(self) -> Keys:
@@ -85,6 +88,16 @@ class WorkerContext:
     def client(self) -> redis.Redis:
         r = self.cfg.redis
         return make_client(self.redis_url, cluster=r.cluster, busy_wait_s=r.busy_wait_s)
+
+    def open_trace(self) -> Tracer:
+        """Open this worker's tracer (`trace.enabled`), its clock offset measured against
+        the run's Redis: once its identity (`worker_id`) is settled; closed at its exit."""
+        self.tracer = open_tracer(self.cfg.trace, self.run_dir, self.worker_id, self.client())
+        if self.tracer.enabled:
+            self.log.info(
+                "trace_open", path=str(self.tracer.path), clock_offset_ns=self.tracer.offset_ns
+            )
+        return self.tracer
 
 
 def with_password(url: str, password: str) -> str:
