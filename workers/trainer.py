@@ -125,6 +125,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
         pad_id=policy.pad_id,
         max_steps=ctx.max_steps or cfg.trainer.max_steps,
         liveness=ctx.liveness,
+        tracer=ctx.tracer,
         hooks=[
             publish,
             CheckpointHook(

@@ -69,6 +69,56 @@ MAX_TRACKS = 1 << 16  # track descriptors remembered; a forgotten one is written
 Arg = str | int | float | bool
 
 
+class Span:
+    """The span names every worker writes (the report groups them by these names)."""
+
+    EPISODE = "episode"  # one per episode, on track ("episode", traj_id)
+    MODEL_QUEUE = "model.queue"  # a model call waiting for the engine to take it
+    MODEL_DECODE = "model.decode"  # ... and from then to its result
+    TOOL_WAIT = "tool.wait"  # rollout: a tool call from its enqueue to its result
+    TOOL_ENQUEUE = "tool.enqueue"  # rollout: one attempt's enqueue on rq
+    TOOL_QUEUE = "tool.queue"  # tools worker: the call waiting in the queue
+    TOOL_EXEC = "tool.exec"  # tools worker: the call run (sandbox, ledger)
+    ENV_STEP = "env.step"  # one environment step of an episode
+    ROLLOUT_INPUT_WAIT = "rollout.input_wait"  # rollout waiting for tasks
+    WEIGHTS_LOCK_WAIT = "weights.lock_wait"  # rollout waiting on the weight-sync lock
+    WEIGHTS_LOAD = "weights.load"  # rollout: a published version loaded and swapped in
+    WEIGHTS_PUBLISH = "weights.publish"  # trainer: a version published
+    GROUP_WAIT = "group.wait"  # grouper: first member arrived .. group emitted
+    TRAINER_BATCH_WAIT = "trainer.batch_wait"  # trainer waiting for a step's groups
+    TRAIN_STEP = "train.step"
+    CHECKPOINT_SNAPSHOT = "checkpoint.snapshot"  # the queues' snapshot at the cut
+    CHECKPOINT_SAVE = "checkpoint.save"  # the Orbax save of the state
+    CHECKPOINT_COMMIT = "checkpoint.commit"  # meta, marker, the groups acknowledged
+
+    ALL = (
+        EPISODE,
+        MODEL_QUEUE,
+        MODEL_DECODE,
+        TOOL_WAIT,
+        TOOL_ENQUEUE,
+        TOOL_QUEUE,
+        TOOL_EXEC,
+        ENV_STEP,
+        ROLLOUT_INPUT_WAIT,
+        WEIGHTS_LOCK_WAIT,
+        WEIGHTS_LOAD,
+        WEIGHTS_PUBLISH,
+        GROUP_WAIT,
+        TRAINER_BATCH_WAIT,
+        TRAIN_STEP,
+        CHECKPOINT_SNAPSHOT,
+        CHECKPOINT_SAVE,
+        CHECKPOINT_COMMIT,
+    )
+
+
+# Flow kinds: flow_id(TRAJ_FLOW, traj_id) from the episode to its group.wait,
+# flow_id(GROUP_FLOW, group_id) from group.wait to the train.step that used the group.
+TRAJ_FLOW = "traj"
+GROUP_FLOW = "group"
+
+
 def _id64(text: str) -> int:
     """A stable 64-bit id (track uuids and flow ids must agree across processes)."""
     return xxhash.xxh64_intdigest(text.encode()) or 1  # 0 means "unset" in the protos

@@ -43,6 +43,7 @@ from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
 from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
+from streamrl.tracing import Span, Tracer
 from streamrl.weightsync import (
     WeightsError,
     WeightsMissing,
@@ -173,7 +174,8 @@ Load = Callable[[Weights, Weights | None], Any]
 
 
 class WeightFollower:
-    """Follows `weights` and swaps each new version into the engine server."""
+    """Follows `weights` and swaps each new version into the engine server; each load is
+    a `weights.load` span (lock closed .. reopened) on the trace track ("weights", "sync")."""
 
     def __init__(
         self,
@@ -184,8 +186,11 @@ class WeightFollower:
         lock: SyncLock,
         log: structlog.stdlib.BoundLogger,
         mode: SyncMode = "continue",
+        *,
+        tracer: Tracer | None = None,
     ) -> None:
         self.aclient = aclient
+        self.tracer = tracer or Tracer.disabled()
         self.keys = keys
         self.server = server
         self.load_params = load
@@ -247,6 +252,7 @@ class WeightFollower:
         if self.mode == "pause":
             self.server.hold()
         start = time.monotonic()
+        start_ns = time.time_ns()
         swapped = False
         try:
             await afailpoint(WEIGHTS_LOAD, self.log)
@@ -276,6 +282,13 @@ class WeightFollower:
             if not swapped:
                 self.server.release()
             self.lock.reopen()
+            self.tracer.span(
+                self.tracer.track("weights", "sync"),
+                Span.WEIGHTS_LOAD,
+                start_ns,
+                time.time_ns(),
+                args={"version": msg.version, "loaded": swapped},
+            )
         self.loaded_version = msg.version
         elapsed = time.monotonic() - start
         self.syncs += 1
