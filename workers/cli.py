@@ -1,5 +1,6 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
-`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
+`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox,
+`trace RUN_DIR` merges a run's Perfetto traces.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
@@ -19,6 +21,7 @@ from streamrl_workers import (
     queuescli,
     sandboxproxy,
     toolexec,
+    tracecli,
     workerproc,
 )
 from streamrl_workers.args import config_arguments
@@ -46,15 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
     sandboxproxy.add_parser(sub)
+    tracecli.add_parser(sub)
     return parser
+
+
+# Commands that need no run config: command -> its main(args).
+NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": generate.main,
+    "sandbox-proxy": sandboxproxy.main,
+    "trace": tracecli.main,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return generate.main(args)
-    if args.command == "sandbox-proxy":  # needs no run config
-        return sandboxproxy.main(args)
+    if args.command in NO_CONFIG:
+        return NO_CONFIG[args.command](args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:

@@ -122,7 +122,7 @@ async def serve(
         ctx.keys,
         server,
         policy.load,
-        SyncLock(),
+        SyncLock(ctx.tracer),
         ctx.log,
         cfg.rollout.sync_mode,
         tracer=ctx.tracer,

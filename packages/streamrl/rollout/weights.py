@@ -59,9 +59,11 @@ LoraServing = Literal["merged", "attached"]
 
 
 class SyncLock:
-    """Episodes take it shared (`enter`/`leave`), a weight sync exclusively (`close`)."""
+    """Episodes take it shared (`enter`/`leave`), a weight sync exclusively (`close`).
+    A wait for it (`wait_open` given a trace track) is a `weights.lock_wait` span."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer | None = None) -> None:
+        self.tracer = tracer or Tracer.disabled()
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -72,10 +74,18 @@ class SyncLock:
     def is_open(self) -> bool:
         return self._open.is_set()
 
-    async def wait_open(self) -> None:
-        """Return when no sync holds the lock; `enter` right after (no await between)."""
-        while not self._open.is_set():  # closed again before this waiter ran: wait more
-            await self._open.wait()
+    async def wait_open(self, track: int = 0) -> None:
+        """Return when no sync holds the lock; `enter` right after (no await between). Does
+        not suspend when the lock is open; a wait is a span on `track` (0: none)."""
+        if self._open.is_set():
+            return
+        start_ns = time.time_ns()
+        try:
+            while not self._open.is_set():  # closed again before this waiter ran: wait more
+                await self._open.wait()
+        finally:
+            if track:
+                self.tracer.span(track, Span.WEIGHTS_LOCK_WAIT, start_ns, time.time_ns())
 
     def enter(self) -> None:
         if not self._open.is_set():

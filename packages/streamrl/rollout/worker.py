@@ -307,7 +307,7 @@ class RolloutWorker:
                 self.paused_reads += 1
                 await asyncio.sleep(BACKPRESSURE_POLL_S)
                 continue
-            await self._lock_wait(self._reader_track)
+            await self.follower.lock.wait_open(self._reader_track)
             if not self._starting():
                 return
             count = -(-self._room() // n)  # whole tasks, rounded up
@@ -386,18 +386,9 @@ class RolloutWorker:
         while self._starting():
             async with self._changed:
                 await self._changed.wait_for(lambda: bool(self._waiting) and self.active < limit)
-            await self._lock_wait(self._starter_track)  # no await between this and `enter`
+            # no await between this and `enter`
+            await self.follower.lock.wait_open(self._starter_track)
             self._start_waiting()
-
-    async def _lock_wait(self, track: int) -> None:
-        """Wait until no weight sync holds the lock (a `weights.lock_wait` span if it did)."""
-        if self.follower.lock.is_open:
-            return
-        start_ns = time.time_ns()
-        try:
-            await self.follower.lock.wait_open()
-        finally:
-            self.tracer.span(track, Span.WEIGHTS_LOCK_WAIT, start_ns, time.time_ns())
 
     def _start_waiting(self) -> None:
         limit = self.cfg.rollout.max_concurrency
