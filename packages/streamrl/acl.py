@@ -180,8 +180,9 @@ def roles(keys: Keys) -> dict[str, Role]:
         "trainer": trainer,
         "colocated": rollout.union(trainer),
     }
-    # Each worker claims and renews its own identity slot (streamrl.identity).
-    slot = Role(keys=(), categories=("string", "keyspace"), commands=_SCRIPTS)
+    # Each worker claims and renews its own identity slot (streamrl.identity), and reads
+    # the server's clock (TIME), which its trace's timestamps are put on (streamrl.tracing).
+    slot = Role(keys=(), categories=("string", "keyspace"), commands=(*_SCRIPTS, "+time"))
     out = {
         name: role.union(replace(slot, keys=(k.worker_slots(name),)))
         for name, role in workers.items()

@@ -16,8 +16,8 @@ replay gets the result recorded in the run's tool ledger (`streamrl.tools.ledger
 
 With the worker's tracer installed (`install_tracer`), each call adds two spans on its track
 ("call", call_id): `tool.queue`, from its enqueue (the time the caller put in the job, on
-the Redis clock) to the job's start here, and `tool.exec`, the call run (ledger and sandbox)
-and its result published.
+the Redis clock) to the job's start here, and `tool.exec`, the call run (ledger and
+sandbox) up to its result's publication.
 """
 
 from __future__ import annotations
@@ -178,12 +178,12 @@ def run_tool_call(
         )
     else:
         result = _execute(call_id, name, arguments, time_limit_s, output_cap, worker)
+    if tracer is not None:  # before the result is out: its caller's wait ends after this
+        tracer.span(track, Span.TOOL_EXEC, start_ns, time.time_ns())
     if job is not None:
         key = Keys(ns).tool_result(call_id, nonce)
         pipe = job.connection.pipeline(transaction=True)
         pipe.lpush(key, encode_body(result))
         pipe.expire(key, RESULT_TTL_S)
         pipe.execute()
-    if tracer is not None:
-        tracer.span(track, Span.TOOL_EXEC, start_ns, time.time_ns())
     return {"ok": result.ok, "error": result.error, "duration_s": result.duration_s}
