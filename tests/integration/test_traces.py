@@ -6,6 +6,7 @@ sides of each call on its track), a wait on the weight-sync lock."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -120,7 +121,7 @@ def test_32_concurrent_episodes_each_step_span_is_its_injected_latency(
 
     async def go() -> None:
         trajs = await asyncio.gather(
-            *(runner.run(task(ep), 0, lambda ep=ep: make(ep)) for ep in range(EPISODES))
+            *(runner.run(task(ep), 0, functools.partial(make, ep)) for ep in range(EPISODES))
         )
         assert [t.status for t in trajs] == ["ok"] * EPISODES
 
