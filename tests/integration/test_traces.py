@@ -81,17 +81,22 @@ def latency_s(ep: int, step: int) -> float:
 
 
 class SleepyEnvironment(Environment):
-    """STEPS steps, each sleeping its injected latency; the last ends the episode."""
+    """STEPS steps, each sleeping its injected latency; the last ends the episode. Each
+    sleep's oversleep (what the OS and the event loop added) is noted in `late_ns`."""
 
-    def __init__(self, ep: int) -> None:
+    def __init__(self, ep: int, late_ns: dict[tuple[int, int], int]) -> None:
         self.ep = ep
         self.steps = 0
+        self.late_ns = late_ns
 
     async def reset(self) -> Reset:
         return Reset(prompt=f"episode {self.ep}")
 
     async def step(self, action: Action, call_prefix: str) -> StepResult:
-        await asyncio.sleep(latency_s(self.ep, self.steps))
+        injected = latency_s(self.ep, self.steps)
+        t0 = time.time_ns()
+        await asyncio.sleep(injected)
+        self.late_ns[(self.ep, self.steps)] = max(0, time.time_ns() - t0 - int(injected * 1e9))
         self.steps += 1
         return StepResult(observations=["ok"], done=self.steps == STEPS, reward=1.0)
 
@@ -108,7 +113,11 @@ def test_32_concurrent_episodes_each_step_span_is_its_injected_latency(
     a batched engine), each step sleeping its own latency: in the trace file, each
     episode's track holds its episode span, its 3 model calls (queue, then decode) and its
     3 env.step spans, each within 5 ms of the latency injected for that episode and step;
-    every span inside its episode's span; the episode span starts its group's flow."""
+    every span inside its episode's span; the episode span starts its group's flow.
+
+    "Within 5 ms" counts from the latency plus what the sleep itself overslept, as the
+    environment measured it: on a loaded 2-core host the OS wakes a sleeper a few ms late
+    at times (a bare asyncio loop of 32 sleeps shows it), which no tracer can take back."""
     cfg = parse_config(
         {"model": {"kind": "stub"}, "rollout": {"max_concurrency": EPISODES, "max_steps": STEPS}}
     )
@@ -116,8 +125,10 @@ def test_32_concurrent_episodes_each_step_span_is_its_injected_latency(
     server = StubServer(latency_s=0.002, turn_tokens=8)
     runner = EpisodeRunner(server, StubDialogue, cfg.rollout, 0, "rollout-0", LOG, tracer=tracer)
 
+    late_ns: dict[tuple[int, int], int] = {}
+
     def make(ep: int) -> tuple[Agent, Environment]:
-        return ToolAgent(), SleepyEnvironment(ep)
+        return ToolAgent(), SleepyEnvironment(ep, late_ns)
 
     async def go() -> None:
         trajs = await asyncio.gather(
@@ -140,7 +151,8 @@ def test_32_concurrent_episodes_each_step_span_is_its_injected_latency(
         assert len(steps) == STEPS
         for step, (s, e) in enumerate(steps):
             injected = int(latency_s(ep, step) * 1e9)
-            assert abs((e - s) - injected) <= TOLERANCE_NS, (ep, step, e - s, injected)
+            late = late_ns[(ep, step)]
+            assert injected <= e - s <= injected + late + TOLERANCE_NS, (ep, step, e - s, late)
         calls = [n for n, _, _ in spans if n in (Span.MODEL_QUEUE, Span.MODEL_DECODE)]
         assert calls == [Span.MODEL_QUEUE, Span.MODEL_DECODE] * STEPS
         assert all(start <= s <= e <= end for n, s, e in spans)
