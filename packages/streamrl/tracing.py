@@ -49,7 +49,6 @@ from typing import IO, Any
 
 import xxhash
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
-    CounterDescriptor,
     DebugAnnotation,
     ProcessDescriptor,
     Trace,
@@ -146,6 +145,12 @@ _DOUBLE_VALUE = b"\xe1\x02"
 _SLICE_BEGIN = b"\x48\x01"
 _SLICE_END = b"\x48\x02"
 _COUNTER = b"\x48\x04"
+# TracePacket.track_descriptor 60; TrackDescriptor: uuid 1, name 2, parent_uuid 5, counter 8.
+_TRACK_DESCRIPTOR = b"\xe2\x03"
+_DESC_UUID = b"\x08"
+_DESC_NAME = b"\x12"
+_DESC_PARENT = b"\x28"
+_DESC_COUNTER = b"\x42\x00"  # an empty CounterDescriptor: a counter track
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 
@@ -183,21 +188,21 @@ class TraceWriter:
         self._file: IO[bytes] = open(path, "ab")  # noqa: SIM115 (closed in close())
         self._pending: list[bytes] = []
         self._held = 0  # packets in _pending
-        self._tracks: dict[int, bytes] = {}  # uuid -> its encoded track_uuid field
-        self._names: dict[str, bytes] = {}
+        # uuid -> (its track_uuid field, the tail of its slice-end packets after the time)
+        self._tracks: dict[int, tuple[bytes, bytes]] = {}
+        # (uuid, name) -> the tail of that slice's begin packets after the time
+        self._begins: dict[tuple[int, str], bytes] = {}
         self._sequence_id = _id64(f"sequence/{worker}/{pid}") & 0xFFFFFFFF or 1
         self._sequence = _SEQUENCE + _varint(self._sequence_id)
         self.process_track = _id64(f"process/{worker}/{pid}")
+        self._parent = _DESC_PARENT + _varint(self.process_track)
         desc = TrackDescriptor(
             uuid=self.process_track, process=ProcessDescriptor(pid=pid, process_name=worker)
         )
         first = TracePacket(track_descriptor=desc)
         first.sequence_flags = _SEQ_INCREMENTAL_STATE_CLEARED
-        self._add_message(first)
-
-    def _add_message(self, packet: TracePacket) -> None:
-        packet.trusted_packet_sequence_id = self._sequence_id
-        self._add(_framed(_PACKET, packet.SerializeToString()), 1)
+        first.trusted_packet_sequence_id = self._sequence_id
+        self._add(_framed(_PACKET, first.SerializeToString()), 1)
 
     def _add(self, data: bytes, packets: int) -> None:
         self._pending.append(data)
@@ -205,25 +210,36 @@ class TraceWriter:
         if self._held >= self.chunk_packets:
             self.flush()
 
-    def _track_field(self, uuid: int) -> bytes:
-        field = self._tracks.get(uuid)
-        if field is None:
-            field = _TRACK_UUID + _varint(uuid)
-        return field
+    def _track(self, uuid: int) -> tuple[bytes, bytes]:
+        known = self._tracks.get(uuid)
+        if known is None:  # a uuid this writer did not make (or forgot): no descriptor
+            known = self._remember(uuid)
+        return known
 
-    def _describe(self, uuid: int, desc: TrackDescriptor) -> None:
-        if len(self._tracks) >= MAX_TRACKS:
-            self._tracks.clear()  # bounded: a track seen again is described again (harmless)
-        self._tracks[uuid] = _TRACK_UUID + _varint(uuid)
-        self._add_message(TracePacket(track_descriptor=desc))
+    def _remember(self, uuid: int) -> tuple[bytes, bytes]:
+        if len(self._tracks) >= MAX_TRACKS:  # bounded: a track seen again is described again
+            self._tracks.clear()
+            self._begins.clear()
+        field = _TRACK_UUID + _varint(uuid)
+        known = self._tracks[uuid] = (
+            field,
+            _framed(_TRACK_EVENT, _SLICE_END + field) + self._sequence,
+        )
+        return known
+
+    def _describe(self, uuid: int, name: str, extra: bytes = b"") -> None:
+        """The descriptor of track `uuid` under this process (hand-encoded, like spans)."""
+        self._remember(uuid)
+        desc = _DESC_UUID + _varint(uuid) + self._parent + _framed(_DESC_NAME, name.encode())
+        packet = _framed(_TRACK_DESCRIPTOR, desc + extra) + self._sequence
+        self._add(_framed(_PACKET, packet), 1)
 
     def track(self, kind: str, key: str) -> int:
         """The uuid of the track of `kind` `key` (an episode, a tool call, a step) under this
         worker's process; its descriptor is written the first time."""
         uuid = _id64(f"track/{self.worker}/{kind}/{key}")
         if uuid not in self._tracks:
-            desc = TrackDescriptor(uuid=uuid, parent_uuid=self.process_track, name=f"{kind} {key}")
-            self._describe(uuid, desc)
+            self._describe(uuid, f"{kind} {key}")
         return uuid
 
     def span(
@@ -241,11 +257,42 @@ class TraceWriter:
         arrows from it, `ends_flows` end them there."""
         if end_ns < start_ns or start_ns < 0:
             raise ValueError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
-        tf = self._track_field(track)
-        nf = self._names.get(name)
-        if nf is None:
-            nf = self._names[name] = _framed(_NAME, name.encode())
-        ev = _SLICE_BEGIN + tf + nf
+        field, end_tail = self._track(track)
+        if flows or ends_flows or args:
+            begin_tail = self._begin_tail(field, name, flows, ends_flows, args)
+        else:
+            begin_tail = self._begins.get((track, name), b"")
+            if not begin_tail:
+                begin_tail = self._begins[track, name] = self._begin_tail(field, name)
+        t0, t1 = _varint(start_ns), _varint(end_ns)
+        self._add(
+            b"".join(
+                (
+                    _PACKET,
+                    _varint(1 + len(t0) + len(begin_tail)),
+                    _TIMESTAMP,
+                    t0,
+                    begin_tail,
+                    _PACKET,
+                    _varint(1 + len(t1) + len(end_tail)),
+                    _TIMESTAMP,
+                    t1,
+                    end_tail,
+                )
+            ),
+            2,
+        )
+
+    def _begin_tail(
+        self,
+        field: bytes,
+        name: str,
+        flows: Sequence[int] = (),
+        ends_flows: Sequence[int] = (),
+        args: Mapping[str, Arg] | None = None,
+    ) -> bytes:
+        """A slice-begin packet after its timestamp: the event, the sequence id."""
+        ev = _SLICE_BEGIN + field + _framed(_NAME, name.encode())
         if flows:
             ev += b"".join(_FLOW + _U64.pack(f) for f in flows)
         if ends_flows:
@@ -254,19 +301,14 @@ class TraceWriter:
             ev += b"".join(
                 _framed(_ANNOTATION, _annotation(k, v).SerializeToString()) for k, v in args.items()
             )
-        begin = _TIMESTAMP + _varint(start_ns) + _framed(_TRACK_EVENT, ev) + self._sequence
-        end = _TIMESTAMP + _varint(end_ns) + _framed(_TRACK_EVENT, _SLICE_END + tf) + self._sequence
-        self._add(_framed(_PACKET, begin) + _framed(_PACKET, end), 2)
+        return _framed(_TRACK_EVENT, ev) + self._sequence
 
     def counter(self, name: str, value: float, ts_ns: int) -> None:
         """One sample of the counter `name` (its track is made the first time)."""
         uuid = _id64(f"counter/{self.worker}/{name}")
         if uuid not in self._tracks:
-            desc = TrackDescriptor(
-                uuid=uuid, parent_uuid=self.process_track, name=name, counter=CounterDescriptor()
-            )
-            self._describe(uuid, desc)
-        ev = _COUNTER + self._tracks[uuid] + _DOUBLE_VALUE + _F64.pack(float(value))
+            self._describe(uuid, name, _DESC_COUNTER)
+        ev = _COUNTER + self._tracks[uuid][0] + _DOUBLE_VALUE + _F64.pack(float(value))
         packet = _TIMESTAMP + _varint(ts_ns) + _framed(_TRACK_EVENT, ev) + self._sequence
         self._add(_framed(_PACKET, packet), 1)
 
