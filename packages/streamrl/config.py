@@ -911,7 +911,7 @@ class TraceConfig(_Section):
         ),
     )
     chunk_packets: int = Field(
-        1024,
+        4096,
         ge=1,
         le=1_000_000,
         description="Packets held before they are written in one write, between flushes.",

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import xxhash
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
     DebugAnnotation,
@@ -66,6 +67,7 @@ TRACE_SUFFIX = ".pftrace"
 MAX_TRACKS = 1 << 16  # track descriptors remembered; a forgotten one is written again
 
 Arg = str | int | float | bool
+_TOP_BIT = 1 << 63
 
 
 class Span:
@@ -119,8 +121,9 @@ GROUP_FLOW = "group"
 
 
 def _id64(text: str) -> int:
-    """A stable 64-bit id (track uuids and flow ids must agree across processes)."""
-    return xxhash.xxh64_intdigest(text.encode()) or 1  # 0 means "unset" in the protos
+    """A stable 64-bit id (track uuids and flow ids must agree across processes). Its top
+    bit is set, so its varint is always 10 bytes (what the batched encoding lays out)."""
+    return xxhash.xxh64_intdigest(text.encode()) | _TOP_BIT
 
 
 def flow_id(kind: str, key: str) -> int:
@@ -152,18 +155,40 @@ _DESC_NAME = b"\x12"
 _DESC_PARENT = b"\x28"
 _DESC_COUNTER = b"\x42\x00"  # an empty CounterDescriptor: a counter track
 _U64 = struct.Struct("<Q")
+_FAST_TIME = 1 << 56  # a timestamp from here on (1972) has a 9-byte varint
 _F64 = struct.Struct("<d")
 
 
 def _varint(v: int) -> bytes:
     if v < 0x80:
         return bytes((v,))
+    if v >= _TOP_BIT:  # an id: 10 bytes
+        return bytes(
+            (
+                v & 0x7F | 0x80,
+                v >> 7 & 0x7F | 0x80,
+                v >> 14 & 0x7F | 0x80,
+                v >> 21 & 0x7F | 0x80,
+                v >> 28 & 0x7F | 0x80,
+                v >> 35 & 0x7F | 0x80,
+                v >> 42 & 0x7F | 0x80,
+                v >> 49 & 0x7F | 0x80,
+                v >> 56 & 0x7F | 0x80,
+                v >> 63,
+            )
+        )
     out = bytearray()
     while v > 0x7F:
         out.append((v & 0x7F) | 0x80)
         v >>= 7
     out.append(v)
     return bytes(out)
+
+
+def _size(data: bytes) -> bytes:
+    """The varint of `data`'s length."""
+    n = len(data)
+    return bytes((n,)) if n < 0x80 else _varint(n)
 
 
 def _framed(tag: bytes, body: bytes) -> bytes:
@@ -188,10 +213,14 @@ class TraceWriter:
         self._file: IO[bytes] = open(path, "ab")  # noqa: SIM115 (closed in close())
         self._pending: list[bytes] = []
         self._held = 0  # packets in _pending
+        self._described: set[int] = set()  # tracks whose descriptor is written
         # uuid -> (its track_uuid field, the tail of its slice-end packets after the time)
         self._tracks: dict[int, tuple[bytes, bytes]] = {}
-        # (uuid, name) -> the tail of that slice's begin packets after the time
-        self._begins: dict[tuple[int, str], bytes] = {}
+        self._names: dict[str, bytes] = {}  # span name -> its encoded name field
+        # (name, flows, ended flows) -> the spans batched, and the packet layout of such spans
+        self._batched: dict[tuple[str, int, int], list[tuple[int, ...]]] = {}
+        self._layouts: dict[tuple[str, int, int], tuple[bytes, dict[str, Any]]] = {}
+        self._high, self._high_bytes = -1, b""  # the last timestamp's bits above 28
         self._sequence_id = _id64(f"sequence/{worker}/{pid}") & 0xFFFFFFFF or 1
         self._sequence = _SEQUENCE + _varint(self._sequence_id)
         self.process_track = _id64(f"process/{worker}/{pid}")
@@ -217,9 +246,8 @@ class TraceWriter:
         return known
 
     def _remember(self, uuid: int) -> tuple[bytes, bytes]:
-        if len(self._tracks) >= MAX_TRACKS:  # bounded: a track seen again is described again
+        if len(self._tracks) >= MAX_TRACKS:  # bounded
             self._tracks.clear()
-            self._begins.clear()
         field = _TRACK_UUID + _varint(uuid)
         known = self._tracks[uuid] = (
             field,
@@ -229,16 +257,19 @@ class TraceWriter:
 
     def _describe(self, uuid: int, name: str, extra: bytes = b"") -> None:
         """The descriptor of track `uuid` under this process (hand-encoded, like spans)."""
-        self._remember(uuid)
-        desc = _DESC_UUID + _varint(uuid) + self._parent + _framed(_DESC_NAME, name.encode())
-        packet = _framed(_TRACK_DESCRIPTOR, desc + extra) + self._sequence
-        self._add(_framed(_PACKET, packet), 1)
+        if len(self._described) >= MAX_TRACKS:  # bounded: a track seen again is described again
+            self._described.clear()
+        self._described.add(uuid)
+        text = name.encode()
+        desc = _DESC_UUID + _varint(uuid) + self._parent + _DESC_NAME + _size(text) + text + extra
+        packet = _TRACK_DESCRIPTOR + _size(desc) + desc + self._sequence
+        self._add(_PACKET + _size(packet) + packet, 1)
 
     def track(self, kind: str, key: str) -> int:
         """The uuid of the track of `kind` `key` (an episode, a tool call, a step) under this
         worker's process; its descriptor is written the first time."""
         uuid = _id64(f"track/{self.worker}/{kind}/{key}")
-        if uuid not in self._tracks:
+        if uuid not in self._described:
             self._describe(uuid, f"{kind} {key}")
         return uuid
 
@@ -257,74 +288,165 @@ class TraceWriter:
         arrows from it, `ends_flows` end them there."""
         if end_ns < start_ns or start_ns < 0:
             raise ValueError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
-        field, end_tail = self._track(track)
+        if start_ns >= _FAST_TIME and end_ns < _TOP_BIT and track >= _TOP_BIT and not args:
+            # The common case, batched: encoded at the flush, many spans at once (_encode).
+            key = (name, len(flows), len(ends_flows))
+            rows = self._batched.get(key)
+            if rows is None:
+                rows = self._batched[key] = []
+            rows.append((track, start_ns, end_ns, *flows, *ends_flows))
+            self._held += 2
+            if self._held >= self.chunk_packets:
+                self.flush()
+            return
+        field, end_tail = self._tracks.get(track) or self._remember(track)
+        ev = _SLICE_BEGIN + field + (self._names.get(name) or self._name(name))
         if flows or ends_flows or args:
-            begin_tail = self._begin_tail(field, name, flows, ends_flows, args)
-        else:
-            begin_tail = self._begins.get((track, name), b"")
-            if not begin_tail:
-                begin_tail = self._begins[track, name] = self._begin_tail(field, name)
-        t0, t1 = _varint(start_ns), _varint(end_ns)
-        self._add(
-            b"".join(
+            ev += _extras(flows, ends_flows, args)
+        n = len(ev)
+        begin_tail = _TRACK_EVENT + (bytes((n,)) if n < 0x80 else _varint(n)) + ev + self._sequence
+        t0, t1 = self._time(start_ns), self._time(end_ns)
+        self._pending.append(
+            _PACKET
+            + _varint(1 + len(t0) + len(begin_tail))
+            + _TIMESTAMP
+            + t0
+            + begin_tail
+            + _PACKET
+            + _varint(1 + len(t1) + len(end_tail))
+            + _TIMESTAMP
+            + t1
+            + end_tail
+        )
+        self._held += 2
+        if self._held >= self.chunk_packets:
+            self.flush()
+
+    def _time(self, ns: int) -> bytes:
+        """The varint of a timestamp: its bits above the lowest 28 change every 0.27 s, so
+        their bytes are kept (nanoseconds since 1970 take 9 bytes until 2262)."""
+        if ns < 1 << 28:
+            return _varint(ns)
+        high = ns >> 28
+        if high != self._high:
+            self._high, self._high_bytes = high, _varint(high)
+        return (
+            bytes(
                 (
-                    _PACKET,
-                    _varint(1 + len(t0) + len(begin_tail)),
-                    _TIMESTAMP,
-                    t0,
-                    begin_tail,
-                    _PACKET,
-                    _varint(1 + len(t1) + len(end_tail)),
-                    _TIMESTAMP,
-                    t1,
-                    end_tail,
+                    ns & 0x7F | 0x80,
+                    ns >> 7 & 0x7F | 0x80,
+                    ns >> 14 & 0x7F | 0x80,
+                    ns >> 21 & 0x7F | 0x80,
                 )
-            ),
-            2,
+            )
+            + self._high_bytes
         )
 
-    def _begin_tail(
-        self,
-        field: bytes,
-        name: str,
-        flows: Sequence[int] = (),
-        ends_flows: Sequence[int] = (),
-        args: Mapping[str, Arg] | None = None,
-    ) -> bytes:
-        """A slice-begin packet after its timestamp: the event, the sequence id."""
-        ev = _SLICE_BEGIN + field + _framed(_NAME, name.encode())
-        if flows:
-            ev += b"".join(_FLOW + _U64.pack(f) for f in flows)
-        if ends_flows:
-            ev += b"".join(_END_FLOW + _U64.pack(f) for f in ends_flows)
-        if args:
-            ev += b"".join(
-                _framed(_ANNOTATION, _annotation(k, v).SerializeToString()) for k, v in args.items()
-            )
-        return _framed(_TRACK_EVENT, ev) + self._sequence
+    def _name(self, name: str) -> bytes:
+        field = self._names[name] = _framed(_NAME, name.encode())
+        return field
 
     def counter(self, name: str, value: float, ts_ns: int) -> None:
         """One sample of the counter `name` (its track is made the first time)."""
         uuid = _id64(f"counter/{self.worker}/{name}")
-        if uuid not in self._tracks:
+        if uuid not in self._described:
             self._describe(uuid, name, _DESC_COUNTER)
-        ev = _COUNTER + self._tracks[uuid][0] + _DOUBLE_VALUE + _F64.pack(float(value))
+        field, _ = self._tracks.get(uuid) or self._remember(uuid)
+        ev = _COUNTER + field + _DOUBLE_VALUE + _F64.pack(float(value))
         packet = _TIMESTAMP + _varint(ts_ns) + _framed(_TRACK_EVENT, ev) + self._sequence
         self._add(_framed(_PACKET, packet), 1)
 
     def flush(self) -> None:
-        """Write the packets held, as one chunk of whole packets."""
-        if not self._pending:
+        """Write the packets held, as one chunk of whole packets: those encoded one by one
+        (descriptors among them) first, then the batched spans."""
+        if not self._held:
             return
-        data = b"".join(self._pending)
+        parts = [b"".join(self._pending)]
+        parts += [self._encode(*key, rows) for key, rows in self._batched.items() if rows]
         self._pending.clear()
+        self._batched.clear()
         self._held = 0
-        self._file.write(data)
+        self._file.write(b"".join(parts))
         self._file.flush()
+
+    def _encode(self, name: str, flows: int, ends: int, rows: list[tuple[int, ...]]) -> bytes:
+        """The packets of `rows` (track, start, end, flow ids..., ended flow ids...), spans
+        `name` with that many flows: one layout for them all (a timestamp's varint is 9
+        bytes, a uuid's 10), so numpy fills a row per span of a template, by columns."""
+        template, at = self._layout(name, flows, ends)
+        values = np.array(rows, dtype=np.uint64)
+        out = np.empty((len(rows), len(template)), np.uint8)
+        out[:] = np.frombuffer(template, np.uint8)
+        times = _varints(values[:, 1:3], 9)  # [k, 2, 9]
+        out[:, at["start"] : at["start"] + 9] = times[:, 0]
+        out[:, at["end"] : at["end"] + 9] = times[:, 1]
+        uuids = _varints(values[:, 0:1], 10)[:, 0]
+        out[:, at["uuid"] : at["uuid"] + 10] = uuids
+        out[:, at["end_uuid"] : at["end_uuid"] + 10] = uuids
+        if at["flows"]:
+            flows = values[:, 3:].astype("<u8").view(np.uint8).reshape(len(rows), -1, 8)
+            for i, col in enumerate(at["flows"]):
+                out[:, col : col + 8] = flows[:, i]
+        return out.tobytes()
+
+    def _layout(self, name: str, flows: int, ends: int) -> tuple[bytes, dict[str, Any]]:
+        """The packet pair of a span `name` with `flows` and `ends` flow ids, zeros where
+        the values go, and the columns they go at."""
+        key = (name, flows, ends)
+        known = self._layouts.get(key)
+        if known is not None:
+            return known
+        zero_ts, zero_uuid, zero_flow = b"\x80" * 8 + b"\x01", b"\x80" * 9 + b"\x01", bytes(8)
+        ev = _SLICE_BEGIN + _TRACK_UUID
+        uuid_at = len(ev)
+        ev += zero_uuid + _framed(_NAME, name.encode())
+        flow_at = []
+        for tag in [_FLOW] * flows + [_END_FLOW] * ends:
+            ev += tag
+            flow_at.append(len(ev))
+            ev += zero_flow
+        body = _TIMESTAMP + zero_ts + _TRACK_EVENT + _varint(len(ev))
+        head = _PACKET + _varint(len(body) + len(ev) + len(self._sequence))
+        begin = head + body + ev + self._sequence
+        ev_at = len(head) + len(body)
+        end_ev = _SLICE_END + _TRACK_UUID + zero_uuid
+        end_body = _TIMESTAMP + zero_ts + _framed(_TRACK_EVENT, end_ev) + self._sequence
+        end_head = _PACKET + _varint(len(end_body))
+        at = {
+            "start": len(head) + 1,
+            "uuid": ev_at + uuid_at,
+            "flows": [ev_at + f for f in flow_at],
+            "end": len(begin) + len(end_head) + 1,
+            "end_uuid": len(begin) + len(end_head) + len(_TIMESTAMP + zero_ts) + 2 + 3,
+        }
+        known = self._layouts[key] = (begin + end_head + end_body, at)
+        return known
 
     def close(self) -> None:
         self.flush()
         self._file.close()
+
+
+def _varints(values: np.ndarray, width: int) -> np.ndarray:
+    """`values` [k, n] (uint64) as varints of exactly `width` bytes each, [k, n, width]
+    uint8 (each value needs that many: its top 7-bit group is nonzero)."""
+    shifts = np.arange(0, 7 * width, 7, dtype=np.uint64)
+    groups = (values[:, :, None] >> shifts) & np.uint64(0x7F)
+    groups[:, :, :-1] |= np.uint64(0x80)
+    return groups.astype(np.uint8)
+
+
+def _extras(
+    flows: Sequence[int], ends_flows: Sequence[int], args: Mapping[str, Arg] | None
+) -> bytes:
+    """A slice-begin event's flow ids and debug annotations."""
+    out = b"".join(_FLOW + _U64.pack(f) for f in flows)
+    out += b"".join(_END_FLOW + _U64.pack(f) for f in ends_flows)
+    if args:
+        out += b"".join(
+            _framed(_ANNOTATION, _annotation(k, v).SerializeToString()) for k, v in args.items()
+        )
+    return out
 
 
 def _annotation(key: str, value: Arg) -> DebugAnnotation:
@@ -411,15 +533,11 @@ class Tracer:
         off = self.offset_ns
         with self._lock:
             if self._writer is not None:
-                self._writer.span(
-                    track,
-                    name,
-                    start_ns + off,
-                    end_ns + off,
-                    flows=flows,
-                    ends_flows=ends_flows,
-                    args=args,
-                )
+                if flows or ends_flows or args:
+                    self._writer.span(track, name, start_ns + off, end_ns + off,
+                                      flows=flows, ends_flows=ends_flows, args=args)  # fmt: skip
+                else:
+                    self._writer.span(track, name, start_ns + off, end_ns + off)
 
     def counter(self, name: str, value: float, ts_ns: int) -> None:
         """One sample of the counter `name` at `ts_ns` (the metrics sampler's sink)."""

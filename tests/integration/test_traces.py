@@ -46,7 +46,8 @@ SKEW_NS = 1_000_000  # two processes on one host: far more than their offsets' e
 
 
 def spans_by_track(trace: Trace) -> dict[int, list[tuple[str, int, int]]]:
-    """Track uuid -> its (name, start, end) slices, from BEGIN/END pairs in file order."""
+    """Track uuid -> its (name, start, end) slices, from BEGIN/END pairs (each span's two
+    packets are written together; spans are not in time order in a file)."""
     open_: dict[int, list[tuple[str, int]]] = {}
     out: dict[int, list[tuple[str, int, int]]] = {}
     for p in trace.packet:
@@ -145,7 +146,7 @@ def test_32_concurrent_episodes_each_step_span_is_its_injected_latency(
         tid = f"g{ep:03d}-m0"
         uuid, parent = names[f"episode {tid}"]
         assert parent == process
-        spans = by_track[uuid]
+        spans = sorted(by_track[uuid], key=lambda x: x[1])  # by time (files are not)
         [(_, start, end)] = [s for s in spans if s[0] == Span.EPISODE]
         steps = [(s, e) for n, s, e in spans if n == Span.ENV_STEP]
         assert len(steps) == STEPS
@@ -208,11 +209,11 @@ def test_a_tool_call_is_traced_by_its_caller_and_by_the_tools_worker(
         if p.HasField("track_descriptor") and d.name.startswith("call "):
             uuids[(d.parent_uuid, d.name[5:])] = d.uuid
     for c in ids:
-        mine = by_track[uuids[(rollout, c)]]
-        assert [n for n, _, _ in mine] == [Span.TOOL_ENQUEUE, Span.TOOL_WAIT]
-        (_, es, ee), (_, ws, we) = mine
+        mine = sorted(by_track[uuids[(rollout, c)]], key=lambda x: x[1])
+        assert [n for n, _, _ in mine] == [Span.TOOL_WAIT, Span.TOOL_ENQUEUE]
+        (_, ws, we), (_, es, ee) = mine
         assert ws <= es <= ee <= we
-        theirs = by_track[uuids[(tools, c)]]
+        theirs = sorted(by_track[uuids[(tools, c)]], key=lambda x: x[1])
         assert [n for n, _, _ in theirs] == [Span.TOOL_QUEUE, Span.TOOL_EXEC]
         (_, qs, qe), (_, xs, xe) = theirs
         assert qs <= qe <= xs <= xe
