@@ -198,9 +198,9 @@ def _framed(tag: bytes, body: bytes) -> bytes:
 class TraceWriter:
     """One worker's trace file. Not thread-safe: `Tracer` puts a lock around it.
 
-    Timestamps are written as given (nanoseconds). `chunk_packets`: packets held before
-    they are written in one write (and flushed). A file already there (a restarted
-    worker's) is cut to its last whole packet, then appended to."""
+    Timestamps are written as given (nanoseconds) plus `offset_ns`. `chunk_packets`:
+    packets held before they are written in one write (and flushed). A file already there
+    (a restarted worker's) is cut to its last whole packet, then appended to."""
 
     def __init__(self, path: Path, worker: str, pid: int, chunk_packets: int = 256) -> None:
         if chunk_packets < 1:
@@ -210,6 +210,7 @@ class TraceWriter:
         self.worker = worker
         self.chunk_packets = chunk_packets
         self.cut_bytes = truncate_to_whole(path)  # what a crash left of a packet, dropped
+        self.offset_ns = 0  # added to every timestamp (Tracer: this host's clock to Redis's)
         self._file: IO[bytes] = open(path, "ab")  # noqa: SIM115 (closed in close())
         self._pending: list[bytes] = []
         self._held = 0  # packets in _pending
@@ -279,14 +280,13 @@ class TraceWriter:
         name: str,
         start_ns: int,
         end_ns: int,
-        *,
         flows: Sequence[int] = (),
         ends_flows: Sequence[int] = (),
         args: Mapping[str, Arg] | None = None,
     ) -> None:
-        """A slice from `start_ns` to `end_ns` on `track`; `flows` start or continue flow
-        arrows from it, `ends_flows` end them there."""
-        if end_ns < start_ns or start_ns < 0:
+        """A slice from `start_ns` to `end_ns` (plus `offset_ns`) on `track`; `flows` start
+        or continue flow arrows from it, `ends_flows` end them there."""
+        if end_ns < start_ns or start_ns + self.offset_ns < 0:
             raise ValueError(f"span {name!r} ends ({end_ns}) before it starts ({start_ns})")
         if start_ns >= _FAST_TIME and end_ns < _TOP_BIT and track >= _TOP_BIT and not args:
             # The common case, batched: encoded at the flush, many spans at once (_encode).
@@ -299,6 +299,7 @@ class TraceWriter:
             if self._held >= self.chunk_packets:
                 self.flush()
             return
+        start_ns, end_ns = start_ns + self.offset_ns, end_ns + self.offset_ns
         field, end_tail = self._tracks.get(track) or self._remember(track)
         ev = _SLICE_BEGIN + field + (self._names.get(name) or self._name(name))
         if flows or ends_flows or args:
@@ -353,6 +354,7 @@ class TraceWriter:
             self._describe(uuid, name, _DESC_COUNTER)
         field, _ = self._tracks.get(uuid) or self._remember(uuid)
         ev = _COUNTER + field + _DOUBLE_VALUE + _F64.pack(float(value))
+        ts_ns += self.offset_ns
         packet = _TIMESTAMP + _varint(ts_ns) + _framed(_TRACK_EVENT, ev) + self._sequence
         self._add(_framed(_PACKET, packet), 1)
 
@@ -377,16 +379,17 @@ class TraceWriter:
         values = np.array(rows, dtype=np.uint64)
         out = np.empty((len(rows), len(template)), np.uint8)
         out[:] = np.frombuffer(template, np.uint8)
-        times = _varints(values[:, 1:3], 9)  # [k, 2, 9]
+        shifted = (values[:, 1:3].astype(np.int64) + self.offset_ns).astype(np.uint64)
+        times = _varints(shifted, 9)  # [k, 2, 9]
         out[:, at["start"] : at["start"] + 9] = times[:, 0]
         out[:, at["end"] : at["end"] + 9] = times[:, 1]
         uuids = _varints(values[:, 0:1], 10)[:, 0]
         out[:, at["uuid"] : at["uuid"] + 10] = uuids
         out[:, at["end_uuid"] : at["end_uuid"] + 10] = uuids
         if at["flows"]:
-            flows = values[:, 3:].astype("<u8").view(np.uint8).reshape(len(rows), -1, 8)
+            ids = values[:, 3:].astype("<u8").view(np.uint8).reshape(len(rows), -1, 8)
             for i, col in enumerate(at["flows"]):
-                out[:, col : col + 8] = flows[:, i]
+                out[:, col : col + 8] = ids[:, i]
         return out.tobytes()
 
     def _layout(self, name: str, flows: int, ends: int) -> tuple[bytes, dict[str, Any]]:
@@ -476,6 +479,8 @@ class Tracer:
     def __init__(self, writer: TraceWriter | None, offset_ns: int = 0, flush_s: float = 1.0):
         self._writer = writer
         self.offset_ns = offset_ns
+        if writer is not None:
+            writer.offset_ns = offset_ns
         self.flush_s = flush_s
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -530,14 +535,10 @@ class Tracer:
         """A slice `name` on `track` from `start_ns` to `end_ns` (this host's clock)."""
         if self._writer is None:
             return
-        off = self.offset_ns
         with self._lock:
-            if self._writer is not None:
-                if flows or ends_flows or args:
-                    self._writer.span(track, name, start_ns + off, end_ns + off,
-                                      flows=flows, ends_flows=ends_flows, args=args)  # fmt: skip
-                else:
-                    self._writer.span(track, name, start_ns + off, end_ns + off)
+            writer = self._writer
+            if writer is not None:  # (closed meanwhile)
+                writer.span(track, name, start_ns, end_ns, flows, ends_flows, args)
 
     def counter(self, name: str, value: float, ts_ns: int) -> None:
         """One sample of the counter `name` at `ts_ns` (the metrics sampler's sink)."""
@@ -545,7 +546,7 @@ class Tracer:
             return
         with self._lock:
             if self._writer is not None:
-                self._writer.counter(name, value, ts_ns + self.offset_ns)
+                self._writer.counter(name, value, ts_ns)
 
     def flush(self) -> None:
         with self._lock:

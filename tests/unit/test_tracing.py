@@ -300,3 +300,34 @@ def test_the_run_merge_writes_one_trace_and_says_what_it_holds(tmp_path: Path) -
     assert summary.counters == {"rss_mb": 2}
     assert (summary.flows, summary.flows_ended) == (2, 2)
     assert read_trace(out.read_bytes()) == read_trace(merge(trace_files(tmp_path)))
+
+
+def test_batched_spans_are_the_packets_the_protobuf_classes_write(tmp_path: Path) -> None:
+    """Spans of real timestamps are batched and encoded together at the flush (a template
+    per name and flow count, filled by numpy): each parses to the packets the perfetto
+    classes build, the writer's offset added, flows and ended flows in place."""
+    w = TraceWriter(tmp_path / "b.pftrace", "b", pid=4)
+    w.offset_ns = -1_234_567
+    now = time.time_ns()
+    want = []
+    for i in range(50):
+        track = w.track("episode", f"e{i % 7}")
+        flows = [flow_id("traj", f"e{i}")] * (i % 2)
+        ends = [flow_id("group", f"g{j}") for j in range(i % 3)]
+        name = ("episode", "env.step", "group.wait")[i % 3]
+        start, end = now + 1000 * i, now + 1000 * i + 17 * i
+        w.span(track, name, start, end, flows=flows, ends_flows=ends)
+        begin = TrackEvent(type=TrackEvent.TYPE_SLICE_BEGIN, track_uuid=track, name=name)
+        begin.flow_ids.extend(flows)
+        begin.terminating_flow_ids.extend(ends)
+        end_event = TrackEvent(type=TrackEvent.TYPE_SLICE_END, track_uuid=track)
+        want.append((start + w.offset_ns, begin, end + w.offset_ns, end_event))
+    w.close()
+    packets = [p for p in read_trace(w.path.read_bytes()).packet if p.HasField("track_event")]
+    seq = packets[0].trusted_packet_sequence_id
+    got = [
+        (a.timestamp, a.track_event, b.timestamp, b.track_event)
+        for a, b in zip(packets[::2], packets[1::2], strict=True)
+    ]
+    assert sorted(got, key=lambda x: x[0]) == want
+    assert {p.trusted_packet_sequence_id for p in packets} == {seq}
