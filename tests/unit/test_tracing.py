@@ -24,6 +24,7 @@ from streamrl.tracing import (
     whole_packets,
     whole_size,
 )
+from streamrl_workers.cli import main as cli_main
 
 
 def slices(trace: Trace) -> dict[int, list[tuple[str, int, int]]]:
@@ -331,3 +332,20 @@ def test_batched_spans_are_the_packets_the_protobuf_classes_write(tmp_path: Path
     ]
     assert sorted(got, key=lambda x: x[0]) == want
     assert {p.trusted_packet_sequence_id for p in packets} == {seq}
+
+
+def test_streamrl_trace_merges_a_run_and_refuses_one_without_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["trace", str(tmp_path)]) == 1
+    assert "no trace files" in capsys.readouterr().err
+    for worker, pid in (("grouper-0", 5), ("trainer-0", 6)):
+        w = TraceWriter(trace_path(tmp_path, worker), worker, pid)
+        w.span(w.track("group", "g"), "group.wait", 10, 20, flows=[flow_id("group", "g")])
+        w.close()
+    assert cli_main(["trace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "processes (2):" in out and "grouper-0 (pid 5)" in out and "trainer-0 (pid 6)" in out
+    assert "group.wait" in out and "flows: 2 started or continued, 0 ended" in out
+    merged = read_trace((tmp_path / "trace.pftrace").read_bytes())
+    assert merged == read_trace(merge(trace_files(tmp_path)))
