@@ -899,7 +899,7 @@ class TraceConfig(_Section):
     counters to RUN_DIR/traces/<worker>.pftrace; `streamrl trace RUN_DIR` merges them."""
 
     enabled: bool = Field(
-        True, description="Write each worker's trace file (spans cost ~2 us each when on)."
+        True, description="Write each worker's trace file (a span costs ~1-2 us of CPU)."
     )
     flush_s: float = Field(
         2.0,

@@ -29,9 +29,15 @@ whether or not the hosts' clocks agree (drift after the measurement is not corre
 Flow arrows (an episode to its group, a group to the train step that used it) link spans
 by `flow_id(kind, key)`: the same id from both ends, in any process.
 
-Spans cost about two microseconds each on the caller's thread: packets are encoded by hand
-(the perfetto package's protobuf classes cost about ten per span), the package's classes
-serve the rare packets (track descriptors, annotations) and the reading side.
+Cost: the perfetto package's protobuf classes take about ten microseconds to build and
+serialize a span's two packets, so the writer encodes packets by hand (the protobuf wire
+format; a test checks them against the classes). A span with a real timestamp and no
+arguments, the common case, is only appended to a batch (about a microsecond with the
+lock); at each flush the batch is encoded at once with numpy, one packet layout per span
+name and flow count filled in by columns (a timestamp's varint is always 9 bytes, a track
+uuid's 10: ids have their top bit set). Track descriptors, counters and spans with
+arguments are encoded one by one. An episode of two turns (7 spans and its track) costs
+the rollout worker about 15-30 us of CPU (ops/bench/tracing.py).
 """
 
 from __future__ import annotations
