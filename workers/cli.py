@@ -1,6 +1,7 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
-`status` shows a running one, `report RUN_DIR` plots a run from its files, `generate`
-samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
+`status` shows a running one, `trace RUN_DIR` merges its Perfetto traces, `report RUN_DIR`
+plots it from its files, `generate` samples once from a checkpoint, `tools exec` runs one
+tool call in the sandbox.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -23,6 +24,7 @@ from streamrl_workers import (
     sandboxproxy,
     statuscli,
     toolexec,
+    tracecli,
     workerproc,
 )
 from streamrl_workers.args import config_arguments
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sandboxproxy.add_parser(sub)
     reportcli.add_parser(sub)
     statuscli.add_parser(sub)
+    tracecli.add_parser(sub)
     return parser
 
 
@@ -62,6 +65,7 @@ NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
     "sandbox-proxy": sandboxproxy.main,
     "report": reportcli.main,
     "status": statuscli.main,
+    "trace": tracecli.main,
 }
 
 

@@ -8,7 +8,7 @@ from streamrl.runtime import WorkerContext
 
 
 def run(ctx: WorkerContext) -> int:
-    grouper = Grouper(ctx.client(), ctx.keys, ctx.cfg, ctx.consumer, ctx.log)
+    grouper = Grouper(ctx.client(), ctx.keys, ctx.cfg, ctx.consumer, ctx.log, tracer=ctx.tracer)
     g = ctx.cfg.grouper
     ctx.log.info(
         "grouper_start",

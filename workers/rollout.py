@@ -127,14 +127,23 @@ async def serve(
         ctx.redis_url, cluster=cfg.redis.cluster, busy_wait_s=cfg.redis.busy_wait_s
     )
     # The task's parts first: a plug-in that does not load fails before the model does.
-    tools = ToolClient(ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log, ctx.metrics)
+    tools = ToolClient(
+        ctx.client(), aclient, ctx.keys, cfg.tools, ctx.log, metrics=ctx.metrics, tracer=ctx.tracer
+    )
     episodes = load_episodes(cfg, tools)
     policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
     server = policy.server
     if on_server is not None:
         on_server(server)
     follower = WeightFollower(
-        aclient, ctx.keys, server, policy.load, SyncLock(), ctx.log, cfg.rollout.sync_mode
+        aclient,
+        ctx.keys,
+        server,
+        policy.load,
+        SyncLock(ctx.tracer),
+        ctx.log,
+        cfg.rollout.sync_mode,
+        tracer=ctx.tracer,
     )
     worker = RolloutWorker(
         client=ctx.client(),
@@ -144,7 +153,13 @@ async def serve(
         consumer=ctx.consumer,
         server=server,
         runner=EpisodeRunner(
-            server, policy.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log
+            server,
+            policy.dialogue,
+            cfg.rollout,
+            cfg.run.seed,
+            ctx.worker_id,
+            ctx.log,
+            tracer=ctx.tracer,
         ),
         episodes=episodes,
         follower=follower,
@@ -152,6 +167,7 @@ async def serve(
         stop=ctx.stop.is_set,
         liveness=ctx.liveness,
         metrics=ctx.metrics,
+        tracer=ctx.tracer,
     )
     ctx.metrics.count_from(TOKENS, policy.tokens)
     ctx.metrics.probe(worker.probe)

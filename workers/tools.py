@@ -10,7 +10,13 @@ from rq.serializers import JSONSerializer
 
 from streamrl.metrics import queue_depth
 from streamrl.runtime import WorkerContext
-from streamrl.tools.jobs import close_sandbox, install_sandbox, install_tools, open_sandbox
+from streamrl.tools.jobs import (
+    close_sandbox,
+    install_sandbox,
+    install_tools,
+    install_tracer,
+    open_sandbox,
+)
 from streamrl.tools.registry import load_tools
 from streamrl.tools.rqguard import ToolCallJob, ToolCallWorker
 
@@ -22,6 +28,7 @@ MAINTENANCE_INTERVAL_S = 15
 def run(ctx: WorkerContext) -> int:
     tools = load_tools(ctx.cfg.tools)  # the user's tools (tools.extra): a bad one stops here
     install_tools(tools)
+    install_tracer(ctx.tracer)
     conn = ctx.client()
     queue = Queue(
         ctx.keys.tool_queue, connection=conn, serializer=JSONSerializer, job_class=ToolCallJob

@@ -126,6 +126,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
         max_steps=ctx.max_steps or cfg.trainer.max_steps,
         liveness=ctx.liveness,
         metrics=ctx.metrics,
+        tracer=ctx.tracer,
         hooks=[
             publish,
             CheckpointHook(

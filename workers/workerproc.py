@@ -78,6 +78,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             liveness=ctx.liveness,
             liveness_s=cfg.run.liveness_timeout_s,
         ).start(take=args.index != "auto")
+        ctx.open_trace()
     except redis.RedisError as err:  # after the client's retries: Redis is not there
         ctx.log.error("redis_unreachable", error=f"{type(err).__name__}: {err}")
         print(
@@ -91,7 +92,8 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     if args.name not in ("trainer", "colocated"):  # those restore the queues themselves
         wait_for_queues(ctx)
     module = importlib.import_module(f"streamrl_workers.{args.name}")
-    sampler = ctx.start_metrics()
+    # Every sample also goes into the trace, as counter tracks beside the spans.
+    sampler = ctx.start_metrics(sinks=[ctx.tracer.counter])
     try:
         code: int = module.run(ctx)
     except FatalError as err:
@@ -103,6 +105,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         raise
     finally:
         sampler.close()  # a last sample: the series ends with the final totals
+        ctx.tracer.close()
         beat.close()
     if code == FATAL_EXIT_CODE:
         exit_fatal()

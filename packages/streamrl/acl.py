@@ -180,9 +180,10 @@ def roles(keys: Keys) -> dict[str, Role]:
         "trainer": trainer,
         "colocated": rollout.union(trainer),
     }
-    # Each worker claims and renews its own identity slot (streamrl.identity) and writes
-    # its counters' samples (streamrl.metrics).
-    slot = Role(keys=(), categories=("string", "keyspace", "stream"), commands=_SCRIPTS)
+    # Each worker claims and renews its own identity slot (streamrl.identity), writes its
+    # counters' samples (streamrl.metrics) and reads the server's clock (TIME), which its
+    # trace's timestamps are put on (streamrl.tracing).
+    slot = Role(keys=(), categories=("string", "keyspace", "stream"), commands=(*_SCRIPTS, "+time"))
     out = {
         name: role.union(replace(slot, keys=_own_keys(k, name))) for name, role in workers.items()
     }

@@ -941,6 +941,30 @@ class MetricsConfig(_Section):
         return self
 
 
+class TraceConfig(_Section):
+    """Perfetto traces (`streamrl.tracing`): each worker process writes its spans and
+    counters to RUN_DIR/traces/<worker>.pftrace; `streamrl trace RUN_DIR` merges them."""
+
+    enabled: bool = Field(
+        True, description="Write each worker's trace file (a span costs ~1-2 us of CPU)."
+    )
+    flush_s: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Packets held are written at least this often (seconds): what a crash of the "
+            "worker may lose at most, besides a chunk not yet full."
+        ),
+    )
+    chunk_packets: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="Packets held before they are written in one write, between flushes.",
+    )
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
@@ -965,6 +989,10 @@ class Config(_Section):
     )
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig, description="Counters as time series, Prometheus."
+    )
+    trace: TraceConfig = Field(
+        default_factory=TraceConfig,
+        description="Perfetto trace files of the workers.",
     )
 
     @model_validator(mode="after")

@@ -25,6 +25,11 @@ A group is scored by one rule, complete or released: a member that ended in erro
 timeout is masked out of the statistics; the group is dropped, with its reason, for a
 reward or advantage that is not finite, any member too far off policy, fewer valid members
 than `min_valid_members`, or (if so configured) rewards that are all equal.
+
+Traced (`tracer`): each group emitted is a `group.wait` span on track ("group", group_id),
+from its first member's arrival (the Redis time the add script recorded, which the
+completing add returns) to the emission; it ends the flows of its members' episodes and
+starts the flow to the train step that uses it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from streamrl.names import Keys
 from streamrl.queues import backlog, partial_groups
 from streamrl.rl.advantages import ADVANTAGES, is_zero_variance, masked_advantages
 from streamrl.tasks.registry import make_task
+from streamrl.tracing import GROUP_FLOW, TRAJ_FLOW, Span, Tracer, flow_id
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import (
     SCHEMA_VERSION,
@@ -92,7 +98,7 @@ if n < tonumber(ARGV[4]) then
   redis.call('XACK', KEYS[4], ARGV[6], ARGV[5])
   return {'partial', n}
 end
-return {'complete', n, redis.call('HVALS', KEYS[1])}
+return {'complete', n, redis.call('HVALS', KEYS[1]), redis.call('HGET', KEYS[6], ARGV[1])}
 """
 
 # A group dropped since its add answered `complete` (a stale member at another grouper) is
@@ -299,10 +305,12 @@ class Grouper:
         consumer: str,
         log: structlog.stdlib.BoundLogger,
         rebuild_task: TaskBuilder | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         """`rebuild_task`: how policy `rerun` rebuilds a group's task from its cursor; by
         default the configured data set's (what the feeder wrote)."""
         self.client = client
+        self.tracer = tracer or Tracer.disabled()
         self.keys = keys
         self.cfg = cfg
         self.log = log
@@ -402,6 +410,7 @@ class Grouper:
         )
         outcomes: list[Outcome] = []
         decisions: dict[str, _Decision] = {}
+        started_ms: dict[str, int] = {}  # group id -> its first member's arrival (Redis ms)
         finish: list[tuple[int, Delivery[Trajectory], bool]] = []  # index, delivery, first
         for i, ((d, stale), res) in enumerate(zip(part, answers, strict=True)):
             gid = d.msg.group_id
@@ -417,11 +426,29 @@ class Grouper:
             first = gid not in decisions
             if first:
                 decisions[gid] = self._complete(res[2], trainer_version)
+                if len(res) > 3 and res[3] is not None:
+                    started_ms[gid] = int(res[3])
             finish.append((i, d, first))
         calls = [self._finish_call(d, decisions[d.msg.group_id]) for _, d, _ in finish]
         for (i, d, first), res in zip(finish, self._run_scripts(calls), strict=True):
             outcomes[i] = self._finished(d, decisions[d.msg.group_id], first, int(res))
+            group = decisions[d.msg.group_id].group
+            if outcomes[i].kind == "emitted" and group is not None and d.msg.group_id in started_ms:
+                start_ns = self.tracer.local_ns(started_ms[d.msg.group_id] * 1_000_000)
+                self._trace_wait(group, start_ns)
         return outcomes
+
+    def _trace_wait(self, group: Group, start_ns: int) -> None:
+        """The `group.wait` span of an emitted group, from `start_ns` (this host's clock)."""
+        end_ns = time.time_ns()
+        self.tracer.span(
+            self.tracer.track("group", group.group_id),
+            Span.GROUP_WAIT,
+            min(start_ns, end_ns),
+            end_ns,
+            flows=[flow_id(GROUP_FLOW, group.group_id)],
+            ends_flows=[flow_id(TRAJ_FLOW, m.traj_id) for m in group.members],
+        )
 
     def _complete(self, stored: list[bytes], trainer_version: int) -> _Decision:
         """What a complete group gets, from its members as stored."""
@@ -676,6 +703,8 @@ class Grouper:
             missing=missing,
             policy=gcfg.group_timeout_policy,
         )
+        if done in ("emit", "release") and decision.group is not None:
+            self._trace_wait(decision.group, time.time_ns() - age_ms * 1_000_000)
         if complete:
             return self._stuck_outcome(ev, group_id, decision)
         if done == "rerun":

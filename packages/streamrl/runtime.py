@@ -21,6 +21,7 @@ from streamrl.liveness import Liveness
 from streamrl.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.metrics import Metrics, Sampler, Sink, device_memory_probe, memory_probe
 from streamrl.names import Keys
+from streamrl.tracing import Tracer, open_tracer
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
 # host:port of trainer process 0's coordination service (trainer.num_processes > 1)
@@ -76,6 +77,9 @@ class WorkerContext:
         self.metrics.probe(memory_probe)
         self.metrics.probe(device_memory_probe)  # nothing unless the worker imported JAX
 
+    # its spans and counters (RUN_DIR/traces/<worker_id>.pftrace once `open_trace` ran)
+    tracer: Tracer = field(default_factory=Tracer.disabled)
+
     @property
     def keys(self) -> Keys:
         return Keys(self.cfg.run.name)
@@ -114,6 +118,16 @@ class WorkerContext:
             prometheus_port=m.prometheus_port,
             sinks=sinks,
         ).start()
+
+    def open_trace(self) -> Tracer:
+        """Open this worker's tracer (`trace.enabled`), its clock offset measured against
+        the run's Redis: once its identity (`worker_id`) is settled; closed at its exit."""
+        self.tracer = open_tracer(self.cfg.trace, self.run_dir, self.worker_id, self.client())
+        if self.tracer.enabled:
+            self.log.info(
+                "trace_open", path=str(self.tracer.path), clock_offset_ns=self.tracer.offset_ns
+            )
+        return self.tracer
 
 
 def with_password(url: str, password: str) -> str:

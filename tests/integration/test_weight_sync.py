@@ -317,7 +317,12 @@ def test_lora_publish_serves_exactly_the_merged_model(
     # A train state that holds adapters beside the frozen base (what LoRA training keeps).
     state = SimpleNamespace(params=adapters, base_params=base)
     loop: Any = SimpleNamespace(
-        version=0, step=0, state=state, cluster=Cluster(), liveness=Liveness()
+        version=0,
+        step=0,
+        state=state,
+        cluster=Cluster(),
+        liveness=Liveness(),
+        trace=lambda *args, **kw: None,  # the loop's spans (weights.publish): not traced here
     )
     hook = PublishHook(1, pub, adapters=lambda st: (st.params, lora))
     follower = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")

@@ -8,9 +8,23 @@ import time
 from pathlib import Path
 
 import pytest
-from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TracePacket, TrackEvent
 
-from streamrl.tracing import TraceWriter, flow_id, merge, read_trace, whole_packets
+from streamrl.config import TraceConfig
+from streamrl.tracing import (
+    Tracer,
+    TraceWriter,
+    flow_id,
+    merge,
+    merge_run,
+    open_tracer,
+    read_trace,
+    trace_files,
+    trace_path,
+    whole_packets,
+    whole_size,
+)
+from streamrl_workers.cli import main as cli_main
 
 
 def slices(trace: Trace) -> dict[int, list[tuple[str, int, int]]]:
@@ -133,3 +147,205 @@ def test_a_span_that_ends_before_it_starts_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ends"):
         w.span(w.track("episode", "e"), "episode", 10, 5)
     w.close()
+
+
+# -- the hand encoding, the Tracer ------------------------------------------------------------
+
+
+def test_hand_encoded_packets_are_those_the_protobuf_classes_write(tmp_path: Path) -> None:
+    """Spans (with flows and arguments) and counters, encoded by hand, parse to exactly the
+    packets the perfetto package's classes build for them."""
+    w = TraceWriter(tmp_path / "w.pftrace", "w", pid=3)
+    track = w.track("episode", "e1")
+    w.span(track, "env.step", 5, 2**62, flows=[flow_id("traj", "e1"), 7], ends_flows=[2**64 - 1],
+           args={"step": 3, "ok": True, "x": 0.5, "who": "me"})  # fmt: skip
+    w.counter("active_episodes", 12.5, 1_700_000_000_000_000_000)
+    w.close()
+    got = [p for p in read_trace(w.path.read_bytes()).packet if p.HasField("track_event")]
+    seq = got[0].trusted_packet_sequence_id
+    begin = TrackEvent(type=TrackEvent.TYPE_SLICE_BEGIN, track_uuid=track, name="env.step")
+    begin.flow_ids.extend([flow_id("traj", "e1"), 7])
+    begin.terminating_flow_ids.extend([2**64 - 1])
+    for key, value in (("step", 3), ("ok", True), ("x", 0.5), ("who", "me")):
+        a = begin.debug_annotations.add(name=key)
+        if isinstance(value, bool):
+            a.bool_value = value
+        elif isinstance(value, int):
+            a.int_value = value
+        elif isinstance(value, float):
+            a.double_value = value
+        else:
+            a.string_value = value
+    end = TrackEvent(type=TrackEvent.TYPE_SLICE_END, track_uuid=track)
+    counter_track = next(
+        p.track_descriptor.uuid
+        for p in read_trace(w.path.read_bytes()).packet
+        if p.track_descriptor.name == "active_episodes"
+    )
+    sample = TrackEvent(type=TrackEvent.TYPE_COUNTER, track_uuid=counter_track)
+    sample.double_counter_value = 12.5
+    want = [
+        TracePacket(timestamp=5, track_event=begin, trusted_packet_sequence_id=seq),
+        TracePacket(timestamp=2**62, track_event=end, trusted_packet_sequence_id=seq),
+        TracePacket(
+            timestamp=1_700_000_000_000_000_000, track_event=sample, trusted_packet_sequence_id=seq
+        ),
+    ]
+    assert got == want
+
+
+def test_a_disabled_tracer_records_nothing(tmp_path: Path) -> None:
+    t = Tracer.disabled()
+    assert not t.enabled and t.path is None
+    track = t.track("episode", "e")
+    t.span(track, "episode", 10, 5)  # not even checked: nothing is recorded
+    t.counter("active_episodes", 1, 10)
+    t.flush()
+    t.close()
+    assert t.shared_ns(100) == 100 and t.local_ns(100) == 100
+    disabled = open_tracer(TraceConfig(enabled=False), tmp_path, "rollout-0", client=None)
+    assert not disabled.enabled
+    assert not (tmp_path / "traces").exists()
+
+
+def test_the_timer_writes_what_is_held_within_flush_s(tmp_path: Path) -> None:
+    """Packets held (far from a full chunk) reach the file within flush_s, without a
+    flush or close; closed, the tracer records nothing more."""
+    w = TraceWriter(tmp_path / "t.pftrace", "t", pid=1, chunk_packets=10_000)
+    t = Tracer(w, flush_s=0.05)
+    try:
+        t.span(t.track("episode", "e"), "episode", 1_000, 2_000)
+        assert w.path.stat().st_size == 0  # held
+        deadline = time.monotonic() + 5
+        while w.path.stat().st_size == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        spans = slices(read_trace(w.path.read_bytes()))
+        assert [s for ss in spans.values() for s in ss] == [("episode", 1_000, 2_000)]
+    finally:
+        t.close()
+    size = w.path.stat().st_size
+    t.span(t.track("episode", "e"), "episode", 3_000, 4_000)
+    t.close()
+    assert w.path.stat().st_size == size
+
+
+class _FakeRedisTime:
+    """TIME of a server whose clock runs `ahead_ns` ahead of this host's."""
+
+    def __init__(self, ahead_ns: int) -> None:
+        self.ahead_ns = ahead_ns
+
+    def time(self) -> tuple[int, int]:
+        now = time.time_ns() + self.ahead_ns
+        return now // 1_000_000_000, now // 1000 % 1_000_000
+
+
+def test_every_timestamp_is_moved_to_the_redis_clock(tmp_path: Path) -> None:
+    """A host whose clock is 5 s behind Redis's: its spans and counters are written on
+    Redis's clock (within the round trip and TIME's microsecond), and a time handed to
+    another process travels on it too."""
+    ahead = 5_000_000_000
+    cfg = TraceConfig(flush_s=60)
+    t = open_tracer(cfg, tmp_path, "grouper-0", _FakeRedisTime(ahead))
+    assert abs(t.offset_ns - ahead) < 2_000_000
+    t.span(t.track("group", "g1"), "group.wait", 1_000, 2_000)
+    t.counter("groups_total", 3, 1_500)
+    assert t.local_ns(t.shared_ns(123)) == 123 and t.shared_ns(0) == t.offset_ns
+    t.close()
+    trace = read_trace((tmp_path / "traces" / "grouper-0.pftrace").read_bytes())
+    stamps = [p.timestamp for p in trace.packet if p.HasField("track_event")]
+    assert stamps == [1_000 + t.offset_ns, 2_000 + t.offset_ns, 1_500 + t.offset_ns]
+
+
+def test_a_restarted_worker_appends_after_the_last_whole_packet(tmp_path: Path) -> None:
+    """A worker killed mid-write leaves part of a packet; its restart cuts the file back to
+    the last whole packet before appending, so the merge keeps what both processes wrote
+    (appended after the fragment, the new process's packets would all be lost)."""
+    path = tmp_path / "rollout-0.pftrace"
+    w = TraceWriter(path, "rollout-0", pid=10, chunk_packets=1)
+    w.span(w.track("episode", "a"), "episode", 100, 200)
+    w.close()
+    whole = path.read_bytes()
+    with open(path, "ab") as f:  # a crash in the middle of a chunk's write
+        f.write(whole[len(whole) // 2 :][:9])
+    assert len(read_trace(whole_packets(path.read_bytes())).packet) == len(read_trace(whole).packet)
+
+    w2 = TraceWriter(path, "rollout-0", pid=11, chunk_packets=1)
+    assert w2.cut_bytes == 9 and path.read_bytes().startswith(whole)
+    w2.span(w2.track("episode", "b"), "episode", 300, 400)
+    w2.close()
+    assert whole_packets(path.read_bytes()) == path.read_bytes()  # every byte in a packet
+    trace = read_trace(merge([path]))
+    processes = [
+        p.track_descriptor.process.pid
+        for p in trace.packet
+        if p.track_descriptor.HasField("process")
+    ]
+    assert processes == [10, 11]
+    spans = sorted(s for ss in slices(trace).values() for s in ss)
+    assert spans == [("episode", 100, 200), ("episode", 300, 400)]
+    assert whole_size(path, block=7) == path.stat().st_size  # read a block at a time too
+
+
+def test_the_run_merge_writes_one_trace_and_says_what_it_holds(tmp_path: Path) -> None:
+    for worker, pid in (("rollout-0", 1), ("trainer-0", 2)):
+        w = TraceWriter(trace_path(tmp_path, worker), worker, pid)
+        w.span(w.track("episode", "e"), "episode", 1, 2, flows=[flow_id("traj", "e")])
+        w.span(w.track("step", "1"), "train.step", 3, 4, ends_flows=[flow_id("group", "g")])
+        w.counter("rss_mb", 100.0, 5)
+        w.close()
+    out = tmp_path / "trace.pftrace"
+    summary = merge_run(tmp_path, out)
+    assert sorted(summary.processes) == [(1, "rollout-0"), (2, "trainer-0")]
+    assert summary.spans == {"episode": 2, "train.step": 2}
+    assert summary.counters == {"rss_mb": 2}
+    assert (summary.flows, summary.flows_ended) == (2, 2)
+    assert read_trace(out.read_bytes()) == read_trace(merge(trace_files(tmp_path)))
+
+
+def test_batched_spans_are_the_packets_the_protobuf_classes_write(tmp_path: Path) -> None:
+    """Spans of real timestamps are batched and encoded together at the flush (a template
+    per name and flow count, filled by numpy): each parses to the packets the perfetto
+    classes build, the writer's offset added, flows and ended flows in place."""
+    w = TraceWriter(tmp_path / "b.pftrace", "b", pid=4)
+    w.offset_ns = -1_234_567
+    now = time.time_ns()
+    want = []
+    for i in range(50):
+        track = w.track("episode", f"e{i % 7}")
+        flows = [flow_id("traj", f"e{i}")] * (i % 2)
+        ends = [flow_id("group", f"g{j}") for j in range(i % 3)]
+        name = ("episode", "env.step", "group.wait")[i % 3]
+        start, end = now + 1000 * i, now + 1000 * i + 17 * i
+        w.span(track, name, start, end, flows=flows, ends_flows=ends)
+        begin = TrackEvent(type=TrackEvent.TYPE_SLICE_BEGIN, track_uuid=track, name=name)
+        begin.flow_ids.extend(flows)
+        begin.terminating_flow_ids.extend(ends)
+        end_event = TrackEvent(type=TrackEvent.TYPE_SLICE_END, track_uuid=track)
+        want.append((start + w.offset_ns, begin, end + w.offset_ns, end_event))
+    w.close()
+    packets = [p for p in read_trace(w.path.read_bytes()).packet if p.HasField("track_event")]
+    seq = packets[0].trusted_packet_sequence_id
+    got = [
+        (a.timestamp, a.track_event, b.timestamp, b.track_event)
+        for a, b in zip(packets[::2], packets[1::2], strict=True)
+    ]
+    assert sorted(got, key=lambda x: x[0]) == want
+    assert {p.trusted_packet_sequence_id for p in packets} == {seq}
+
+
+def test_streamrl_trace_merges_a_run_and_refuses_one_without_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["trace", str(tmp_path)]) == 1
+    assert "no trace files" in capsys.readouterr().err
+    for worker, pid in (("grouper-0", 5), ("trainer-0", 6)):
+        w = TraceWriter(trace_path(tmp_path, worker), worker, pid)
+        w.span(w.track("group", "g"), "group.wait", 10, 20, flows=[flow_id("group", "g")])
+        w.close()
+    assert cli_main(["trace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "processes (2):" in out and "grouper-0 (pid 5)" in out and "trainer-0 (pid 6)" in out
+    assert "group.wait" in out and "flows: 2 started or continued, 0 ended" in out
+    merged = read_trace((tmp_path / "trace.pftrace").read_bytes())
+    assert merged == read_trace(merge(trace_files(tmp_path)))

@@ -40,11 +40,14 @@ class GenResult:
     """Sampled tokens (a stop token, if sampled, is the last one) and their log-probs.
 
     `stopped` says a stop token ended the sample; otherwise max_new_tokens did.
+    `started_ns`: when the server took the request to decode it (`time.time_ns()`; 0:
+    not said), what splits a model call's time into queue and decode in traces.
     """
 
     tokens: list[int]
     logprobs: list[float]
     stopped: bool
+    started_ns: int = 0
 
 
 def sample_tokens(

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -38,6 +38,7 @@ class _Call:
     future: asyncio.Future[tuple[GenResult, int]]
     loop: asyncio.AbstractEventLoop
     version: int = -1
+    started_ns: int = 0  # when the engine thread took it (time.time_ns())
 
 
 class EngineServer:
@@ -195,7 +196,7 @@ class EngineServer:
                 call = self._calls.pop(handle, None)
                 if call is not None:
                     handles.pop(id(call), None)
-                    _resolve(call, (result, call.version))
+                    _resolve(call, (replace(result, started_ns=call.started_ns), call.version))
 
     def _drain(self, handles: dict[int, int]) -> None:
         while True:
@@ -210,6 +211,7 @@ class EngineServer:
                     self._calls.pop(handle, None)
                 continue
             item.version = self.version
+            item.started_ns = time.time_ns()
             try:
                 handle = self.engine.submit(item.request)
             except ValueError as err:

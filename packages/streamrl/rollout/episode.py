@@ -36,6 +36,7 @@ from streamrl.agents.flow import CircuitOpenError
 from streamrl.chat import Transcript
 from streamrl.config import RolloutConfig
 from streamrl.model.sampling import GenRequest, GenResult
+from streamrl.tracing import TRAJ_FLOW, Span, Tracer, flow_id
 from streamrl.wire import EpisodeState, SavedTurn, Status, Task, Trajectory, pack_arrays
 
 
@@ -81,10 +82,16 @@ class _State:
     run_seed: int = 0
     elapsed_s: float = 0.0  # play time before this worker's (a resumed episode's)
     on_turn: OnTurn | None = None  # where turn boundaries' states go; None: not saved
+    track: int = 0  # the episode's trace track
 
 
 class EpisodeRunner:
-    """Runs episodes against a shared ModelServer."""
+    """Runs episodes against a shared ModelServer.
+
+    Traced (`tracer`), each episode on its own track ("episode", traj_id): the `episode`
+    span (this worker's part of it), each model call's `model.queue` (a model slot, then
+    the engine taking it) and `model.decode`, each `env.step`; the episode's span starts
+    the flow to its group."""
 
     def __init__(
         self,
@@ -94,8 +101,10 @@ class EpisodeRunner:
         run_seed: int,
         worker: str,
         log: structlog.stdlib.BoundLogger,
+        tracer: Tracer | None = None,
     ) -> None:
         self.server = server
+        self.tracer = tracer or Tracer.disabled()
         self.new_dialogue = new_dialogue
         self.cfg = cfg
         self.run_seed = run_seed
@@ -114,8 +123,11 @@ class EpisodeRunner:
         """Play one episode to its end (from `resume`'s turn boundary when given), handing
         the state at each turn boundary to `on_turn`; never raises for the episode's own
         failures."""
-        st = _State(run_seed=self.run_seed, on_turn=on_turn)
         tid = traj_id(task, member)
+        st = _State(
+            run_seed=self.run_seed, on_turn=on_turn, track=self.tracer.track("episode", tid)
+        )
+        start_ns = time.time_ns()
         start = time.monotonic()
         timeout_s = self.cfg.episode_timeout_s
         if resume is not None:
@@ -153,6 +165,8 @@ class EpisodeRunner:
         if resume is not None:
             timings["resumed_turn"] = resume.turn
             timings["saved_s"] = resume.model_s + resume.env_s
+        flows = (flow_id(TRAJ_FLOW, tid),)
+        self.tracer.span(st.track, Span.EPISODE, start_ns, time.time_ns(), flows=flows)
         return Trajectory(
             traj_id=tid,
             group_id=task.group_id,
@@ -207,9 +221,11 @@ class EpisodeRunner:
                 seed=sample_seed(st.run_seed, tid, turn),
             )
             t0 = time.monotonic()
+            called_ns = time.time_ns()
             async with self._model_slots:
                 result, version = await self.server.generate(request)
             st.model_s += time.monotonic() - t0
+            self._trace_model_call(st.track, called_ns, result.started_ns)
             sampled_from = len(tr)
             tr.add_sampled(result.tokens, result.logprobs, version)
             if not result.stopped:
@@ -217,7 +233,11 @@ class EpisodeRunner:
                 return
             action = agent.act(dialogue.assistant(result.tokens))
             t0 = time.monotonic()
-            step = await self._env_step(env, action, f"{tid}-{turn}")
+            step_ns = time.time_ns()
+            try:
+                step = await self._env_step(env, action, f"{tid}-{turn}")
+            finally:  # a step that fails or times out took its time too
+                self.tracer.span(st.track, Span.ENV_STEP, step_ns, time.time_ns())
             st.env_s += time.monotonic() - t0
             agent.observe(step)
             if step.done:
@@ -238,6 +258,17 @@ class EpisodeRunner:
             )
             self._save(tid, env, st, start)
         st.status = "truncated"  # max_steps turns without a final answer
+
+    def _trace_model_call(self, track: int, called_ns: int, started_ns: int) -> None:
+        """A model call's spans: waiting for a slot and the engine, then decoding (the
+        whole call is decode when the server does not say when it took the request)."""
+        end = time.time_ns()
+        if started_ns:
+            started_ns = min(max(started_ns, called_ns), end)
+            self.tracer.span(track, Span.MODEL_QUEUE, called_ns, started_ns)
+        else:
+            started_ns = called_ns
+        self.tracer.span(track, Span.MODEL_DECODE, started_ns, end)
 
     def _save(self, tid: str, env: Environment, st: _State, start: float) -> None:
         """Hand the turn boundary's state to `on_turn`, if the environment has one."""

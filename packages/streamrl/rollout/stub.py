@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ class StubServer:
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
         self._bind()
         await self._open.wait()
+        started_ns = time.time_ns()
         version = self.version
         self.in_flight += 1
         try:
@@ -79,7 +81,10 @@ class StubServer:
         tokens = reply_tokens(n, stopped)
         self.steps += 1
         self.tokens_generated += n
-        return GenResult(tokens=tokens, logprobs=[STUB_LOGPROB] * n, stopped=stopped), version
+        result = GenResult(
+            tokens=tokens, logprobs=[STUB_LOGPROB] * n, stopped=stopped, started_ns=started_ns
+        )
+        return result, version
 
     async def serve(self) -> None:
         """Nothing runs beside the calls: wait until cancelled."""

@@ -43,6 +43,7 @@ from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
 from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
+from streamrl.tracing import Span, Tracer
 from streamrl.weightsync import (
     WeightsError,
     WeightsMissing,
@@ -58,9 +59,11 @@ LoraServing = Literal["merged", "attached"]
 
 
 class SyncLock:
-    """Episodes take it shared (`enter`/`leave`), a weight sync exclusively (`close`)."""
+    """Episodes take it shared (`enter`/`leave`), a weight sync exclusively (`close`).
+    A wait for it (`wait_open` given a trace track) is a `weights.lock_wait` span."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer | None = None) -> None:
+        self.tracer = tracer or Tracer.disabled()
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -71,10 +74,18 @@ class SyncLock:
     def is_open(self) -> bool:
         return self._open.is_set()
 
-    async def wait_open(self) -> None:
-        """Return when no sync holds the lock; `enter` right after (no await between)."""
-        while not self._open.is_set():  # closed again before this waiter ran: wait more
-            await self._open.wait()
+    async def wait_open(self, track: int = 0) -> None:
+        """Return when no sync holds the lock; `enter` right after (no await between). Does
+        not suspend when the lock is open; a wait is a span on `track` (0: none)."""
+        if self._open.is_set():
+            return
+        start_ns = time.time_ns()
+        try:
+            while not self._open.is_set():  # closed again before this waiter ran: wait more
+                await self._open.wait()
+        finally:
+            if track:
+                self.tracer.span(track, Span.WEIGHTS_LOCK_WAIT, start_ns, time.time_ns())
 
     def enter(self) -> None:
         if not self._open.is_set():
@@ -173,7 +184,8 @@ Load = Callable[[Weights, Weights | None], Any]
 
 
 class WeightFollower:
-    """Follows `weights` and swaps each new version into the engine server."""
+    """Follows `weights` and swaps each new version into the engine server; each load is
+    a `weights.load` span (lock closed .. reopened) on the trace track ("weights", "sync")."""
 
     def __init__(
         self,
@@ -184,8 +196,11 @@ class WeightFollower:
         lock: SyncLock,
         log: structlog.stdlib.BoundLogger,
         mode: SyncMode = "continue",
+        *,
+        tracer: Tracer | None = None,
     ) -> None:
         self.aclient = aclient
+        self.tracer = tracer or Tracer.disabled()
         self.keys = keys
         self.server = server
         self.load_params = load
@@ -249,6 +264,7 @@ class WeightFollower:
         if self.mode == "pause":
             self.server.hold()
         start = time.monotonic()
+        start_ns = time.time_ns()
         swapped = False
         try:
             await afailpoint(WEIGHTS_LOAD, self.log)
@@ -278,6 +294,13 @@ class WeightFollower:
             if not swapped:
                 self.server.release()
             self.lock.reopen()
+            self.tracer.span(
+                self.tracer.track("weights", "sync"),
+                Span.WEIGHTS_LOAD,
+                start_ns,
+                time.time_ns(),
+                args={"version": msg.version, "loaded": swapped},
+            )
         self.loaded_version = msg.version
         elapsed = time.monotonic() - start
         self.syncs += 1

@@ -15,6 +15,11 @@ wait for each other's Redis round trips:
   acknowledgement of each task whose last member is in it (so a crash loses no task: an
   unacknowledged one is claimed and run again).
 
+Traced (`tracer`): the reader's reads that waited (`rollout.input_wait`, on track
+("rollout", "reader")), and the reader's and starter's waits on the weight-sync lock
+(`weights.lock_wait`, on tracks ("rollout", "reader") and ("rollout", "starter")); each
+episode traces itself (`EpisodeRunner`).
+
 Entries still being worked on are touched regularly, so a long episode is not mistaken for
 the work of a dead consumer and claimed by another worker; a task another worker claimed
 anyway is not taken back, and this worker's own entry claimed again is not run twice.
@@ -60,6 +65,7 @@ from streamrl.rollout.episode import EpisodeRunner, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
+from streamrl.tracing import Span, Tracer
 from streamrl.transport import (
     GROUPS_SET_ASIDE,
     Delivery,
@@ -73,6 +79,9 @@ BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout ente
 EPISODES_RESUMED = "episodes_resumed"  # stats counter: episodes resumed from a turn boundary
 RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool time not redone
 LOG_ROWS = 32  # trajectories per `trajectories_committed` log line (a line stays ~6 KB)
+# A read that brought tasks within this long did not wait for input (a round trip); one
+# that took longer, or brought none, is a `rollout.input_wait` span.
+INPUT_WAIT_MIN_NS = 2_000_000
 
 
 class Backpressure:
@@ -180,9 +189,13 @@ class RolloutWorker:
         threads: WorkerThreads | None = None,
         liveness: Liveness | None = None,
         metrics: Metrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.aclient = aclient
         self.metrics = metrics
+        self.tracer = tracer or Tracer.disabled()
+        self._reader_track = self.tracer.track("rollout", "reader")
+        self._starter_track = self.tracer.track("rollout", "starter")
         self.liveness = liveness or Liveness()  # ticked by the supervising loop
         self.keys = keys
         self.cfg = cfg
@@ -306,11 +319,15 @@ class RolloutWorker:
                 self.paused_reads += 1
                 await asyncio.sleep(BACKPRESSURE_POLL_S)
                 continue
-            await self.follower.lock.wait_open()
+            await self.follower.lock.wait_open(self._reader_track)
             if not self._starting():
                 return
             count = -(-self._room() // n)  # whole tasks, rounded up
+            read_ns = time.time_ns()
             deliveries = await self._read(count)
+            read_end = time.time_ns()
+            if not deliveries or read_end - read_ns >= INPUT_WAIT_MIN_NS:
+                self.tracer.span(self._reader_track, Span.ROLLOUT_INPUT_WAIT, read_ns, read_end)
             self.reads += 1
             self.read_tasks += len(deliveries)
             self.empty_reads += not deliveries
@@ -381,7 +398,8 @@ class RolloutWorker:
         while self._starting():
             async with self._changed:
                 await self._changed.wait_for(lambda: bool(self._waiting) and self.active < limit)
-            await self.follower.lock.wait_open()  # no await between this and `enter`
+            # no await between this and `enter`
+            await self.follower.lock.wait_open(self._starter_track)
             self._start_waiting()
 
     def _start_waiting(self) -> None:

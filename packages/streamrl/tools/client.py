@@ -12,6 +12,11 @@ never reaches it, while a slow earlier attempt of its own still may answer.
 A call to a tool named in `tools.non_idempotent` carries its idempotency key (call id plus a
 hash of name and arguments); the tool worker runs it once per key (`streamrl.tools.ledger`),
 so neither a resend nor a replayed episode repeats its side effect.
+
+Traced on the call's track ("call", call_id): `tool.wait`, the whole call (a free slot of
+`max_parallel_calls`, every attempt, the result), and each attempt's `tool.enqueue`. The
+job carries its enqueue time on the Redis clock (`Tracer.shared_ns`): the tools worker's
+`tool.queue` starts there.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from streamrl.names import Keys
 from streamrl.tools.jobs import JOB_PATH
 from streamrl.tools.ledger import ledger_key
 from streamrl.tools.registry import TIMED_OUT
+from streamrl.tracing import Span, Tracer
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, is_cluster
 from streamrl.wire import ToolResult, WireError, decode_body
 
@@ -58,8 +64,10 @@ class ToolClient:
         cfg: ToolsConfig,
         log: structlog.stdlib.BoundLogger,
         metrics: Metrics | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.keys = keys
+        self.tracer = tracer or Tracer.disabled()
         self.cfg = cfg
         self.aclient = aclient
         self.log = log
@@ -82,9 +90,11 @@ class ToolClient:
         """Run one call; infrastructure failures come back as a ToolResult error."""
         if self._on_cluster:
             raise RuntimeError(RQ_NEEDS_ONE_REDIS)
-        start = time.monotonic()
+        start, start_ns = time.monotonic(), time.time_ns()
+        track = self.tracer.track("call", call_id)
         async with self._slots:
-            result = await self._call(name, arguments, call_id)
+            result = await self._call(name, arguments, call_id, track)
+        self.tracer.span(track, Span.TOOL_WAIT, start_ns, time.time_ns())
         self._count(result, time.monotonic() - start)
         pipe = self.aclient.pipeline(transaction=False)
         pipe.hincrby(self.keys.stats, "tool_calls", 1)
@@ -95,7 +105,7 @@ class ToolClient:
         await pipe.execute()
         return result
 
-    async def _call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+    async def _call(self, name: str, arguments: str, call_id: str, track: int) -> ToolResult:
         wait_s = self.cfg.time_limit_s + self.cfg.result_margin_s
         start = time.monotonic()
         key = ledger_key(call_id, name, arguments) if name in self.cfg.non_idempotent else ""
@@ -103,9 +113,11 @@ class ToolClient:
         for attempt in range(self.cfg.retries + 1):
             nonce = uuid.uuid4().hex
             results.append(self.keys.tool_result(call_id, nonce))
+            enqueue_ns = time.time_ns()
             await asyncio.to_thread(
                 self._enqueue, name, arguments, call_id, nonce, attempt, wait_s, key
             )
+            self.tracer.span(track, Span.TOOL_ENQUEUE, enqueue_ns, time.time_ns())
             got = await self.aclient.blpop(results, timeout=wait_s)
             if got is not None:
                 data = got[1] if isinstance(got[1], bytes) else str(got[1]).encode()
@@ -148,6 +160,7 @@ class ToolClient:
                 "output_cap": self.cfg.output_cap_bytes,
                 "deadline": time.time() + wait_s,
                 "ledger_key": key,  # "": the tool is idempotent, run every call
+                "enqueued_ns": self.tracer.shared_ns(time.time_ns()),  # on the Redis clock
             },
             # One job per attempt of one execution: two executions of a call at once (a
             # re-run while the first is alive) must not overwrite each other's job and nonce.

@@ -13,6 +13,11 @@ side ends that episode with status error and counts it for its circuit breaker.
 
 A call with a `ledger_key` (a tool in `tools.non_idempotent`) runs at most once per key: a
 replay gets the result recorded in the run's tool ledger (`streamrl.tools.ledger`).
+
+With the worker's tracer installed (`install_tracer`), each call adds two spans on its track
+("call", call_id): `tool.queue`, from its enqueue (the time the caller put in the job, on
+the Redis clock) to the job's start here, and `tool.exec`, the call run (ledger and
+sandbox) up to its result's publication.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from streamrl.tools.containers import ContainerConfig
 from streamrl.tools.ledger import ToolLedger
 from streamrl.tools.registry import TOOLS, Outcome, Tool, run_call
 from streamrl.tools.sandbox import SandboxUnavailableError
+from streamrl.tracing import Span, Tracer
 from streamrl.wire import ToolResult, encode_body
 
 RESULT_TTL_S = 120
@@ -46,6 +52,7 @@ JOB_PATH = "streamrl.tools.jobs.run_tool_call"
 # the place). Without installed tools, the built-in ones.
 _SANDBOX: dict[str, WorkerSandbox] = {}
 _TOOLS: dict[str, dict[str, Tool]] = {}
+_TRACER: dict[str, Tracer] = {}
 
 
 def open_sandbox(
@@ -74,6 +81,11 @@ def install_sandbox(sandbox: WorkerSandbox) -> None:
 def install_tools(tools: dict[str, Tool]) -> None:
     """The tools this worker runs (`registry.load_tools`: built-in and tools.extra)."""
     _TOOLS["current"] = tools
+
+
+def install_tracer(tracer: Tracer) -> None:
+    """The tracer of this worker process (its `tool.queue` and `tool.exec` spans)."""
+    _TRACER["current"] = tracer
 
 
 def close_sandbox() -> None:
@@ -129,11 +141,21 @@ def run_tool_call(
     output_cap: int,
     deadline: float,
     ledger_key: str = "",
+    enqueued_ns: int = 0,
 ) -> dict[str, object]:
     """Run one call and publish its ToolResult; returns it as a dict for rq's record.
 
     With a `ledger_key` the call runs once per key (a job run outside a tool worker has no
-    connection, so no ledger: it just runs)."""
+    connection, so no ledger: it just runs). `enqueued_ns`: when the caller enqueued it,
+    on the Redis clock (0: not said)."""
+    tracer = _TRACER.get("current")
+    start_ns = time.time_ns()
+    track = 0
+    if tracer is not None and tracer.enabled:
+        track = tracer.track("call", call_id)
+        if enqueued_ns:
+            queued_ns = min(tracer.local_ns(enqueued_ns), start_ns)
+            tracer.span(track, Span.TOOL_QUEUE, queued_ns, start_ns)
     worker = f"tools-{os.getpid()}"
     job = rq.get_current_job()
     if time.time() > deadline:
@@ -156,6 +178,8 @@ def run_tool_call(
         )
     else:
         result = _execute(call_id, name, arguments, time_limit_s, output_cap, worker)
+    if tracer is not None:  # before the result is out: its caller's wait ends after this
+        tracer.span(track, Span.TOOL_EXEC, start_ns, time.time_ns())
     if job is not None:
         key = Keys(ns).tool_result(call_id, nonce)
         pipe = job.connection.pipeline(transaction=True)

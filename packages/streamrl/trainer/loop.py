@@ -17,6 +17,10 @@ and the trainer's consumer group rewound to the checkpoint's cut; then it publis
 restored policy as a new version above every version published before, and sets the
 policy floor to it, so that no rollout worker serves the discarded lineage's weights to a
 new episode once it has synced.
+
+Traced (`tracer`) on track ("trainer", "loop"): `trainer.batch_wait` (until a step's groups
+are in), `train.step` (ending the flows of the groups it trains), `weights.publish`, and a
+checkpoint's `checkpoint.snapshot`, `checkpoint.save` (Orbax) and `checkpoint.commit`.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
 from streamrl.names import Keys
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
+from streamrl.tracing import GROUP_FLOW, Span, Tracer, flow_id
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState, build_batch
@@ -149,8 +154,10 @@ class TrainerLoop:
     cluster: Cluster = field(default_factory=Cluster)
     liveness: Liveness = field(default_factory=Liveness)  # its heartbeat reads it
     metrics: Metrics | None = None  # examples trained and their policy age (streamrl.metrics)
+    tracer: Tracer = field(default_factory=Tracer.disabled)
 
     def __post_init__(self) -> None:
+        self.track = self.tracer.track("trainer", "loop")
         if not self.cluster.leader:
             return  # only the leader reads groups
         self.input = RedisStreamConsumer(
@@ -270,10 +277,28 @@ class TrainerLoop:
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
         return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
 
-    @_busy  # a step's duration (its JIT compile too) is the model's, not a stall
+    def trace(self, name: str, start_ns: int, **kw: Any) -> None:
+        """A span `name` of the loop, from `start_ns` to now (this host's clock)."""
+        self.tracer.span(self.track, name, start_ns, time.time_ns(), **kw)
+
     def train_once(self, groups: list[Delivery[Group]] | None) -> TrainMetrics | None:
         """One step on `groups` (the leader's; None on the other processes, which get the
-        batch from the leader); the step's metrics on the leader, None elsewhere."""
+        batch from the leader); the step's metrics on the leader, None elsewhere. A
+        `train.step` span, ending the flows of its groups."""
+        start_ns = time.time_ns()
+        try:
+            return self._train_once(groups)
+        finally:
+            ids = [d.msg.group_id for d in groups or ()]
+            self.trace(
+                Span.TRAIN_STEP,
+                start_ns,
+                ends_flows=[flow_id(GROUP_FLOW, g) for g in ids],
+                args={"step": self.step},
+            )
+
+    @_busy  # a step's duration (its JIT compile too) is the model's, not a stall
+    def _train_once(self, groups: list[Delivery[Group]] | None) -> TrainMetrics | None:
         start = time.monotonic()
         fields = ("tokens", "mask", "old_logp", "advantages")
         if groups is not None:
@@ -504,7 +529,9 @@ class TrainerLoop:
             if isinstance(hook, PublishHook):
                 hook(self, final=True)
         while True:
+            wait_ns = time.time_ns()
             groups = self._next_groups()
+            self.trace(Span.TRAINER_BATCH_WAIT, wait_ns)
             if groups is None:
                 break
             before = self.step
@@ -590,11 +617,13 @@ class PublishHook:
             tree = loop.state.base_params
         else:
             tree, lora = self.adapters(loop.state)
+        start_ns = time.time_ns()
         tree = loop.cluster.gather(tree)  # every process takes part; the leader publishes
         if loop.cluster.leader:
             self.publisher.publish(tree, version, loop.step, lora)
         loop.version = version
         self.published += 1
+        loop.trace(Span.WEIGHTS_PUBLISH, start_ns, args={"version": version})
 
 
 @dataclass
@@ -618,8 +647,10 @@ class CheckpointHook:
         c = loop.cluster
         if c.leader:  # the cut: the trainer is between steps, its state is that of step N
             # The groups not yet acked are trained (in the lineage): ids only, no bodies.
+            span_ns = time.time_ns()
             snapshot = ckpts.take_snapshot(loop.client, loop.keys, trained=loop.unacked)
             snapshot_s = time.monotonic() - start
+            loop.trace(Span.CHECKPOINT_SNAPSHOT, span_ns, args={"step": loop.step})
             ckpts.prepare_dir(self.root, loop.step)
         c.barrier(f"checkpoint-{loop.step}-dir")
         path = ckpts.step_dir(self.root, loop.step)
@@ -628,11 +659,14 @@ class CheckpointHook:
             "opt_state": loop.state.opt_state,
             "step": loop.state.step,
         }
+        span_ns = time.time_ns()
         self.checkpointer.save((path / ckpts.STATE).resolve(), state)  # each its own shards
         self.checkpointer.wait_until_finished()
+        loop.trace(Span.CHECKPOINT_SAVE, span_ns, args={"step": loop.step})
         c.barrier(f"checkpoint-{loop.step}-state")
         if not c.leader:
             return
+        span_ns = time.time_ns()
         ck = ckpts.commit(
             path,
             loop.step,
@@ -642,6 +676,7 @@ class CheckpointHook:
         )
         if loop.unacked:
             loop.client.xack(loop.keys.groups, loop.keys.CG_TRAINER, *loop.unacked)
+        loop.trace(Span.CHECKPOINT_COMMIT, span_ns, args={"step": loop.step})
         loop.log.info(
             "checkpoint_written",
             step=loop.step,
