@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
+from streamrl.metrics import GROUPS_TOTAL, RSS_MB, TRAJECTORIES_PER_MIN
+from streamrl.report import breakdowns_of, load_run, write_report
 from streamrl.tracing import GROUP_FLOW, TRAJ_FLOW, Span, flow_id, read_trace
 from tests.e2e.test_up import summary_of, up
 from tests.helpers import REPO
@@ -122,3 +124,16 @@ def test_the_merged_trace_of_a_stub_run(tmp_path: Path) -> None:
     group_ids = {names[e.track_uuid].removeprefix("group ") for e in waits}
     assert groups == {flow_id(GROUP_FLOW, g) for g in group_ids}
     assert trajs == {flow_id(TRAJ_FLOW, f"{g}-m{m}") for g in group_ids for m in range(G)}
+
+    # The counters sampled into each worker's trace (the metrics sink), and the report of
+    # this real run read back from its files.
+    data = load_run(run_dir)
+    assert data.series(TRAJECTORIES_PER_MIN).keys() == {"rollout-0"}
+    assert max(v for _, v in data.series(GROUPS_TOTAL)["grouper-0"]) >= GROUPS
+    assert "queue.trajectories.depth" in data.counters["grouper-0"]
+    assert all(RSS_MB in c for c in data.counters.values()), data.counters.keys()
+    md = write_report(run_dir).read_text()
+    assert "ottleneck" in md and "rollout-0" in md
+    parts = breakdowns_of(data)["trainer-0"]  # seconds, summing to its wall time
+    start, end = data.walls["trainer-0"]
+    assert parts["busy"] > 0 and abs(sum(parts.values()) - (end - start)) < 1e-6, parts
