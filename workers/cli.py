@@ -1,5 +1,6 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
-`generate` samples once from a checkpoint, `tools exec` runs one tool call in the sandbox.
+`generate` samples once from a checkpoint, `eval` measures a policy on the held-out split,
+`tools exec` runs one tool call in the sandbox.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -14,6 +15,7 @@ from streamrl.config import ConfigError, load_config
 from streamrl.runtime import NoRedisError
 from streamrl_workers import (
     aclcli,
+    evalcli,
     generate,
     health,
     queuescli,
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     workerproc.add_parser(sub)
     health.add_parser(sub)
     generate.add_parser(sub)
+    evalcli.add_parser(sub)
     toolexec.add_parser(sub)
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
@@ -51,10 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return generate.main(args)
-    if args.command == "sandbox-proxy":  # needs no run config
-        return sandboxproxy.main(args)
+    # These read no run config (generate, sandbox-proxy) or load their own (eval's is optional).
+    standalone = {
+        "generate": generate.main,
+        "eval": evalcli.main,
+        "sandbox-proxy": sandboxproxy.main,
+    }
+    if args.command in standalone:
+        return standalone[args.command](args)
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:

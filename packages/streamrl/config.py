@@ -240,6 +240,16 @@ class TaskConfig(_Section):
         description="Split of a saved DatasetDict directory (ignored for a single split).",
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
     )
+    eval_dataset: str = Field(
+        "",
+        description=(
+            "Held-out data of a dataset task, for `streamrl eval` (same formats as dataset); "
+            "rows whose prompt a training row has are left out. Generated tasks need none."
+        ),
+    )
+    eval_split: str = Field(
+        "test", description="Split of a saved DatasetDict eval_dataset directory."
+    )
     prompt_field: str = Field(
         "prompt", min_length=1, description="Dataset column that holds a task's prompt text."
     )
