@@ -64,6 +64,7 @@ class Outcome:
     tokens: int  # sampled by the policy
     calls: int  # tool calls attempted
     wellformed: int  # of which well formed
+    transcript: str = ""  # digest of the episode's token ids
 
 
 class CountingAgent(Agent):
@@ -110,6 +111,7 @@ def outcome(task: int, tr: Trajectory, agent: CountingAgent | None) -> Outcome:
         tokens=int(np.count_nonzero(tr.mask_array())),
         calls=agent.calls if agent is not None else 0,
         wellformed=agent.wellformed if agent is not None else 0,
+        transcript=hashlib.blake2b(tr.tokens, digest_size=8).hexdigest(),
     )
 
 
@@ -137,6 +139,10 @@ def summarize(outcomes: Sequence[Outcome], solve_threshold: float) -> dict[str, 
         "error_rate": _rate(sum(o.status in ("error", "timeout") for o in outcomes), n),
         "turns_mean": evalstats.mean_interval([float(o.turns) for o in outcomes]).as_dict(),
         "tokens_mean": evalstats.mean_interval([float(o.tokens) for o in outcomes]).as_dict(),
+        # equal digests: the same token ids in every episode (the same greedy policy)
+        "transcripts_digest": hashlib.sha256(
+            "".join(o.transcript for o in outcomes).encode()
+        ).hexdigest()[:16],
     }
 
 
