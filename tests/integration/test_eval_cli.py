@@ -158,13 +158,12 @@ def save(root: Path, step: int, tree: Any, snap: ckpts.QueueSnapshot) -> None:
     """A trainer checkpoint of `tree` as the checkpoint hook writes one (Orbax state, meta,
     queue snapshot, commit marker)."""
     checkpointer = ocp.StandardCheckpointer()
+
+    def write_state(path: Path) -> None:
+        checkpointer.save(path.resolve(), tree)
+        checkpointer.wait_until_finished()
+
     try:
-        ckpts.write_checkpoint(
-            root,
-            step,
-            lambda d: (checkpointer.save(d.resolve(), tree), checkpointer.wait_until_finished()),
-            {"lineage": []},
-            snap,
-        )
+        ckpts.write_checkpoint(root, step, write_state, {"lineage": []}, snap)
     finally:
         checkpointer.close()
