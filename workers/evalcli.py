@@ -36,6 +36,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     which.add_argument(
         "--run-dir", type=Path, help="run directory: its newest complete trainer checkpoint"
     )
+    which.add_argument(
+        "--initial",
+        action="store_true",
+        help="the policy a run of --config starts from (model.checkpoint or the built-in "
+        "one, warm-started when model.init = warmstart)",
+    )
     e.add_argument(
         "--config",
         default=None,

@@ -187,12 +187,14 @@ class LoadedPolicy:
     spec: Any  # ModelSpec
     params: Any
     source: str  # what was evaluated, in words
-    step: int | None  # the run checkpoint's trainer step (None: a checkpoint directory)
+    step: int | None  # the trainer step (0: the initial policy; None: a checkpoint directory)
 
 
 def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> LoadedPolicy:
     """The policy of a checkpoint directory, or of `run_dir`'s newest complete checkpoint
-    (EvalError when there is none, or its params do not fit the run's model)."""
+    (EvalError when there is none, or its params do not fit the run's model), or with
+    neither the policy a run of `cfg` starts from (its checkpoint, warm-started when
+    `model.init` says so)."""
     import jax
     import jax.numpy as jnp
 
@@ -201,6 +203,15 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
     from streamrl.model.tiny import ensure_checkpoint
 
     dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    if checkpoint is None and run_dir is None:
+        base_dir = ensure_checkpoint(cfg)
+        spec, params = load_checkpoint(base_dir, dtype)
+        if cfg.model.init == "warmstart":
+            from streamrl.trainer.warmstart import warmstart_params
+
+            params = warmstart_params(cfg)
+        what = f"{base_dir} ({'warm-started' if cfg.model.init == 'warmstart' else 'as built'})"
+        return LoadedPolicy(HFChat.for_model(base_dir, cfg.model), spec, params, what, 0)
     if checkpoint is not None:
         if not checkpoint.is_dir():
             raise EvalError(f"--checkpoint {checkpoint} does not exist")
