@@ -4,7 +4,8 @@ The policy comes from a Hugging Face checkpoint directory (an export, or any che
 run's model settings accept) or from a run directory's newest complete checkpoint (its
 trained params, LoRA adapters merged into the base they trained on). Episodes run exactly
 as a rollout worker runs them: the task's agent and environment (`load_episodes`), the
-`EpisodeRunner` with the run's `[rollout]` limits, the JAX engine behind an `EngineServer`;
+`EpisodeRunner` with the run's `[rollout]` limits (`max_concurrency` episodes at once),
+the JAX engine behind an `EngineServer`;
 tool calls run in this process through the tool workers' job code and sandbox choice
 (`streamrl.tools.jobs`), without Redis.
 
@@ -27,6 +28,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,19 +269,30 @@ def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class LocalCaller:
-    """Tool calls of the episodes, run on threads by the tool workers' job code in the
-    sandbox `install_sandbox` set up (no Redis, no ledger)."""
+    """Tool calls of the episodes, run by the tool workers' job code in the sandbox
+    `install_sandbox` set up (no Redis, no ledger), on `threads` threads of their own."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, threads: int) -> None:
         self.time_limit_s = cfg.tools.time_limit_s
         self.output_cap = cfg.tools.output_cap_bytes
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eval-tool")
 
     async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
         from streamrl.tools.jobs import execute_call
 
-        return await asyncio.to_thread(
-            execute_call, call_id, name, arguments, self.time_limit_s, self.output_cap, WORKER
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool,
+            execute_call,
+            call_id,
+            name,
+            arguments,
+            self.time_limit_s,
+            self.output_cap,
+            WORKER,
         )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def run_pass(
@@ -306,7 +319,7 @@ async def run_pass(
         else SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     )
     engine_cfg = EngineConfig(
-        num_slots=min(r.max_batch_size, len(tasks) * members),
+        num_slots=min(r.max_batch_size, r.max_concurrency, len(tasks) * members),
         kv_cache_size=r.kv_cache_size,
         max_prompt_length=r.kv_cache_size - 1,
         max_new_tokens=r.max_turn_tokens,
@@ -319,7 +332,12 @@ async def run_pass(
     engine = Engine(policy.spec, policy.params, engine_cfg, dtype=dtype)
     server = EngineServer(engine, policy.step or 0, log)
     runner = EpisodeRunner(server, policy.chat.dialogue, r, cfg.run.seed, WORKER, log)
-    episodes = load_episodes(cfg, LocalCaller(cfg))
+    # As many episodes at once as a rollout worker runs (rollout.max_concurrency), each
+    # with a thread for its tool calls: an episode's env_step_timeout_s then measures its
+    # tool call, not a queue no rollout worker would have.
+    caller = LocalCaller(cfg, r.max_concurrency)
+    episodes = load_episodes(cfg, caller)
+    slots = asyncio.Semaphore(r.max_concurrency)
 
     async def one(index: int, task: Task, member: int) -> Outcome:
         agents: list[CountingAgent] = []
@@ -329,7 +347,8 @@ async def run_pass(
             agents.append(CountingAgent(agent))
             return agents[-1], env
 
-        tr = await runner.run(task, member, make)
+        async with slots:
+            tr = await runner.run(task, member, make)
         return outcome(index, tr, agents[0] if agents else None)
 
     serving = asyncio.create_task(server.serve())
@@ -343,6 +362,7 @@ async def run_pass(
         serving.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await serving
+        caller.close()
 
 
 def evaluate(
