@@ -231,22 +231,36 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
         raise EvalError(f"--run-dir {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
     base_dir = ensure_checkpoint(cfg)
     spec, base = load_checkpoint(base_dir, dtype)
+    from streamrl.model.lora import apply_lora, init_lora
+    from streamrl.trainer.step import lora_config, make_optimizer
+
+    lora = lora_config(cfg.trainer)
+    # The state's layout as the trainer builds it (shapes only), on this process's first
+    # device: a checkpoint a trainer mesh wrote in shards restores here whole.
+    trained = base if lora is None else jax.eval_shape(lambda b: init_lora(b, lora, 0), base)
+    target = {
+        "params": trained,
+        "opt_state": jax.eval_shape(make_optimizer(cfg.trainer).init, trained),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), target)
     checkpointer = ocp.StandardCheckpointer()
     try:
-        tree = checkpointer.restore(ck.state_dir.resolve())
+        tree = checkpointer.restore(ck.state_dir.resolve(), abstract)
+    except Exception as err:  # any mismatch of layout, a damaged file
+        raise EvalError(
+            f"{ck.path}: cannot restore its trainer state with the run's model, optimizer and "
+            f"LoRA settings (evaluate with the run's config): {type(err).__name__}: {err}"
+        ) from None
     finally:
         checkpointer.close()
     params = tree["params"]
-    if cfg.trainer.lora_rank:
-        from streamrl.model.lora import apply_lora
-        from streamrl.trainer.step import lora_config
-
+    if lora is not None:
         if cfg.model.init == "warmstart":  # the base the adapters trained on
             from streamrl.trainer.warmstart import warmstart_params
 
             base = warmstart_params(cfg)
-        lora = lora_config(cfg.trainer)
-        assert lora is not None
         params = apply_lora(base, params, lora)
     if _layout(params) != _layout(base):
         raise EvalError(

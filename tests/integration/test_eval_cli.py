@@ -5,12 +5,12 @@ itself, and the same policy read from a run directory's Orbax checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -134,8 +134,7 @@ def test_a_run_directory_is_evaluated_from_its_newest_complete_checkpoint(
     optimizer = make_optimizer(cfg.trainer)
     state = init_state(params, optimizer)
     tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
-    snap = ckpts.QueueSnapshot(ckpts.SNAPSHOT_VERSION, "run", 0, [], [], {}, {}, [], [], {}, {})
-    save(tmp_path / "checkpoints", 7, tree, snap)
+    save(tmp_path / "checkpoints", 7, tree, snapshot())
     r = run_eval(cache, "--run-dir", str(tmp_path), "--n", str(N), "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -144,14 +143,35 @@ def test_a_run_directory_is_evaluated_from_its_newest_complete_checkpoint(
     assert res["split"] == base["split"]
     for name in ("solve_rate", "truncation_rate", "tokens_mean", "transcripts_digest"):
         assert res["greedy"][name] == base["greedy"][name]
-    # A newer checkpoint of other weights is the one evaluated, and writes other tokens.
-    other = {**tree, "params": jax.tree.map(lambda x: x * 3.0, tree["params"])}
-    save(tmp_path / "checkpoints", 8, other, snap)
+    # A newer checkpoint of other weights, written in shards by a trainer on a 2-device
+    # mesh, is the one evaluated (whole, on this process's one device): other tokens.
+    script = (
+        "import sys, jax; from pathlib import Path; from streamrl.config import load_config; "
+        "from streamrl.model.checkpoint import load_checkpoint; "
+        "from streamrl.trainer.step import init_state, make_optimizer, make_train_mesh; "
+        "from tests.integration.test_eval_cli import save, snapshot; "
+        "cfg = load_config(sys.argv[1]); _, p = load_checkpoint(sys.argv[2]); "
+        "p = jax.tree.map(lambda x: x * 3.0, p); o = make_optimizer(cfg.trainer); "
+        "s = init_state(p, o, mesh=make_train_mesh(1, 2)); "
+        "assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(s.params)); "
+        "save(Path(sys.argv[3]), 8, {'params': s.params, 'opt_state': s.opt_state, "
+        "'step': s.step}, snapshot())"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    w = subprocess.run([sys.executable, "-c", script, str(TINY), str(ckpt),
+                        str(tmp_path / "checkpoints")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert w.returncode == 0, w.stderr
     r = run_eval(cache, "--run-dir", str(tmp_path), "--n", str(N), "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["step"] == 8
     assert res["greedy"]["transcripts_digest"] != base["greedy"]["transcripts_digest"]
+
+
+def snapshot() -> ckpts.QueueSnapshot:
+    """An empty queue snapshot (the checkpoint's, of a run whose queues were empty)."""
+    return ckpts.QueueSnapshot(ckpts.SNAPSHOT_VERSION, "run", 0, [], [], {}, {}, [], [], {}, {})
 
 
 def save(root: Path, step: int, tree: Any, snap: ckpts.QueueSnapshot) -> None:
