@@ -197,23 +197,11 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
     (EvalError when there is none, or its params do not fit the run's model), or with
     neither the policy a run of `cfg` starts from (its checkpoint, warm-started when
     `model.init` says so)."""
-    import jax
-    import jax.numpy as jnp
-
     from streamrl.hfchat import HFChat
     from streamrl.model.checkpoint import load_checkpoint
     from streamrl.model.tiny import ensure_checkpoint
 
-    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
-    if checkpoint is None and run_dir is None:
-        base_dir = ensure_checkpoint(cfg)
-        spec, params = load_checkpoint(base_dir, dtype)
-        if cfg.model.init == "warmstart":
-            from streamrl.trainer.warmstart import warmstart_params
-
-            params = warmstart_params(cfg)
-        what = f"{base_dir} ({'warm-started' if cfg.model.init == 'warmstart' else 'as built'})"
-        return LoadedPolicy(HFChat.for_model(base_dir, cfg.model), spec, params, what, 0)
+    dtype = _dtype(cfg)
     if checkpoint is not None:
         if not checkpoint.is_dir():
             raise EvalError(f"--checkpoint {checkpoint} does not exist")
@@ -221,16 +209,39 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
         return LoadedPolicy(
             HFChat.for_model(checkpoint, cfg.model), spec, params, str(checkpoint), None
         )
-    assert run_dir is not None
-    import orbax.checkpoint as ocp
+    base_dir = ensure_checkpoint(cfg)
+    chat = HFChat.for_model(base_dir, cfg.model)
+    spec, params = load_checkpoint(base_dir, dtype)
+    if run_dir is None:
+        if cfg.model.init == "warmstart":
+            from streamrl.trainer.warmstart import warmstart_params
 
+            params = warmstart_params(cfg)
+        what = f"{base_dir} ({'warm-started' if cfg.model.init == 'warmstart' else 'as built'})"
+        return LoadedPolicy(chat, spec, params, what, 0)
     from streamrl import checkpoints as ckpts
 
     ck = ckpts.latest_complete(run_dir / "checkpoints")
     if ck is None:
         raise EvalError(f"--run-dir {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
-    base_dir = ensure_checkpoint(cfg)
-    spec, base = load_checkpoint(base_dir, dtype)
+    return LoadedPolicy(
+        chat, spec, _trained_params(cfg, ck.state_dir, params), str(ck.path), ck.step
+    )
+
+
+def _dtype(cfg: Config) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def _trained_params(cfg: Config, state_dir: Path, base: Any) -> Any:
+    """The policy params in a trainer checkpoint's Orbax state (`base`: the run's model as
+    its checkpoint has it, the layout they must have), LoRA adapters merged in."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
     from streamrl.model.lora import apply_lora, init_lora
     from streamrl.trainer.step import lora_config, make_optimizer
 
@@ -247,11 +258,12 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), target)
     checkpointer = ocp.StandardCheckpointer()
     try:
-        tree = checkpointer.restore(ck.state_dir.resolve(), abstract)
+        tree = checkpointer.restore(state_dir.resolve(), abstract)
     except Exception as err:  # any mismatch of layout, a damaged file
         raise EvalError(
-            f"{ck.path}: cannot restore its trainer state with the run's model, optimizer and "
-            f"LoRA settings (evaluate with the run's config): {type(err).__name__}: {err}"
+            f"{state_dir.parent}: cannot restore its trainer state with the run's model, "
+            "optimizer and LoRA settings (evaluate with the run's config): "
+            f"{type(err).__name__}: {err}"
         ) from None
     finally:
         checkpointer.close()
@@ -264,11 +276,10 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
         params = apply_lora(base, params, lora)
     if _layout(params) != _layout(base):
         raise EvalError(
-            f"{ck.path}: its params do not have the structure of the run's model "
-            f"({base_dir}); evaluate with the run's config"
+            f"{state_dir.parent}: its params do not have the structure of the run's model; "
+            "evaluate with the run's config"
         )
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return LoadedPolicy(HFChat.for_model(base_dir, cfg.model), spec, params, str(ck.path), ck.step)
+    return jax.tree.map(lambda x: jnp.asarray(x, _dtype(cfg)), params)
 
 
 def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -318,7 +329,6 @@ async def run_pass(
     log: structlog.stdlib.BoundLogger,
 ) -> list[Outcome]:
     """Every task's `members` episodes on a fresh engine (greedy: top-k 1)."""
-    import jax.numpy as jnp
 
     from streamrl.model.engine import Engine, EngineConfig
     from streamrl.model.sampling import SamplingParams
@@ -342,8 +352,7 @@ async def run_pass(
         pad_id=policy.chat.pad_id,
         decode_chunk=r.decode_chunk,
     )
-    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
-    engine = Engine(policy.spec, policy.params, engine_cfg, dtype=dtype)
+    engine = Engine(policy.spec, policy.params, engine_cfg, dtype=_dtype(cfg))
     server = EngineServer(engine, policy.step or 0, log)
     runner = EpisodeRunner(server, policy.chat.dialogue, r, cfg.run.seed, WORKER, log)
     # As many episodes at once as a rollout worker runs (rollout.max_concurrency), each
