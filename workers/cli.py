@@ -1,7 +1,7 @@
 """`streamrl` command line: `up` runs a whole pipeline, `worker NAME` runs one worker,
 `status` shows a running one, `trace RUN_DIR` merges its Perfetto traces, `report RUN_DIR`
-plots it from its files, `generate` samples once from a checkpoint, `tools exec` runs one
-tool call in the sandbox.
+plots it from its files, `generate` samples once from a checkpoint, `eval` measures a policy
+on the held-out split, `tools exec` runs one tool call in the sandbox.
 
 Config is parsed before any heavy import, so a bad flag or key fails in milliseconds.
 """
@@ -17,6 +17,7 @@ from streamrl.config import ConfigError, load_config
 from streamrl.runtime import NoRedisError
 from streamrl_workers import (
     aclcli,
+    evalcli,
     generate,
     health,
     queuescli,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     workerproc.add_parser(sub)
     health.add_parser(sub)
     generate.add_parser(sub)
+    evalcli.add_parser(sub)
     toolexec.add_parser(sub)
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
@@ -58,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The commands that need no run config: a checkpoint, the sandbox proxy's own flags, a run's
-# files (status: a run directory can name the run).
+# The commands that need no run config (a checkpoint, the sandbox proxy's own flags, a run's
+# files; status: a run directory can name the run) or load their own (eval's is optional).
 NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": generate.main,
+    "eval": evalcli.main,
     "sandbox-proxy": sandboxproxy.main,
     "report": reportcli.main,
     "status": statuscli.main,

@@ -240,6 +240,16 @@ class TaskConfig(_Section):
         description="Split of a saved DatasetDict directory (ignored for a single split).",
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
     )
+    eval_dataset: str = Field(
+        "",
+        description=(
+            "Held-out data of a dataset task, for `streamrl eval` (same formats as dataset); "
+            "rows whose prompt a training row has are left out. Generated tasks need none."
+        ),
+    )
+    eval_split: str = Field(
+        "test", description="Split of a saved DatasetDict eval_dataset directory."
+    )
     prompt_field: str = Field(
         "prompt", min_length=1, description="Dataset column that holds a task's prompt text."
     )
@@ -729,6 +739,22 @@ class TrainerConfig(_Section):
             "token); false: against log-probs the trainer recomputes before its update."
         ),
     )
+    importance_correction: Literal["none", "tis", "icepop"] = Field(
+        "none",
+        description=(
+            "Staleness correction (needs use_rollout_logps = false: the ratio is then taken "
+            "against the trainer's own log-probs, and each token's loss is weighted by "
+            "w = trainer / rollout probability of its token, a constant): `tis` caps w at "
+            "importance_cap (truncated importance sampling), `icepop` drops tokens whose w "
+            "leaves [1/importance_cap, importance_cap]; `none`: no weight."
+        ),
+    )
+    importance_cap: float = Field(
+        2.0,
+        gt=1,
+        le=1000,
+        description="C of importance_correction: the cap (tis) or the band [1/C, C] (icepop).",
+    )
     micro_batch_size: int = Field(
         0,
         ge=0,
@@ -890,6 +916,22 @@ class TrainerConfig(_Section):
                 f"trainer.clip_epsilon_high ({high:g}) differs from trainer.clip_epsilon "
                 f"({self.clip_epsilon:g}) but trainer.loss grpo clips symmetrically: "
                 "use loss dapo for clip higher"
+            )
+        return self
+
+    @property
+    def needs_rollout_logps(self) -> bool:
+        """Whether the loss reads the rollout's log-probs (the ratio's denominator, or the
+        importance correction's), so every sampled token must have one."""
+        return self.use_rollout_logps or self.importance_correction != "none"
+
+    @model_validator(mode="after")
+    def _correction(self) -> TrainerConfig:
+        if self.importance_correction != "none" and self.use_rollout_logps:
+            raise ValueError(
+                f"trainer.importance_correction = {self.importance_correction!r} needs "
+                "trainer.use_rollout_logps = false: with the ratio already taken against the "
+                "rollout's log-probs the correction weight is 1 on every token"
             )
         return self
 

@@ -222,6 +222,14 @@ class TrainMetrics(Message, frozen=True, kw_only=True):
     max_policy_lag: int
     step_time_s: float
     created_at: float = msgspec.field(default_factory=time.time)
+    # Behaviour-policy mismatch on the step's sampled tokens, d = trainer - rollout
+    # log-prob (`streamrl.rl.losses.policy_loss`): mean |d|; k3's KL(rollout || trainer)
+    # per token and per sequence; the share of tokens the importance correction changed.
+    # 0 in entries written before they were logged.
+    mismatch_logp_abs: float = 0.0
+    mismatch_kl: float = 0.0
+    mismatch_kl_seq: float = 0.0
+    correction_fraction: float = 0.0
 
 
 class ToolResult(Message, frozen=True, kw_only=True):

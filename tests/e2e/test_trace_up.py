@@ -127,13 +127,13 @@ def test_the_merged_trace_of_a_stub_run(tmp_path: Path) -> None:
 
     # The counters sampled into each worker's trace (the metrics sink), and the report of
     # this real run read back from its files.
-    data = load_run(run_dir)
-    assert data.series(TRAJECTORIES_PER_MIN).keys() == {"rollout-0"}
-    assert max(v for _, v in data.series(GROUPS_TOTAL)["grouper-0"]) >= GROUPS
-    assert "queue.trajectories.depth" in data.counters["grouper-0"]
-    assert all(RSS_MB in c for c in data.counters.values()), data.counters.keys()
+    run = load_run(run_dir)
+    assert run.series(TRAJECTORIES_PER_MIN).keys() == {"rollout-0"}
+    assert max(v for _, v in run.series(GROUPS_TOTAL)["grouper-0"]) >= GROUPS
+    assert "queue.trajectories.depth" in run.counters["grouper-0"]
+    assert all(RSS_MB in c for c in run.counters.values()), run.counters.keys()
     md = write_report(run_dir).read_text()
     assert "ottleneck" in md and "rollout-0" in md
-    parts = breakdowns_of(data)["trainer-0"]  # seconds, summing to its wall time
-    start, end = data.walls["trainer-0"]
+    parts = breakdowns_of(run)["trainer-0"]  # seconds, summing to its wall time
+    start, end = run.walls["trainer-0"]
     assert parts["busy"] > 0 and abs(sum(parts.values()) - (end - start)) < 1e-6, parts

@@ -117,6 +117,11 @@ def test_export_loads_in_transformers_as_the_trained_policy(
         "tokenizer_config.json",
     ]
     assert sorted(p.name for p in export.parent.iterdir()) == ["export", "final"]  # no temps
+    # The groups carry the starting policy's log-probs: the first step trains on policy,
+    # the later ones off it, and each train_step line says how far (mismatch metrics).
+    steps = [e for e in logs if e["event"] == "train_step"]
+    assert steps[0]["mismatch_logp_abs"] < 1e-4 < steps[-1]["mismatch_logp_abs"]
+    assert steps[-1]["mismatch_kl"] > 0 and steps[-1]["correction_fraction"] == 0
 
     trained = loop.state.params
     tokens = np.array([s[:96] for s in sequences[:2]], np.int32)

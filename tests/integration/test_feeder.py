@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 import structlog
@@ -14,8 +15,9 @@ import structlog
 from streamrl.config import parse_config
 from streamrl.feeder import Feeder
 from streamrl.names import Keys
+from streamrl.tasks.heldout import heldout_tasks
 from streamrl.transport import RedisStreamConsumer
-from streamrl.wire import Task
+from streamrl.wire import Task, decode
 
 LOG = structlog.get_logger()
 
@@ -66,3 +68,14 @@ def test_burst_feeder_fills_the_backlog_once(rclient: redis.Redis, keys: Keys) -
     cfg = parse_config({"task": {"max_backlog": 3}})
     Feeder(rclient, keys, cfg, LOG).run(threading.Event(), burst=True)  # returns by itself
     assert rclient.xlen(keys.tasks) == 3
+
+
+def test_the_feeder_never_writes_a_held_out_task(rclient: redis.Redis, keys: Keys) -> None:
+    # 200 questions, 120 training prompts: the feeder's two whole cycles of cursors (what a
+    # long run writes) against the first 40 held-out tasks of `streamrl eval`.
+    cfg = parse_config({"task": {"num_prompts": 120, "max_operand": 9, "max_backlog": 240}})
+    assert Feeder(rclient, keys, cfg, LOG).fill() == 240
+    entries: Any = rclient.xrange(keys.tasks)
+    fed = {decode(fields, Task).prompt for _, fields in entries}
+    held = {t.prompt for t in heldout_tasks(cfg.task, cfg.run.seed, 40, 4)}
+    assert len(fed) > 60 and len(held) == 40 and not fed & held

@@ -103,3 +103,15 @@ def test_overrides_reach_nested_tables() -> None:
     assert data["task"]["options"] == {"turns": 2}  # the caller's tables are not changed
     with pytest.raises(ConfigError, match=r"`task.name` is not a table"):
         parse_config(data, overrides=["task.name.x=1"])
+
+
+def test_importance_correction_needs_the_trainers_own_ratio() -> None:
+    with pytest.raises(ConfigError, match=r"importance_correction = 'tis' needs trainer.use_"):
+        parse_config({"trainer": {"importance_correction": "tis"}})
+    t = parse_config(
+        {"trainer": {"importance_correction": "icepop", "use_rollout_logps": False}}
+    ).trainer
+    assert t.needs_rollout_logps and t.importance_cap == 2.0
+    assert not parse_config({"trainer": {"use_rollout_logps": False}}).trainer.needs_rollout_logps
+    with pytest.raises(ConfigError, match=r"trainer.importance_cap"):
+        parse_config({"trainer": {"importance_cap": 1.0}})

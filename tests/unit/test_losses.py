@@ -405,3 +405,96 @@ def test_rollout_logps_missing() -> None:
     assert missing_logp_rows(old[1], mask[1]).tolist() == [True]  # one sequence, 1-D
     with pytest.raises(ValueError, match="shape"):
         check_rollout_logps(old, mask[:, :2])
+
+
+# --- staleness: importance correction and behaviour-policy mismatch ------------------------
+#
+# B = 2, T = 2, the trainer's own log-probs as the proximal policy (old_logp = logp, so the
+# clipped ratio is 1 everywhere and the policy term of a token is -A), every trainer
+# log-prob ln 0.5, behaviour log-probs chosen for the weights w = exp(logp - behav_logp):
+#
+#     row 0, A = +1, mask [1, 1]: w = [3, 1]      (behav ln(1/6), ln(1/2))
+#     row 1, A = -2, mask [1, 0]: w = [0.25, pad] (behav ln 2; the pad's -100 is ignored)
+#
+# "none":          per-token -1, -1, +2            sum  0    / 3 tokens =  0
+# "tis",    C = 2: weights 2, 1, 0.25: -2, -1, +0.5 sum -2.5  / 3        = -0.833333
+#                  one token of three capped (w = 3 > 2)
+# "icepop", C = 2: band [0.5, 2]: 3 and 0.25 out: 0, -1, 0  sum -1 / 3    = -0.333333
+#                  two tokens of three masked out
+# Mismatch, d = ln w = [ln 3, 0, ln 0.25]:
+#     mismatch_logp_abs = (ln 3 + 0 + ln 4) / 3 = (1.098612 + 1.386294) / 3 = 0.828302
+#     k3 = w - ln w - 1: 3 - 1.098612 - 1 = 0.901388; 0; 0.25 + 1.386294 - 1 = 0.636294
+#     mismatch_kl     = (0.901388 + 0 + 0.636294) / 3 = 0.512561
+#     mismatch_kl_seq = (0.901388 + 0.636294) / 2 rows = 0.768841
+
+
+def _stale_batch() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(logp, behav_logp, advantages, mask) of the block above."""
+    h = math.log(0.5)
+    logp = _f32([[h, h], [h, h]])
+    behav = _f32([[math.log(1 / 6), h], [math.log(2.0), -100.0]])
+    return logp, behav, _f32([1.0, -2.0]), _f32([[1, 1], [1, 0]])
+
+
+@pytest.mark.parametrize(
+    ("correction", "loss", "fraction"),
+    [("none", 0.0, 0.0), ("tis", -2.5 / 3, 1 / 3), ("icepop", -1 / 3, 2 / 3)],
+)
+def test_importance_correction_golden(correction: str, loss: float, fraction: float) -> None:
+    logp, behav, adv, mask = _stale_batch()
+    cfg = LossConfig(correction=correction, correction_cap=2.0)  # type: ignore[arg-type]
+    out, m = dapo_loss(logp, logp, adv, mask, cfg, behav_logp=behav)
+    _close(out, loss)
+    _close(m["correction_fraction"], fraction)
+    _close(m["mismatch_logp_abs"], (math.log(3) + math.log(4)) / 3)
+    k3 = (3 - math.log(3) - 1, 0.25 + math.log(4) - 1)
+    _close(m["mismatch_kl"], sum(k3) / 3)
+    _close(m["mismatch_kl_seq"], sum(k3) / 2)
+    np.testing.assert_allclose(float(m["mismatch_kl"]), 0.512561, atol=1e-6)
+    np.testing.assert_allclose(float(m["mismatch_kl_seq"]), 0.768841, atol=1e-6)
+
+
+def test_truncated_weight_is_a_constant_factor_of_the_gradient() -> None:
+    # d loss / d logp_t = -A * w'_t / N (ratio 1 inside the clip; w' has no gradient):
+    # row 0: -1 * 2 / 3, -1 * 1 / 3; row 1: +2 * 0.25 / 3 = 0.166667, pad 0.
+    logp, behav, adv, mask = _stale_batch()
+    cfg = LossConfig(correction="tis", correction_cap=2.0)
+
+    def f(lp: jax.Array, bl: jax.Array) -> jax.Array:
+        # The proximal log-probs are the trainer's own, taken as a constant (as the step does).
+        return dapo_loss(lp, jax.lax.stop_gradient(lp), adv, mask, cfg, behav_logp=bl)[0]
+
+    g_logp, g_behav = jax.grad(f, argnums=(0, 1))(logp, behav)
+    np.testing.assert_allclose(g_logp, [[-2 / 3, -1 / 3], [0.5 / 3, 0.0]], atol=1e-6)
+    np.testing.assert_allclose(g_behav, np.zeros((2, 2)), atol=0)
+
+
+def test_far_off_policy_tokens_stay_finite() -> None:
+    # A behaviour log-prob of -1000 on a sampled token: w = e^999 overflows float32; the
+    # clamp keeps the weight at the cap and the metrics finite (d clamped to 20).
+    logp, _, adv, mask = _stale_batch()
+    behav = _f32([[-1000.0, math.log(0.5)], [math.log(0.5), 0.0]])
+    for correction in ("tis", "icepop", "none"):
+        cfg = LossConfig(correction=correction, correction_cap=2.0)
+        out, m = grpo_loss(logp, logp, adv, mask, cfg, behav_logp=behav)
+        assert np.isfinite(float(out)) and all(np.isfinite(float(v)) for v in m.values())
+    _close(m["mismatch_logp_abs"], 20.0 / 3)
+
+
+def test_mismatch_is_zero_on_policy_and_absent_without_behaviour() -> None:
+    logp, _, adv, mask = _stale_batch()
+    _, m = dapo_loss(logp, logp, adv, mask, LossConfig(), behav_logp=logp)
+    for k in ("mismatch_logp_abs", "mismatch_kl", "mismatch_kl_seq", "correction_fraction"):
+        _close(m[k], 0.0)
+    _, m = dapo_loss(logp, logp, adv, mask, LossConfig())
+    assert set(m) == METRICS
+
+
+def test_correction_needs_behaviour_logps_and_a_cap_above_one() -> None:
+    logp, _, adv, mask = _stale_batch()
+    with pytest.raises(ValueError, match="needs behav_logp"):
+        dapo_loss(logp, logp, adv, mask, LossConfig(correction="tis"))
+    with pytest.raises(ValueError, match="correction_cap"):
+        LossConfig(correction="tis", correction_cap=1.0)
+    with pytest.raises(ValueError, match="correction must be"):
+        LossConfig(correction="is")  # type: ignore[arg-type]

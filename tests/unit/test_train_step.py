@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -202,6 +203,28 @@ def test_kl_to_the_reference_and_recomputed_logps(params: Params) -> None:
     assert float(m3["ratio_mean"]) == pytest.approx(1.0) and float(m3["clip_fraction"]) == 0.0
     _, m4 = _run(params, TrainerConfig(learning_rate=1e-2), build_batch(stale, [1.0, -1.0], PAD))
     assert float(m4["ratio_mean"]) > 100  # exp(5) against the stale rollout log-probs
+
+
+def test_behaviour_mismatch_metrics_and_truncated_weights(params: Params) -> None:
+    items = _items(params, [20, 24], seed=7)
+    _, m = _run(params, TrainerConfig(learning_rate=1e-2), build_batch(items, [1.0, -1.0], PAD))
+    assert float(m["mismatch_logp_abs"]) == pytest.approx(0.0, abs=1e-5)  # on policy
+    assert float(m["correction_fraction"]) == 0.0
+    # Rollout log-probs 5 below the trainer's on every sampled token: |d| = 5,
+    # k3 = e^5 - 5 - 1 = 142.413 per token, and 2 * 142.413 summed over a row's 10 or 12.
+    stale = build_batch([(t, msk, lp - 5.0) for t, msk, lp in items], [1.0, -1.0], PAD)
+    cfg = TrainerConfig(learning_rate=1e-2, use_rollout_logps=False, importance_correction="tis")
+    _, m = _run(params, cfg, stale)
+    assert float(m["mismatch_logp_abs"]) == pytest.approx(5.0, rel=1e-5)
+    k3 = math.exp(5) - 6
+    assert float(m["mismatch_kl"]) == pytest.approx(k3, rel=1e-4)
+    assert float(m["mismatch_kl_seq"]) == pytest.approx(k3 * (10 + 12) / 2, rel=1e-4)
+    assert float(m["correction_fraction"]) == 1.0  # every weight e^5 capped at 2
+    # A small mismatch inside IcePop's band [1/2, 2] changes nothing.
+    near = build_batch([(t, msk, lp - 0.1) for t, msk, lp in items], [1.0, -1.0], PAD)
+    cfg = cfg.model_copy(update={"importance_correction": "icepop"})
+    _, m = _run(params, cfg, near)
+    assert float(m["correction_fraction"]) == 0.0
 
 
 def test_batch_rows_round_to_the_micro_batch_size(params: Params) -> None:

@@ -20,6 +20,7 @@ from streamrl.wire import (
     Weights,
     WireError,
     decode,
+    decode_body,
     decode_state,
     encode,
     encode_state,
@@ -178,3 +179,13 @@ def test_episode_state_refuses_other_schemas_and_garbage() -> None:
         decode_state(b"\x93garbage")
     with pytest.raises(WireError, match="cannot decode episode state"):
         decode_state(msgspec.msgpack.encode({"schema": 1, "traj_id": 5}))
+
+
+def test_train_metrics_written_before_the_mismatch_fields_decode() -> None:
+    old = {
+        "step": 3, "version": 3, "loss": 0.1, "reward_mean": 0.5, "num_groups": 1,
+        "num_sequences": 4, "num_tokens": 9, "clip_fraction": 0.0, "grad_norm": 1.0,
+        "max_policy_lag": 0, "step_time_s": 0.2, "created_at": 1.0,
+    }  # fmt: skip
+    m = decode_body(msgspec.msgpack.encode(old), TrainMetrics)
+    assert (m.step, m.mismatch_kl, m.mismatch_logp_abs, m.correction_fraction) == (3, 0, 0, 0)

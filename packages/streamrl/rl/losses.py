@@ -9,10 +9,25 @@ one scalar and in how the ratio is clipped:
     dapo      sum over all tokens / number of tokens                [1 - eps, 1 + eps_high]
     dr_grpo   sum over all tokens / (sequences * max_tokens)        [1 - eps, 1 + eps_high]
 
-A registered loss is `fn(logp, old_logp, advantages, mask, cfg, ref_logp=None)`; the
-name fixes `cfg.aggregation` (so `LossConfig.aggregation` only matters to direct calls of
-`policy_loss`). No Redis, no Flax: this module is the RL math only, plus one host-side
-NumPy check of rollout log-probs.
+A registered loss is `fn(logp, old_logp, advantages, mask, cfg, ref_logp=None,
+behav_logp=None)`; the name fixes `cfg.aggregation` (so `LossConfig.aggregation` only
+matters to direct calls of `policy_loss`). No Redis, no Flax: this module is the RL math
+only, plus one host-side NumPy check of rollout log-probs.
+
+Staleness. Three policies meet in a step: the behaviour policy that sampled the tokens
+(the rollout's log-probs, `behav_logp`), the proximal policy the ratio is taken against
+(`old_logp`: the rollout's log-probs again, or the trainer's own before its update) and
+the policy being trained (`logp`). With `old_logp` the trainer's own, the clipped ratio
+knows nothing of how stale the samples are; `cfg.correction` weighs each token by the
+proximal-to-behaviour ratio w = exp(old_logp - behav_logp), a constant (the decoupled
+objective of AReaL; Yao et al.'s truncated importance sampling):
+
+    "tis"     w' = min(w, C)                      every token kept, its weight capped
+    "icepop"  w' = 1 if 1/C <= w <= C else 0      tokens too far off policy masked out
+
+with C = `cfg.correction_cap`. The loss's normaliser is unchanged (a masked-out token
+still counts in it). Given `behav_logp`, the loss also reports how far the behaviour
+policy is from the trainer's (`mismatch_*` metrics below), whatever the correction.
 """
 
 from __future__ import annotations
@@ -40,8 +55,13 @@ __all__ = [
 
 Aggregation = Literal["token", "sequence", "constant"]
 KlEstimator = Literal["k1", "k3"]
+Correction = Literal["none", "tis", "icepop"]
 _AGGREGATIONS = ("token", "sequence", "constant")
 _KL_ESTIMATORS = ("k1", "k3")
+_CORRECTIONS = ("none", "tis", "icepop")
+# Log-ratios are clamped to this before exp() in the weights and the mismatch metrics: a
+# token the behaviour policy found 1e-9 times as likely must not overflow float32.
+_MAX_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,10 @@ class LossConfig:
     kl_beta: weight of the KL(policy || reference) penalty, >= 0; 0 needs no reference.
     kl_estimator: per-token KL estimate with d = ref_logp - logp: "k1" is -d (unbiased,
         can be negative), "k3" is exp(d) - d - 1 (Schulman; unbiased and >= 0).
+    correction: importance weight against the behaviour policy (module docstring):
+        "none", "tis" (truncated at correction_cap) or "icepop" (tokens whose weight
+        leaves [1 / correction_cap, correction_cap] masked); not "none" needs behav_logp.
+    correction_cap: C, > 1.
     """
 
     epsilon: float = 0.2
@@ -68,6 +92,8 @@ class LossConfig:
     max_tokens: int = 0
     kl_beta: float = 0.0
     kl_estimator: KlEstimator = "k3"
+    correction: Correction = "none"
+    correction_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.epsilon < 1.0:
@@ -94,6 +120,12 @@ class LossConfig:
                 f"LossConfig.kl_estimator must be one of {_KL_ESTIMATORS}, "
                 f"got {self.kl_estimator!r}"
             )
+        if self.correction not in _CORRECTIONS:
+            raise ValueError(
+                f"LossConfig.correction must be one of {_CORRECTIONS}, got {self.correction!r}"
+            )
+        if not self.correction_cap > 1.0:
+            raise ValueError(f"LossConfig.correction_cap must be > 1, got {self.correction_cap}")
 
     @property
     def upper_epsilon(self) -> float:
@@ -115,6 +147,7 @@ class LossFn(Protocol):
         mask: jax.Array,
         cfg: LossConfig,
         ref_logp: jax.Array | None = None,
+        behav_logp: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
 
@@ -191,6 +224,7 @@ def policy_loss(
     mask: jax.Array,
     cfg: LossConfig,
     ref_logp: jax.Array | None = None,
+    behav_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped-ratio policy-gradient loss with an optional KL penalty; lower is better.
 
@@ -206,10 +240,29 @@ def policy_loss(
     over masked tokens: clip_low_fraction (share where the lower clip cut the gradient:
     ratio < 1 - eps with A < 0), clip_high_fraction (ratio > 1 + eps_high with A > 0),
     clip_fraction (their sum), ratio_mean, kl (masked mean of kl_t; 0 when kl_beta = 0).
+
+    behav_logp [B, T]: under the behaviour policy (the rollout's log-probs; a constant),
+    required iff cfg.correction is not "none". With it the per-token loss is multiplied by
+    the correction weight w' (module docstring), and the metrics gain, with
+    d = logp - behav_logp on masked tokens (logp taken as a constant):
+        mismatch_logp_abs   masked mean of |d|
+        mismatch_kl         masked mean of exp(d) - d - 1: k3's estimate, per token, of
+                            KL(behaviour || trainer) (the tokens were sampled by the
+                            behaviour policy)
+        mismatch_kl_seq     mean over non-empty sequences of the sum of that estimate over
+                            the sequence's tokens (its per-sequence KL)
+        correction_fraction share of masked tokens the correction changed: weight capped
+                            ("tis") or token masked out ("icepop"); 0 with "none"
     """
     _check_shapes(logp, old_logp, advantages, mask, ref_logp)
+    if behav_logp is not None and behav_logp.shape != logp.shape:
+        raise ValueError(f"behav_logp has shape {behav_logp.shape}, logp has {logp.shape}")
     if cfg.needs_reference and ref_logp is None:
         raise ValueError(f"kl_beta = {cfg.kl_beta} > 0 needs ref_logp (reference log-probs)")
+    if cfg.correction != "none" and behav_logp is None:
+        raise ValueError(
+            f"correction {cfg.correction!r} needs behav_logp (the rollout's log-probs)"
+        )
     logp = logp.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(old_logp.astype(jnp.float32))
     mask = mask.astype(jnp.float32)
@@ -222,6 +275,14 @@ def policy_loss(
     lower, upper = 1.0 - cfg.epsilon, 1.0 + cfg.upper_epsilon
     clipped = jnp.clip(ratio, lower, upper) * adv
     per_token = -jnp.minimum(unclipped, clipped)
+
+    extra: dict[str, jax.Array] = {}
+    if behav_logp is not None:
+        behav = jax.lax.stop_gradient(behav_logp.astype(jnp.float32))
+        weight, changed = _correction_weight(old_logp, behav, valid, cfg)
+        per_token = per_token * weight  # the policy term only, not the KL penalty
+        extra = _mismatch(jax.lax.stop_gradient(logp), behav, mask, valid)
+        extra["correction_fraction"] = _masked_mean(changed.astype(jnp.float32), mask)
 
     if ref_logp is not None and cfg.needs_reference:
         ref = jax.lax.stop_gradient(ref_logp.astype(jnp.float32))
@@ -242,8 +303,44 @@ def policy_loss(
         "clip_high_fraction": clip_high,
         "ratio_mean": _masked_mean(ratio, mask),
         "kl": kl_mean,
+        **extra,
     }
     return loss, metrics
+
+
+def _log_ratio(num: jax.Array, den: jax.Array, valid: jax.Array) -> jax.Array:
+    """num - den on the mask (clamped to +-_MAX_LOG_RATIO), 0 off it."""
+    return jnp.clip(jnp.where(valid, num - den, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _correction_weight(
+    old_logp: jax.Array, behav_logp: jax.Array, valid: jax.Array, cfg: LossConfig
+) -> tuple[jax.Array, jax.Array]:
+    """([B, T] weight w', [B, T] bool where the correction changed w) per cfg.correction;
+    w = exp(old_logp - behav_logp), the proximal-to-behaviour ratio (constants)."""
+    w = jnp.exp(_log_ratio(old_logp, behav_logp, valid))
+    cap = cfg.correction_cap
+    if cfg.correction == "tis":
+        return jnp.minimum(w, cap), w > cap
+    if cfg.correction == "icepop":
+        inside = (w >= 1.0 / cap) & (w <= cap)
+        return inside.astype(jnp.float32), ~inside
+    return jnp.ones_like(w), jnp.zeros(w.shape, bool)
+
+
+def _mismatch(
+    logp: jax.Array, behav_logp: jax.Array, mask: jax.Array, valid: jax.Array
+) -> dict[str, jax.Array]:
+    """The behaviour-policy mismatch metrics of `policy_loss` (logp, behav_logp constant)."""
+    d = _log_ratio(logp, behav_logp, valid)
+    k3 = (jnp.exp(d) - d - 1.0) * mask
+    tokens_per_row = jnp.sum(mask, axis=1)
+    rows = jnp.sum((tokens_per_row > 0).astype(jnp.float32))
+    return {
+        "mismatch_logp_abs": _masked_mean(jnp.abs(d), mask),
+        "mismatch_kl": _masked_mean(k3, mask),
+        "mismatch_kl_seq": jnp.sum(k3) / jnp.maximum(rows, 1.0),
+    }
 
 
 # How each registered loss aggregates: the trainer weighs its micro-batches by the same rule.
@@ -262,6 +359,7 @@ def grpo_loss(
     mask: jax.Array,
     cfg: LossConfig,
     ref_logp: jax.Array | None = None,
+    behav_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO (Shao et al. 2024): sequence aggregation, symmetric clip.
 
@@ -273,7 +371,7 @@ def grpo_loss(
             f"epsilon = {cfg.epsilon}; use loss 'dapo' for clip-higher"
         )
     cfg = dataclasses.replace(cfg, aggregation=LOSS_AGGREGATION["grpo"])
-    return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp)
+    return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp, behav_logp)
 
 
 @register("dapo")
@@ -284,6 +382,7 @@ def dapo_loss(
     mask: jax.Array,
     cfg: LossConfig,
     ref_logp: jax.Array | None = None,
+    behav_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DAPO (Yu et al. 2025): token aggregation, upper clip 1 + epsilon_high.
 
@@ -291,7 +390,7 @@ def dapo_loss(
     symmetric and this is plain token-level GRPO.
     """
     cfg = dataclasses.replace(cfg, aggregation=LOSS_AGGREGATION["dapo"])
-    return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp)
+    return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp, behav_logp)
 
 
 @register("dr_grpo")
@@ -302,13 +401,14 @@ def dr_grpo_loss(
     mask: jax.Array,
     cfg: LossConfig,
     ref_logp: jax.Array | None = None,
+    behav_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Dr. GRPO (Liu et al. 2025): constant normaliser (cfg.max_tokens > 0 required).
 
     Pair it with the "dr_grpo" advantages (no std normalisation), as the paper does.
     """
     cfg = dataclasses.replace(cfg, aggregation=LOSS_AGGREGATION["dr_grpo"])
-    return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp)
+    return policy_loss(logp, old_logp, advantages, mask, cfg, ref_logp, behav_logp)
 
 
 def check_rollout_logps(old_logp: np.ndarray, mask: np.ndarray) -> None:

@@ -32,9 +32,10 @@ def _rng(seed: int, index: int) -> random.Random:
     return random.Random(seed * 1_000_003 + index)
 
 
-def expression(cfg: TaskConfig, seed: int, cursor: int) -> tuple[str, int]:
-    """The question at a cursor (cycled over `num_prompts`) and its value."""
-    r = _rng(seed, cursor % cfg.num_prompts)
+def expression(cfg: TaskConfig, seed: int, index: int) -> tuple[str, int]:
+    """Question `index` and its value. Training takes indices below `num_prompts` (a
+    cursor cycles over them); the held-out split (`streamrl.tasks.heldout`) those above."""
+    r = _rng(seed, index)
     a = r.randint(0, cfg.max_operand)
     b = r.randint(0, cfg.max_operand)
     op = r.choice(cfg.operators)

@@ -114,6 +114,14 @@ def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tup
         return Outcome(False, "", f"sandbox failed: {type(err).__name__}: {err}"), True
 
 
+def execute_call(
+    call_id: str, name: str, arguments: str, time_limit_s: float, output_cap: int, worker: str
+) -> ToolResult:
+    """One call in the installed sandbox with the installed tools, as a tool worker's job
+    runs it (no ledger, no result list): `streamrl eval` runs its tool calls so."""
+    return _execute(call_id, name, arguments, time_limit_s, output_cap, worker)
+
+
 def _execute(
     call_id: str, name: str, arguments: str, time_limit_s: float, output_cap: int, worker: str
 ) -> ToolResult:

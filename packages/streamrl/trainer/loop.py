@@ -76,6 +76,9 @@ GROUPS_STALE = "trainer_groups_stale"  # groups too far off policy when the trai
 NONFINITE_STEPS = "trainer_nonfinite_steps"  # steps skipped: loss or gradient norm not finite
 GROUPS_DROPPED = "groups_dropped"
 
+# The loss's behaviour-policy metrics that go into TrainMetrics (`streamrl.rl.losses`).
+MISMATCH_METRICS = ("mismatch_logp_abs", "mismatch_kl", "mismatch_kl_seq", "correction_fraction")
+
 Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # one member's tokens, mask, rollout log-probs
 
 
@@ -210,7 +213,7 @@ class TrainerLoop:
             self._set_aside([d], stale, dead=False)
             return False
         try:
-            group_rows(d.msg, self.cfg.trainer.use_rollout_logps)
+            group_rows(d.msg, self.cfg.trainer.needs_rollout_logps)
         except ValueError as err:
             self._set_aside([d], f"group unusable by the trainer: {err}", dead=True)
             return False
@@ -265,7 +268,7 @@ class TrainerLoop:
         advantages: list[float] = []
         rewards, min_versions, masked = [], [], 0
         for d in groups:
-            rows, n = group_rows(d.msg, self.cfg.trainer.use_rollout_logps)
+            rows, n = group_rows(d.msg, self.cfg.trainer.needs_rollout_logps)
             items += rows
             masked += n
             advantages += d.msg.advantages
@@ -336,6 +339,7 @@ class TrainerLoop:
             grad_norm=grad_norm,
             max_policy_lag=self.version - min(min_versions),
             step_time_s=time.monotonic() - start,
+            **{k: scalar(m[k]) for k in MISMATCH_METRICS if k in m},
         )
 
     def _count(self, min_versions: list[int]) -> None:

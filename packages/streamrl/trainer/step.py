@@ -143,6 +143,8 @@ def loss_config(cfg: TrainerConfig, max_tokens: int) -> LossConfig:
         max_tokens=max_tokens,
         kl_beta=cfg.kl_beta,
         kl_estimator=cfg.kl_estimator,
+        correction=cfg.importance_correction,
+        correction_cap=cfg.importance_cap,
     )
 
 
@@ -294,7 +296,8 @@ class TrainStep:
     """The jitted `(state, batch) -> (state, metrics)`; `compile_count` counts traces.
 
     metrics (float32 scalars): loss, grad_norm (before clipping), clip_fraction,
-    ratio_mean, kl, learning_rate, num_tokens (mask sum), and the loss's other metrics.
+    ratio_mean, kl, learning_rate, num_tokens (mask sum), and the loss's other metrics
+    (the behaviour-policy mismatch against the batch's rollout log-probs among them).
     When the loss, the gradient or the update is not finite, the returned state is the
     old one (its step not advanced).
     """
@@ -379,6 +382,7 @@ class TrainStep:
             jnp.asarray(mb.mask),
             loss_config(self.cfg, max_tokens),
             ref_logp=ref,
+            behav_logp=jnp.asarray(mb.old_logp),  # the rollout's: the mismatch metrics
         )
 
     def _weights(self, mask: jax.Array) -> jax.Array:

@@ -1,0 +1,509 @@
+"""`streamrl eval`: the policy on the held-out split, through rollout's own episode code.
+
+The policy comes from a Hugging Face checkpoint directory (an export, or any checkpoint the
+run's model settings accept) or from a run directory's newest complete checkpoint (its
+trained params, LoRA adapters merged into the base they trained on). Episodes run exactly
+as a rollout worker runs them: the task's agent and environment (`load_episodes`), the
+`EpisodeRunner` with the run's `[rollout]` limits (`max_concurrency` episodes at once),
+the JAX engine behind an `EngineServer`;
+tool calls run in this process through the tool workers' job code and sandbox choice
+(`streamrl.tools.jobs`), without Redis.
+
+Two passes over the held-out split (`streamrl.tasks.heldout`): greedy (top-k 1, one
+episode a task), and with `samples` K > 0, K sampled episodes a task at the run's
+`rollout.temperature`, `top_p`, `top_k`. Each reports (a 95 % interval on every figure;
+`streamrl.evalstats`): solve rate (episodes whose reward reaches `solve_threshold`;
+greedy: pass@1), mean reward, the well-formed tool-call rate (calls that parse, name a
+tool the episode offers and whose arguments fit its schema, of all calls attempted),
+truncation rate (status truncated), error rate (status error or timeout), mean model
+turns and mean sampled tokens per episode. The sampled pass adds pass@k for k = 1, 2,
+4, ... and K (the unbiased estimator). The headline `solve_rate` is the greedy one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from streamrl import evalstats
+from streamrl.agents.base import Action, Agent, Reset, StepResult
+from streamrl.agents.tools import ToolArgumentError, parse_arguments
+from streamrl.chat import ToolCall
+from streamrl.config import Config
+from streamrl.tasks.heldout import HELDOUT_CURSOR, heldout_tasks
+from streamrl.wire import Task, ToolResult, Trajectory
+
+RESULT_SCHEMA = 1
+WORKER = "eval"
+
+
+class EvalError(RuntimeError):
+    """An evaluation that cannot run as asked (checkpoint, baseline); the message says why."""
+
+
+# -- what one episode tells ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One episode's figures."""
+
+    task: int  # index in the held-out split
+    reward: float
+    status: str
+    turns: int
+    tokens: int  # sampled by the policy
+    calls: int  # tool calls attempted
+    wellformed: int  # of which well formed
+    transcript: str = ""  # digest of the episode's token ids
+
+
+class CountingAgent(Agent):
+    """Wraps an episode's agent and counts the tool calls of its actions: attempted, and
+    well formed (parsed, a tool the episode offers, arguments that fit its schema)."""
+
+    def __init__(self, inner: Agent) -> None:
+        self.inner = inner
+        self.schemas: dict[str, dict[str, Any]] = {}
+        self.calls = 0
+        self.wellformed = 0
+
+    def reset(self, reset: Reset) -> None:
+        self.schemas = {
+            t["function"]["name"]: t["function"].get("parameters", {}) for t in reset.tools
+        }
+        self.inner.reset(reset)
+
+    def act(self, text: str) -> Action:
+        action = self.inner.act(text)
+        for c in action.calls:
+            self.calls += 1
+            if isinstance(c, ToolCall) and c.name in self.schemas:
+                try:
+                    parse_arguments(self.schemas[c.name], c.arguments)
+                except ToolArgumentError:
+                    continue
+                self.wellformed += 1
+        return action
+
+    def observe(self, result: StepResult) -> None:
+        self.inner.observe(result)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def outcome(task: int, tr: Trajectory, agent: CountingAgent | None) -> Outcome:
+    return Outcome(
+        task=task,
+        reward=float(tr.reward),
+        status=str(tr.status),
+        turns=len(tr.versions),
+        tokens=int(np.count_nonzero(tr.mask_array())),
+        calls=agent.calls if agent is not None else 0,
+        wellformed=agent.wellformed if agent is not None else 0,
+        transcript=hashlib.blake2b(tr.tokens, digest_size=8).hexdigest(),
+    )
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def _rate(k: int, n: int) -> dict[str, float | int]:
+    return evalstats.wilson(k, n).as_dict()
+
+
+def summarize(outcomes: Sequence[Outcome], solve_threshold: float) -> dict[str, Any]:
+    """The figures of one pass (every episode counts once), each with its 95 % interval."""
+    n = len(outcomes)
+    solved = sum(o.reward >= solve_threshold for o in outcomes)
+    calls = sum(o.calls for o in outcomes)
+    return {
+        "episodes": n,
+        "solve_rate": _rate(solved, n),
+        "reward_mean": evalstats.mean_interval([o.reward for o in outcomes]).as_dict(),
+        "tool_call_wellformed_rate": (
+            _rate(sum(o.wellformed for o in outcomes), calls) if calls else None
+        ),
+        "tool_calls": calls,
+        "truncation_rate": _rate(sum(o.status == "truncated" for o in outcomes), n),
+        "error_rate": _rate(sum(o.status in ("error", "timeout") for o in outcomes), n),
+        "turns_mean": evalstats.mean_interval([float(o.turns) for o in outcomes]).as_dict(),
+        "tokens_mean": evalstats.mean_interval([float(o.tokens) for o in outcomes]).as_dict(),
+        # equal digests: the same token ids in every episode (the same greedy policy)
+        "transcripts_digest": hashlib.sha256(
+            "".join(o.transcript for o in outcomes).encode()
+        ).hexdigest()[:16],
+    }
+
+
+def pass_ks(samples: int) -> list[int]:
+    """The k of the sampled pass's pass@k: powers of two below `samples`, and `samples`."""
+    ks = [1]
+    while ks[-1] * 2 < samples:
+        ks.append(ks[-1] * 2)
+    return ks if ks[-1] == samples else [*ks, samples]
+
+
+def summarize_sampled(
+    outcomes: Sequence[Outcome], tasks: int, samples: int, solve_threshold: float
+) -> dict[str, Any]:
+    """`summarize` plus pass@k over tasks (`samples` episodes each)."""
+    correct = [0] * tasks
+    for o in outcomes:
+        correct[o.task] += o.reward >= solve_threshold
+    out = summarize(outcomes, solve_threshold)
+    out["samples"] = samples
+    out["pass_at_k"] = {
+        str(k): evalstats.pass_at_k_estimate(correct, samples, k).as_dict()
+        for k in pass_ks(samples)
+    }
+    return out
+
+
+def split_digest(tasks: Sequence[Task]) -> str:
+    """A short digest of the split's prompts and answers: equal digests, equal splits."""
+    h = hashlib.sha256()
+    for t in tasks:
+        h.update(json.dumps([t.prompt, t.answer]).encode())
+    return h.hexdigest()[:16]
+
+
+# -- the policy ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    chat: Any  # HFChat
+    spec: Any  # ModelSpec
+    params: Any
+    source: str  # what was evaluated, in words
+    step: int | None  # the trainer step (0: the initial policy; None: a checkpoint directory)
+
+
+def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> LoadedPolicy:
+    """The policy of a checkpoint directory, or of `run_dir`'s newest complete checkpoint
+    (EvalError when there is none, or its params do not fit the run's model), or with
+    neither the policy a run of `cfg` starts from (its checkpoint, warm-started when
+    `model.init` says so)."""
+    from streamrl.hfchat import HFChat
+    from streamrl.model.checkpoint import load_checkpoint
+    from streamrl.model.tiny import ensure_checkpoint
+
+    dtype = _dtype(cfg)
+    if checkpoint is not None:
+        if not checkpoint.is_dir():
+            raise EvalError(f"--checkpoint {checkpoint} does not exist")
+        spec, params = load_checkpoint(checkpoint, dtype)
+        return LoadedPolicy(
+            HFChat.for_model(checkpoint, cfg.model), spec, params, str(checkpoint), None
+        )
+    base_dir = ensure_checkpoint(cfg)
+    chat = HFChat.for_model(base_dir, cfg.model)
+    spec, params = load_checkpoint(base_dir, dtype)
+    if run_dir is None:
+        if cfg.model.init == "warmstart":
+            from streamrl.trainer.warmstart import warmstart_params
+
+            params = warmstart_params(cfg)
+        what = f"{base_dir} ({'warm-started' if cfg.model.init == 'warmstart' else 'as built'})"
+        return LoadedPolicy(chat, spec, params, what, 0)
+    from streamrl import checkpoints as ckpts
+
+    ck = ckpts.latest_complete(run_dir / "checkpoints")
+    if ck is None:
+        raise EvalError(f"--run-dir {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
+    return LoadedPolicy(
+        chat, spec, _trained_params(cfg, ck.state_dir, params), str(ck.path), ck.step
+    )
+
+
+def _dtype(cfg: Config) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def _trained_params(cfg: Config, state_dir: Path, base: Any) -> Any:
+    """The policy params in a trainer checkpoint's Orbax state (`base`: the run's model as
+    its checkpoint has it, the layout they must have), LoRA adapters merged in."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from streamrl.model.lora import apply_lora, init_lora
+    from streamrl.trainer.step import lora_config, make_optimizer
+
+    lora = lora_config(cfg.trainer)
+    # The state's layout as the trainer builds it (shapes only), on this process's first
+    # device: a checkpoint a trainer mesh wrote in shards restores here whole.
+    trained = base if lora is None else jax.eval_shape(lambda b: init_lora(b, lora, 0), base)
+    target = {
+        "params": trained,
+        "opt_state": jax.eval_shape(make_optimizer(cfg.trainer).init, trained),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), target)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        tree = checkpointer.restore(state_dir.resolve(), abstract)
+    except Exception as err:  # any mismatch of layout, a damaged file
+        raise EvalError(
+            f"{state_dir.parent}: cannot restore its trainer state with the run's model, "
+            "optimizer and LoRA settings (evaluate with the run's config): "
+            f"{type(err).__name__}: {err}"
+        ) from None
+    finally:
+        checkpointer.close()
+    params = tree["params"]
+    if lora is not None:
+        if cfg.model.init == "warmstart":  # the base the adapters trained on
+            from streamrl.trainer.warmstart import warmstart_params
+
+            base = warmstart_params(cfg)
+        params = apply_lora(base, params, lora)
+    if _layout(params) != _layout(base):
+        raise EvalError(
+            f"{state_dir.parent}: its params do not have the structure of the run's model; "
+            "evaluate with the run's config"
+        )
+    return jax.tree.map(lambda x: jnp.asarray(x, _dtype(cfg)), params)
+
+
+def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """Each leaf's path and shape: what restored params must share with the model's."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(path), tuple(np.shape(x))) for path, x in leaves]
+
+
+# -- running episodes ----------------------------------------------------------------------
+
+
+class LocalCaller:
+    """Tool calls of the episodes, run by the tool workers' job code in the sandbox
+    `install_sandbox` set up (no Redis, no ledger), on `threads` threads of their own."""
+
+    def __init__(self, cfg: Config, threads: int) -> None:
+        self.time_limit_s = cfg.tools.time_limit_s
+        self.output_cap = cfg.tools.output_cap_bytes
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eval-tool")
+
+    async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+        from streamrl.tools.jobs import execute_call
+
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool,
+            execute_call,
+            call_id,
+            name,
+            arguments,
+            self.time_limit_s,
+            self.output_cap,
+            WORKER,
+        )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def run_pass(
+    cfg: Config,
+    policy: LoadedPolicy,
+    tasks: Sequence[Task],
+    members: int,
+    greedy: bool,
+    log: structlog.stdlib.BoundLogger,
+) -> list[Outcome]:
+    """Every task's `members` episodes on a fresh engine (greedy: top-k 1)."""
+
+    from streamrl.model.engine import Engine, EngineConfig
+    from streamrl.model.sampling import SamplingParams
+    from streamrl.rollout.engine_server import EngineServer
+    from streamrl.rollout.episode import EpisodeRunner
+    from streamrl.tasks.registry import load_episodes
+
+    r = cfg.rollout
+    sampling = (
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
+        if greedy
+        else SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    )
+    engine_cfg = EngineConfig(
+        num_slots=min(r.max_batch_size, r.max_concurrency, len(tasks) * members),
+        kv_cache_size=r.kv_cache_size,
+        max_prompt_length=r.kv_cache_size - 1,
+        max_new_tokens=r.max_turn_tokens,
+        sampling=sampling,
+        stop_ids=tuple(policy.chat.stop_ids),
+        pad_id=policy.chat.pad_id,
+        decode_chunk=r.decode_chunk,
+    )
+    engine = Engine(policy.spec, policy.params, engine_cfg, dtype=_dtype(cfg))
+    server = EngineServer(engine, policy.step or 0, log)
+    runner = EpisodeRunner(server, policy.chat.dialogue, r, cfg.run.seed, WORKER, log)
+    # As many episodes at once as a rollout worker runs (rollout.max_concurrency), each
+    # with a thread for its tool calls: an episode's env_step_timeout_s then measures its
+    # tool call, not a queue no rollout worker would have.
+    caller = LocalCaller(cfg, r.max_concurrency)
+    episodes = load_episodes(cfg, caller)
+    slots = asyncio.Semaphore(r.max_concurrency)
+
+    async def one(index: int, task: Task, member: int) -> Outcome:
+        agents: list[CountingAgent] = []
+
+        def make() -> tuple[Agent, Any]:
+            agent, env = episodes.make(task, member)
+            agents.append(CountingAgent(agent))
+            return agents[-1], env
+
+        async with slots:
+            tr = await runner.run(task, member, make)
+        return outcome(index, tr, agents[0] if agents else None)
+
+    serving = asyncio.create_task(server.serve())
+    try:
+        return list(
+            await asyncio.gather(
+                *(one(i, t, m) for i, t in enumerate(tasks) for m in range(members))
+            )
+        )
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        caller.close()
+
+
+def evaluate(
+    cfg: Config,
+    policy: LoadedPolicy,
+    n: int,
+    samples: int,
+    solve_threshold: float,
+    log: structlog.stdlib.BoundLogger,
+) -> dict[str, Any]:
+    """The result of evaluating `policy` on the first `n` held-out tasks (module doc)."""
+    from streamrl.tools.jobs import close_sandbox, install_sandbox, install_tools, open_sandbox
+    from streamrl.tools.registry import load_tools
+
+    start = time.monotonic()
+    tasks = heldout_tasks(cfg.task, cfg.run.seed, n, max(samples, 1))
+    log.info("eval_start", policy=policy.source, tasks=n, samples=samples)
+    # The tool workers' sandbox choice and tools, in this process (`LocalCaller`).
+    install_tools(load_tools(cfg.tools))
+    install_sandbox(open_sandbox(cfg.tools, cfg.run.name, WORKER, log))
+    try:
+        return _evaluate(cfg, policy, tasks, samples, solve_threshold, log, start)
+    finally:
+        close_sandbox()
+
+
+def _evaluate(
+    cfg: Config,
+    policy: LoadedPolicy,
+    tasks: list[Task],
+    samples: int,
+    solve_threshold: float,
+    log: structlog.stdlib.BoundLogger,
+    start: float,
+) -> dict[str, Any]:
+    n = len(tasks)
+    greedy = asyncio.run(run_pass(cfg, policy, tasks, 1, True, log))
+    result: dict[str, Any] = {
+        "schema": RESULT_SCHEMA,
+        "policy": policy.source,
+        "step": policy.step,
+        "task": cfg.task.name,
+        "seed": cfg.run.seed,
+        "n": n,
+        "samples": samples,
+        "solve_threshold": solve_threshold,
+        "split": {"first_cursor": HELDOUT_CURSOR, "digest": split_digest(tasks)},
+        "greedy": summarize(greedy, solve_threshold),
+        "sampled": None,
+    }
+    if samples:
+        sampled = asyncio.run(run_pass(cfg, policy, tasks, samples, False, log))
+        result["sampled"] = summarize_sampled(sampled, n, samples, solve_threshold)
+    result["solve_rate"] = result["greedy"]["solve_rate"]["value"]
+    result["elapsed_s"] = round(time.monotonic() - start, 3)
+    log.info("eval_done", solve_rate=result["solve_rate"], elapsed_s=result["elapsed_s"])
+    return result
+
+
+# -- the gate ------------------------------------------------------------------------------
+
+
+def read_baseline(path: Path) -> dict[str, Any]:
+    """A stored `streamrl eval --json` result (EvalError when it is not one)."""
+    try:
+        data = json.loads(path.read_text())
+        float(data["solve_rate"])
+        str(data["task"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise EvalError(f"--gate {path}: not a `streamrl eval --json` result: {err}") from None
+    if not isinstance(data, dict):
+        raise EvalError(f"--gate {path}: not a `streamrl eval --json` result")
+    return data
+
+
+def gate_result(
+    result: dict[str, Any], baseline: dict[str, Any], tolerance: float
+) -> evalstats.GateVerdict:
+    """The gate's verdict on `result` against `baseline` (EvalError for another task)."""
+    if baseline["task"] != result["task"]:
+        raise EvalError(
+            f"--gate: the baseline evaluated task {baseline['task']!r}, this run "
+            f"{result['task']!r}: not comparable"
+        )
+    s = result["greedy"]["solve_rate"]
+    current = evalstats.Estimate(s["value"], s["lo"], s["hi"], s["n"])
+    return evalstats.gate(current, float(baseline["solve_rate"]), tolerance)
+
+
+def render(result: dict[str, Any]) -> str:
+    """The result as lines for a person."""
+
+    def est(e: dict[str, Any] | None, pct: bool = True) -> str:
+        if e is None:
+            return "n/a (no tool calls)"
+        if pct:
+            return f"{e['value']:.3f}  [{e['lo']:.3f}, {e['hi']:.3f}]"
+        return f"{e['value']:.2f}  [{e['lo']:.2f}, {e['hi']:.2f}]"
+
+    lines = [
+        f"policy {result['policy']}"
+        + (f" (trainer step {result['step']})" if result["step"] is not None else ""),
+        f"task {result['task']}: {result['n']} held-out tasks "
+        f"(split {result['split']['digest']}), 95% intervals in brackets",
+    ]
+    for name in ("greedy", "sampled"):
+        p = result[name]
+        if p is None:
+            continue
+        head = name if name == "greedy" else f"sampled, {p['samples']} per task"
+        lines.append(f"{head} ({p['episodes']} episodes):")
+        lines.append(f"  solve rate          {est(p['solve_rate'])}")
+        for k, e in p.get("pass_at_k", {}).items():
+            lines.append(f"  pass@{k:<14} {est(e)}")
+        lines.append(f"  mean reward         {est(p['reward_mean'])}")
+        lines.append(f"  well-formed calls   {est(p['tool_call_wellformed_rate'])}")
+        lines.append(f"  truncated           {est(p['truncation_rate'])}")
+        lines.append(f"  errors              {est(p['error_rate'])}")
+        lines.append(f"  mean turns          {est(p['turns_mean'], False)}")
+        lines.append(f"  mean tokens         {est(p['tokens_mean'], False)}")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""`streamrl eval`: the policy's quality on the held-out split, optionally gated.
+
+    streamrl eval --config configs/tiny.toml --run-dir runs/tiny --n 200 --samples 4 --json
+    streamrl eval --checkpoint runs/tiny/export --n 200 --gate baseline.json --tolerance 0.05
+
+Logic in `streamrl.evaluation` (episodes), `streamrl.tasks.heldout` (the split) and
+`streamrl.evalstats` (intervals, pass@k, the gate rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+GATE_RULE = (
+    "--gate fails (exit 1) when the greedy solve rate fell by more than --tolerance below "
+    "the baseline's and its 95% Wilson interval says so: the top of the interval is below "
+    "baseline - tolerance (the baseline's point estimate taken as exact). Exit 0: no gate, "
+    "or it passed; 2: bad arguments, config, checkpoint or baseline; 3: the tool sandbox "
+    "is unavailable."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    e = sub.add_parser(
+        "eval",
+        help="evaluate a policy on the held-out split (solve rate, pass@k, 95%% intervals)",
+        description=__doc__,
+        epilog=GATE_RULE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", type=Path, help="Hugging Face checkpoint directory")
+    which.add_argument(
+        "--run-dir", type=Path, help="run directory: its newest complete trainer checkpoint"
+    )
+    which.add_argument(
+        "--initial",
+        action="store_true",
+        help="the policy a run of --config starts from (model.checkpoint or the built-in "
+        "one, warm-started when model.init = warmstart)",
+    )
+    e.add_argument(
+        "--config",
+        default=None,
+        help="the run's TOML config (task, seed, rollout limits, tools, model); default: "
+        "the built-in defaults. Use the run's own: the held-out split depends on it",
+    )
+    e.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config field (repeatable)",
+    )
+    e.add_argument("--task", default=None, help="task name (task.name) instead of the config's")
+    e.add_argument("--n", type=int, default=100, help="held-out tasks to evaluate (default 100)")
+    e.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also K sampled episodes a task at the rollout's temperature: pass@1..K",
+    )
+    e.add_argument(
+        "--solve-threshold",
+        type=float,
+        default=1.0,
+        help="an episode is solved when its reward reaches this (default 1.0)",
+    )
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.add_argument("--output", type=Path, default=None, help="also write the JSON result here")
+    e.add_argument("--gate", type=Path, default=None, metavar="BASELINE.json",
+                   help="a stored --json result to compare with (see below)")  # fmt: skip
+    e.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="absolute solve-rate drop the gate allows (default 0.05)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from streamrl.config import ConfigError, load_config, parse_config
+    from streamrl.evalstats import EXIT_GATE_FAILED, EXIT_OK, EXIT_SANDBOX, EXIT_USAGE
+
+    def fail(msg: str, code: int = EXIT_USAGE) -> int:
+        print(f"streamrl eval: {msg}", file=sys.stderr)
+        return code
+
+    overrides = list(args.set) + ([f"task.name={args.task}"] if args.task else [])
+    try:
+        if args.config:
+            cfg = load_config(args.config, overrides=overrides)
+        else:
+            cfg = parse_config({}, overrides=overrides)
+    except ConfigError as err:
+        return fail(str(err))
+    if args.n < 1 or args.samples < 0 or not 0.0 <= args.tolerance <= 1.0:
+        return fail("--n must be >= 1, --samples >= 0 and --tolerance in [0, 1]")
+    if cfg.model.kind != "transformer":
+        return fail("model.kind stub has no policy to evaluate")
+
+    from streamrl import evaluation
+    from streamrl.hfchat import ChatError
+    from streamrl.logs import configure_logging
+    from streamrl.model.checkpoint import CheckpointError
+    from streamrl.model.spec import SpecError
+    from streamrl.tools.sandbox import SandboxUnavailableError
+
+    log = configure_logging("eval", stream=sys.stderr, run=cfg.run.name)
+    try:
+        baseline = evaluation.read_baseline(args.gate) if args.gate else None
+        policy = evaluation.load_policy(cfg, args.checkpoint, args.run_dir)
+        result = evaluation.evaluate(cfg, policy, args.n, args.samples, args.solve_threshold, log)
+        verdict = evaluation.gate_result(result, baseline, args.tolerance) if baseline else None
+    except SandboxUnavailableError as err:
+        return fail(f"sandbox unavailable: {err}", EXIT_SANDBOX)
+    except (evaluation.EvalError, ConfigError, ChatError, CheckpointError, SpecError) as err:
+        return fail(str(err))
+    if verdict is not None:
+        result["gate"] = {
+            "baseline": str(args.gate),
+            "baseline_solve_rate": verdict.baseline,
+            "tolerance": verdict.tolerance,
+            "passed": verdict.passed,
+            "reason": verdict.reason,
+        }
+        if baseline is not None and baseline.get("split") != result["split"]:
+            print("streamrl eval: warning: the baseline's held-out split differs "
+                  f"({baseline.get('split')} vs {result['split']})", file=sys.stderr)  # fmt: skip
+    text = json.dumps(result, indent=2)
+    if args.output:
+        args.output.write_text(text + "\n")
+    print(text if args.json else evaluation.render(result))
+    if verdict is not None:
+        print(f"gate {'passed' if verdict.passed else 'FAILED'}: {verdict.reason}", file=sys.stderr)
+        return EXIT_OK if verdict.passed else EXIT_GATE_FAILED
+    return EXIT_OK
