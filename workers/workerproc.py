@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import redis
@@ -25,6 +26,7 @@ from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.identity import Heartbeat, claim_index, default_holder
 from streamrl.logs import redact_url
 from streamrl.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
+from streamrl.tracing import Span
 from streamrl_workers.args import config_arguments
 
 
@@ -79,6 +81,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             liveness_s=cfg.run.liveness_timeout_s,
         ).start(take=args.index != "auto")
         ctx.open_trace()
+        _trace_start(ctx)
     except redis.RedisError as err:  # after the client's retries: Redis is not there
         ctx.log.error("redis_unreachable", error=f"{type(err).__name__}: {err}")
         print(
@@ -110,6 +113,20 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     if code == FATAL_EXIT_CODE:
         exit_fatal()
     return code
+
+
+def _trace_start(ctx: WorkerContext) -> None:
+    """The `worker.start` span: from the trace's opening to the main loop's first turn
+    (model build, warm start, first weights: what the report counts as starting)."""
+    tracer, start_ns = ctx.tracer, time.time_ns()
+    if not tracer.enabled:
+        return
+    track = tracer.track("worker", ctx.worker_id)
+
+    def started() -> None:
+        tracer.span(track, Span.WORKER_START, start_ns, time.time_ns())
+
+    ctx.liveness.on_started = started
 
 
 def wait_for_queues(ctx: WorkerContext) -> None:

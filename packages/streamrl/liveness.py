@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -27,10 +27,17 @@ class Liveness:
         self._last_tick: float | None = None  # monotonic time of the last tick; None: starting
         self._busy: dict[int, float] = {}  # busy steps running now -> their deadlines
         self._next_id = 0
+        # Called once, at the first tick: the worker's start is over (its trace's
+        # `worker.start` span ends there).
+        self.on_started: Callable[[], None] | None = None
 
     def tick(self) -> None:
         """The loop turned once."""
+        first = self._last_tick is None
         self._last_tick = time.monotonic()
+        if first and self.on_started is not None:
+            started, self.on_started = self.on_started, None
+            started()
 
     @contextmanager
     def busy(self, max_s: float | None = None) -> Iterator[None]:

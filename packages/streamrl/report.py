@@ -4,7 +4,7 @@ from its files alone: the workers' trace files (`RUN_DIR/traces/*.pftrace`, merg
 
 The analysis is pure functions, each tested on hand-worked values:
   spans -> intervals per category -> `breakdown` (union per category over a worker's wall
-  time, precedence busy > tools > weight_wait > input_wait, the rest "other");
+  time, precedence starting > busy > tools > weight_wait > input_wait, the rest "other");
   counter samples -> `slope` over the run's second half -> `bottleneck` (the stage whose
   input queue grows fastest, else the worker idle the least).
 The plots are built by `figures` as matplotlib `Figure`s (Agg, no pyplot state), so a test
@@ -41,9 +41,10 @@ QUEUE_COUNTER = re.compile(r"^queue\.(?P<stream>[\w-]+)\.(?P<kind>depth|lag)$")
 CONSUMER = {"tasks": "rollout", "trajectories": "grouper", "groups": "trainer", "tools": "tools"}
 
 # The time breakdown: span name -> category, and the order a moment is claimed in.
-CATEGORIES = ("busy", "input_wait", "weight_wait", "tools", "other")
-PRECEDENCE = ("busy", "tools", "weight_wait", "input_wait")
+CATEGORIES = ("starting", "busy", "input_wait", "weight_wait", "tools", "other")
+PRECEDENCE = ("starting", "busy", "tools", "weight_wait", "input_wait")
 _SPAN_CATEGORY = {
+    "worker.start": "starting",
     "model.decode": "busy",
     "tool.exec": "busy",
     "train.step": "busy",
@@ -204,10 +205,10 @@ def bottleneck(
                 f"its input queue `{q.stream}` grew {q.slope_per_min:+.1f} entries/min over the "
                 f"run's second half (+{q.rise:.0f} entries), the fastest-growing queue",
             )
-    busy = {
+    busy = {  # of the time after its start (a warm start is not the steady state)
         w: b["busy"] / total
         for w, b in breakdowns.items()
-        if (total := sum(b.values())) > 0 and b["busy"] > 0
+        if (total := sum(b.values()) - b.get("starting", 0.0)) > 0 and b["busy"] > 0
     }
     if not busy:
         return None
@@ -216,7 +217,8 @@ def bottleneck(
     return Bottleneck(
         stage_of(worker),
         worker,
-        f"{worker} is idle the least: busy {busy[worker]:.0%} of its wall time ({grew})",
+        f"{worker} is idle the least: busy {busy[worker]:.0%} of its wall time after its "
+        f"start ({grew})",
     )
 
 
@@ -436,6 +438,7 @@ def _queue_plot(data: RunData) -> Plot:
 
 
 COLORS = {
+    "starting": "#495057",
     "busy": "#2b8a3e",
     "input_wait": "#e8590c",
     "weight_wait": "#7048e8",
@@ -700,7 +703,8 @@ def render_markdown(data: RunData, plots: Sequence[Plot], title: str) -> str:
         "## Time per worker",
         "",
         "Union of spans per category over the worker's wall time (first to last event), "
-        "precedence busy > tools > weight_wait > input_wait; the rest is other.",
+        "precedence starting > busy > tools > weight_wait > input_wait; the rest is other "
+        "(starting: from the worker's first event to its main loop's first turn).",
         "",
         *_breakdown_lines(breakdowns),
         "",

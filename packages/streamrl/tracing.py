@@ -97,6 +97,7 @@ class Span:
     CHECKPOINT_SNAPSHOT = "checkpoint.snapshot"  # the queues' snapshot at the cut
     CHECKPOINT_SAVE = "checkpoint.save"  # the Orbax save of the state
     CHECKPOINT_COMMIT = "checkpoint.commit"  # meta, marker, the groups acknowledged
+    WORKER_START = "worker.start"  # trace open .. the main loop's first turn (model, warm start)
 
     ALL = (
         EPISODE,
@@ -117,6 +118,7 @@ class Span:
         CHECKPOINT_SNAPSHOT,
         CHECKPOINT_SAVE,
         CHECKPOINT_COMMIT,
+        WORKER_START,
     )
 
 

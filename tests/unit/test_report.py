@@ -52,9 +52,12 @@ def test_breakdown_unions_each_category_and_applies_precedence() -> None:
             clipped to 9.5..10 (0.5 s): 4.5 s
     tools:  tool.wait 4..7, less busy 1..5 -> 5..7: 2 s
     weight: weights.lock_wait 6..8, less tools 5..7 -> 7..8: 1 s
-    input:  rollout.input_wait 0..2 and 7.5..9, less 1..8 -> 0..1 and 8..9: 2 s
-    other:  10 - 4.5 - 2 - 1 - 2 = 0.5 s (9..9.5); the episode span 0..10 counts for nothing."""
+    starting: worker.start 0..0.5 (first in precedence): 0.5 s
+    input:  rollout.input_wait 0..2 and 7.5..9, less 0..0.5 and 1..8 -> 0.5..1 and 8..9: 1.5 s
+    other:  10 - 0.5 - 4.5 - 2 - 1 - 1.5 = 0.5 s (9..9.5); the episode span 0..10 counts for
+            nothing."""
     spans = [
+        ("worker.start", 0.0, 0.5),
         ("episode", 0.0, 10.0),
         ("train.step", 1.0, 4.0),
         ("train.step", 3.0, 5.0),
@@ -66,13 +69,21 @@ def test_breakdown_unions_each_category_and_applies_precedence() -> None:
     ]
     got = breakdown(spans, (0.0, 10.0))
     assert got == pytest.approx(
-        {"busy": 4.5, "tools": 2.0, "weight_wait": 1.0, "input_wait": 2.0, "other": 0.5}
+        {
+            "starting": 0.5,
+            "busy": 4.5,
+            "tools": 2.0,
+            "weight_wait": 1.0,
+            "input_wait": 1.5,
+            "other": 0.5,
+        }
     )
     assert sum(got.values()) == pytest.approx(10.0)
 
 
 def test_breakdown_of_a_worker_without_spans_is_all_other() -> None:
     assert breakdown([], (2.0, 5.0)) == {
+        "starting": 0.0,
         "busy": 0.0,
         "input_wait": 0.0,
         "weight_wait": 0.0,
@@ -131,7 +142,7 @@ def test_bottleneck_falls_back_to_the_worker_idle_the_least() -> None:
     assert bottleneck(trends, breakdowns) == Bottleneck(
         "trainer",
         "trainer-0",
-        "trainer-0 is idle the least: busy 80% of its wall time "
+        "trainer-0 is idle the least: busy 80% of its wall time after its start "
         "(no queue grew over the run's second half)",
     )
 
@@ -225,8 +236,8 @@ def test_report_of_a_synthetic_run(tmp_path: Path) -> None:
     assert "**trainer**: its input queue `groups` grew +15.0 entries/min" in md
     for name in names:
         assert f"]({name}.png)" in md
-    assert "| trainer-0 | 120.0 | 55% | 40% | 0% | 0% | 5% |" in md
-    assert "| rollout-0 | 120.0 | 90% | 0% | 5% | 5% | 0% |" in md
+    assert "| trainer-0 | 120.0 | 0% | 55% | 40% | 0% | 0% | 5% |" in md
+    assert "| rollout-0 | 120.0 | 0% | 90% | 0% | 5% | 5% | 0% |" in md
     assert "| feeder-0 | 120.0 |" not in md  # counters alone: nothing known of its time
     assert "| tool.exec | 24 |" in md
     assert "| trainer steps | 12 | summary.json |" in md
