@@ -1,0 +1,93 @@
+"""`rollout.mode = "sync"` end to end with the stub policy: the on-policy loop of classic
+GRPO in the same pipeline. Each step trains only trajectories sampled by the version it
+trains against, and groups the grouper drops are replaced by new tasks of the same version
+(no deadlock waiting for a full step). The same run in `async` mode shows a policy lag, so
+the sync assertions can fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_plugins_up import STUB, WITH_TESTS
+from tests.e2e.test_up import summary_of, up
+from tests.helpers import committed_trajectories
+
+pytestmark = pytest.mark.e2e
+
+STEPS, PER_STEP = 8, 4
+
+
+def _events(path: Path, name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in (json.loads(line) for line in path.read_text().splitlines() if line[:1] == "{")
+        if e.get("event") == name
+    ]
+
+
+def _run(tmp_path: Path, mode: str) -> Path:
+    stub = STUB.read_text()  # the stub policy's config without the synthetic task's options
+    config = tmp_path / "tied.toml"
+    config.write_text(stub[: stub.index("[task.options]")] + stub[stub.index("[model]") :])
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        STEPS,
+        'task.name="tests.plugin_fixtures:TiedTask"',  # a third of the groups tie
+        f'rollout.mode="{mode}"',
+        'grouper.zero_variance="drop"',
+        f"trainer.groups_per_step={PER_STEP}",
+        "trainer.checkpoint_every=4",
+        config=config,
+        env=WITH_TESTS,
+    )
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    return run_dir
+
+
+@pytest.mark.timeout(180)
+def test_sync_mode_trains_every_trajectory_on_policy(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path, "sync")
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == s["policy_version"] == STEPS
+    assert s["groups_trained"] == STEPS * PER_STEP
+    assert s["groups_dropped"] > 0  # the tied groups: dropped, replaced, no deadlock
+    logs = run_dir / "logs"
+    steps = _events(logs / "trainer-0.log", "train_step")
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    assert [e["max_policy_lag"] for e in steps] == [0] * STEPS
+    # Step n trains on version n - 1, every turn of every trajectory sampled by it.
+    trained_by = {g: e["version"] for e in steps for g in e["group_ids"]}
+    assert [e["version"] for e in steps] == list(range(STEPS))
+    trajectories = committed_trajectories(logs / "rollout-0.log")
+    trained = [t for t in trajectories if t["traj_id"].rpartition("-m")[0] in trained_by]
+    assert len(trained) == STEPS * PER_STEP * 4
+    for t in trained:
+        version = trained_by[t["traj_id"].rpartition("-m")[0]]
+        assert t["versions"] and set(t["versions"]) == {version}, t
+    # Each batch: a step's groups plus one task for each group dropped, all of one version
+    # (the run ends in batch STEPS, whose end is never logged).
+    batches = _events(logs / "rollout-0.log", "sync_batch_done")
+    assert [b["version"] for b in batches] == list(range(STEPS))
+    assert all(b["tasks"] - b["dropped"] == PER_STEP for b in batches), batches
+    assert 0 < sum(b["dropped"] for b in batches) <= s["groups_dropped"]
+    per_version: dict[int, int] = {}
+    for t in trajectories:
+        assert len(set(t["versions"])) == 1, t  # no turn sampled by another version
+        per_version[t["versions"][0]] = per_version.get(t["versions"][0], 0) + 1
+    assert [per_version[b["version"]] for b in batches] == [4 * b["tasks"] for b in batches]
+
+
+@pytest.mark.timeout(180)
+def test_async_mode_runs_ahead_of_the_trainer(tmp_path: Path) -> None:
+    """The control: the same run in the default mode trains some groups sampled by older
+    versions (rollout does not wait for the trainer)."""
+    run_dir = _run(tmp_path, "async")
+    steps = _events(run_dir / "logs" / "trainer-0.log", "train_step")
+    assert len(steps) == STEPS
+    assert max(e["max_policy_lag"] for e in steps) > 0
