@@ -29,7 +29,7 @@ def _events(path: Path, name: str) -> list[dict[str, Any]]:
     ]
 
 
-def _run(tmp_path: Path, mode: str) -> Path:
+def _run(tmp_path: Path, mode: str, *sets: str) -> Path:
     stub = STUB.read_text()  # the stub policy's config without the synthetic task's options
     config = tmp_path / "tied.toml"
     config.write_text(stub[: stub.index("[task.options]")] + stub[stub.index("[model]") :])
@@ -42,6 +42,7 @@ def _run(tmp_path: Path, mode: str) -> Path:
         'grouper.zero_variance="drop"',
         f"trainer.groups_per_step={PER_STEP}",
         "trainer.checkpoint_every=4",
+        *sets,
         config=config,
         env=WITH_TESTS,
     )
@@ -51,20 +52,25 @@ def _run(tmp_path: Path, mode: str) -> Path:
 
 
 @pytest.mark.timeout(180)
-def test_sync_mode_trains_every_trajectory_on_policy(tmp_path: Path) -> None:
-    run_dir = _run(tmp_path, "sync")
+@pytest.mark.parametrize("colocated", [False, True], ids=["workers", "colocated"])
+def test_sync_mode_trains_every_trajectory_on_policy(tmp_path: Path, colocated: bool) -> None:
+    """Apart, and in the colocated worker (which alternates its phases on the devices but,
+    in async mode, samples on between the steps)."""
+    run_dir = _run(tmp_path, "sync", f"run.colocated={str(colocated).lower()}")
     s = summary_of(run_dir)
     assert s["trainer_steps"] == s["policy_version"] == STEPS
     assert s["groups_trained"] == STEPS * PER_STEP
     assert s["groups_dropped"] > 0  # the tied groups: dropped, replaced, no deadlock
     logs = run_dir / "logs"
-    steps = _events(logs / "trainer-0.log", "train_step")
+    trainer_log = logs / ("colocated-0.log" if colocated else "trainer-0.log")
+    rollout_log = logs / ("colocated-0.log" if colocated else "rollout-0.log")
+    steps = _events(trainer_log, "train_step")
     assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
     assert [e["max_policy_lag"] for e in steps] == [0] * STEPS
     # Step n trains on version n - 1, every turn of every trajectory sampled by it.
     trained_by = {g: e["version"] for e in steps for g in e["group_ids"]}
     assert [e["version"] for e in steps] == list(range(STEPS))
-    trajectories = committed_trajectories(logs / "rollout-0.log")
+    trajectories = committed_trajectories(rollout_log)
     trained = [t for t in trajectories if t["traj_id"].rpartition("-m")[0] in trained_by]
     assert len(trained) == STEPS * PER_STEP * 4
     for t in trained:
@@ -72,7 +78,7 @@ def test_sync_mode_trains_every_trajectory_on_policy(tmp_path: Path) -> None:
         assert t["versions"] and set(t["versions"]) == {version}, t
     # Each batch: a step's groups plus one task for each group dropped, all of one version
     # (the run ends in batch STEPS, whose end is never logged).
-    batches = _events(logs / "rollout-0.log", "sync_batch_done")
+    batches = _events(rollout_log, "sync_batch_done")
     assert [b["version"] for b in batches] == list(range(STEPS))
     assert all(b["tasks"] - b["dropped"] == PER_STEP for b in batches), batches
     assert 0 < sum(b["dropped"] for b in batches) <= s["groups_dropped"]

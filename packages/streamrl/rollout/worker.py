@@ -7,7 +7,9 @@ wait for each other's Redis round trips:
 
 - the reader takes as many tasks as the free slots hold (plus one task read ahead) in one
   XREADGROUP, unless rollout is backpressured (too many groups wait for the trainer or are
-  half filled; read before each batch) or a weight sync holds the follower's lock;
+  half filled; read before each batch) or a weight sync holds the follower's lock; in
+  `rollout.mode = "sync"`, no more than the batch of the version served allows
+  (`SyncBatches`);
 - the starter starts waiting members as slots free, one at a time if need be: a task's
   members need not start together (those that do share their prompt's prefill);
 - each episode, when it ends, puts its trajectory in the outbox;
