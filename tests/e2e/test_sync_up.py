@@ -97,3 +97,37 @@ def test_async_mode_runs_ahead_of_the_trainer(tmp_path: Path) -> None:
     steps = _events(run_dir / "logs" / "trainer-0.log", "train_step")
     assert len(steps) == STEPS
     assert max(e["max_policy_lag"] for e in steps) > 0
+
+
+@pytest.mark.timeout(900)
+def test_sync_mode_with_the_tiny_model(tmp_path: Path, warm_cache: str) -> None:
+    """The real engine and trainer (configs/tiny.toml): its episodes' turns are tagged by
+    the engine with the version that decoded them, and each step trains only its version's
+    (groups whose rewards tie are dropped and replaced, as the arithmetic task gives)."""
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        3,
+        f'model.cache_dir="{warm_cache}"',
+        'rollout.mode="sync"',
+        'grouper.zero_variance="drop"',
+    )
+    out, _ = proc.communicate(timeout=850)
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == s["policy_version"] == 3
+    logs = run_dir / "logs"
+    steps = _events(logs / "trainer-0.log", "train_step")
+    assert [(e["version"], e["max_policy_lag"]) for e in steps] == [(0, 0), (1, 0), (2, 0)]
+    trained_by = {g: e["version"] for e in steps for g in e["group_ids"]}
+    trained = [
+        t
+        for t in committed_trajectories(logs / "rollout-0.log")
+        if t["traj_id"].rpartition("-m")[0] in trained_by
+    ]
+    assert len(trained) == 3 * 4 * 4
+    for t in trained:
+        assert set(t["versions"]) == {trained_by[t["traj_id"].rpartition("-m")[0]]}, t
+    batches = _events(logs / "rollout-0.log", "sync_batch_done")
+    assert [b["version"] for b in batches] == [0, 1, 2]
+    assert all(b["tasks"] - b["dropped"] == 4 for b in batches), batches
