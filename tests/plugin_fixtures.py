@@ -48,6 +48,16 @@ class EchoTask(api.TaskDef[EchoOptions]):
         return float(ctx.member)  # rewards differ within a group
 
 
+class TiedTask(EchoTask):
+    """Every third prompt (index 0, 3, 6, ...) gives all its members reward 1.0: a group
+    of equal rewards, which `grouper.zero_variance = "drop"` drops; the others' rewards
+    differ within a group."""
+
+    def reward(self, answer: str | None, calls: list[api.ToolRecord], ctx: api.EpisodeContext):
+        index = int(ctx.task.prompt.rsplit(" ", 1)[-1])
+        return 1.0 if index % 3 == 0 else float(ctx.member)
+
+
 class RaisingEnvironment(EchoEnvironment):
     async def step(self, action: api.Action, call_prefix: str) -> api.StepResult:
         raise RuntimeError("environment exploded")

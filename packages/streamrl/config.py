@@ -399,6 +399,19 @@ class ModelConfig(_Section):
 
 class RolloutConfig(_Section):
     num_workers: int = Field(1, ge=1, le=256, description="Rollout worker processes.")
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description=(
+            "`async`: rollout runs ahead of the trainer, bounded by backpressure and "
+            "grouper.off_policy_steps. `sync`: the on-policy loop of classic GRPO, a batch "
+            "per policy version: rollout starts tasks with the version it serves while "
+            "started tasks less dropped groups stay below trainer.groups_per_step (a dropped "
+            "group is replaced by another task), then starts nothing until the trainer has "
+            "trained that step and published the next version; every trajectory is trained "
+            "by the version that sampled it (policy lag 0). Needs rollout.num_workers = 1 "
+            "and trainer.publish_every = 1."
+        ),
+    )
     num_generations: int = Field(
         4, ge=2, le=1024, description="Episodes per task (the GRPO group size)."
     )
@@ -1058,6 +1071,23 @@ class Config(_Section):
             raise ValueError(
                 f"trainer.mesh_data x trainer.mesh_fsdp ({t.mesh_data * t.mesh_fsdp} devices) "
                 f"must span all trainer.num_processes ({t.num_processes}): a multiple of it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sync_rollout(self) -> Config:
+        if self.rollout.mode != "sync":
+            return self
+        if self.rollout.num_workers != 1:
+            raise ValueError(
+                f'rollout.mode = "sync" needs rollout.num_workers = 1 (not '
+                f"{self.rollout.num_workers}): one worker counts each batch's tasks"
+            )
+        if self.trainer.publish_every != 1:
+            raise ValueError(
+                f'rollout.mode = "sync" needs trainer.publish_every = 1 (not '
+                f"{self.trainer.publish_every}): rollout waits for a new version after "
+                "every step"
             )
         return self
 

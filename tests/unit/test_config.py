@@ -115,3 +115,20 @@ def test_importance_correction_needs_the_trainers_own_ratio() -> None:
     assert not parse_config({"trainer": {"use_rollout_logps": False}}).trainer.needs_rollout_logps
     with pytest.raises(ConfigError, match=r"trainer.importance_cap"):
         parse_config({"trainer": {"importance_cap": 1.0}})
+
+
+def test_sync_rollout_needs_one_worker_and_a_version_per_step() -> None:
+    assert parse_config({}).rollout.mode == "async"
+    with pytest.raises(ConfigError, match=r"field `rollout.mode`: Input should be 'async' or"):
+        parse_config({"rollout": {"mode": "lockstep"}})
+    with pytest.raises(
+        ConfigError, match=r'rollout.mode = "sync" needs rollout.num_workers = 1 \(not 2\)'
+    ):
+        parse_config({"rollout": {"mode": "sync", "num_workers": 2}})
+    with pytest.raises(
+        ConfigError, match=r'rollout.mode = "sync" needs trainer.publish_every = 1 \(not 3\)'
+    ):
+        parse_config({"rollout": {"mode": "sync"}, "trainer": {"publish_every": 3}})
+    assert parse_config({"rollout": {"num_workers": 2}, "trainer": {"publish_every": 3}})
+    both = parse_config({"rollout": {"mode": "sync"}, "run": {"colocated": True}})
+    assert both.rollout.mode == "sync" and both.run.colocated

@@ -7,7 +7,9 @@ wait for each other's Redis round trips:
 
 - the reader takes as many tasks as the free slots hold (plus one task read ahead) in one
   XREADGROUP, unless rollout is backpressured (too many groups wait for the trainer or are
-  half filled; read before each batch) or a weight sync holds the follower's lock;
+  half filled; read before each batch) or a weight sync holds the follower's lock; in
+  `rollout.mode = "sync"`, no more than the batch of the version served allows
+  (`SyncBatches`);
 - the starter starts waiting members as slots free, one at a time if need be: a task's
   members need not start together (those that do share their prompt's prefill);
 - each episode, when it ends, puts its trajectory in the outbox;
@@ -78,6 +80,7 @@ from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_stat
 BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
 EPISODES_RESUMED = "episodes_resumed"  # stats counter: episodes resumed from a turn boundary
 RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool time not redone
+GROUPS_STALE = "trainer_groups_stale"  # stats: groups the trainer dropped as stale (its own)
 LOG_ROWS = 32  # trajectories per `trajectories_committed` log line (a line stays ~6 KB)
 # A read that brought tasks within this long did not wait for input (a round trip); one
 # that took longer, or brought none, is a `rollout.input_wait` span.
@@ -136,6 +139,67 @@ class Backpressure:
             self.paused_since = None
             self.log.info("backpressure_resumed", paused_s=round(paused_s, 3))
         return why is not None
+
+
+class SyncBatches:
+    """`rollout.mode = "sync"`: one batch of tasks per policy version, the on-policy loop.
+
+    A batch is the tasks this worker starts while it serves one version. It may start a
+    task while `started - dropped < trainer.groups_per_step`, `dropped` being the groups of
+    the batch that will never be trained: those the groupers dropped (zero variance, too
+    few valid members, a timeout; `groups_dropped`) and those the trainer dead-lettered
+    (`groups_set_aside` less its stale drops, already in `groups_dropped`), counted since
+    the batch began. So the batch emits at most a step's worth of groups, and a dropped
+    group is replaced by a new task of the same version until the trainer has its step;
+    the trainer then publishes the next version, whose load begins the next batch. When
+    the trainer takes its last group of the step every task of the batch has ended: no
+    episode runs during the load, and every trajectory is trained by the version that
+    sampled it. A re-run task (its group's missing members) belongs to a task counted
+    already and is not counted again."""
+
+    def __init__(
+        self,
+        aclient: aioredis.Redis,
+        keys: Keys,
+        cfg: Config,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.aclient = aclient
+        self.keys = keys
+        self.size = cfg.trainer.groups_per_step
+        self.log = log
+        self.version = -1  # the version the batch is sampled with (-1: none yet)
+        self.started = 0  # tasks started in the batch
+        self.dropped_at_start = 0
+        self.batches = 0
+
+    async def _dropped(self) -> int:
+        """Groups dropped or dead-lettered in the run so far (stats)."""
+        raw: Any = await self.aclient.hmget(
+            self.keys.stats, ["groups_dropped", GROUPS_SET_ASIDE, GROUPS_STALE]
+        )
+        dropped, aside, stale = (int(v or 0) for v in raw)
+        return dropped + aside - stale
+
+    async def room(self, version: int) -> int:
+        """Tasks that may start now with `version` (the one served); a new version begins
+        a new batch."""
+        dropped = await self._dropped()
+        if version != self.version:
+            if self.version >= 0:
+                self.log.info(
+                    "sync_batch_done",
+                    version=self.version,
+                    tasks=self.started,
+                    dropped=dropped - self.dropped_at_start,
+                )
+            self.version, self.started, self.dropped_at_start = version, 0, dropped
+            self.batches += 1
+        return self.size - (self.started - (dropped - self.dropped_at_start))
+
+    def count(self, deliveries: list[Delivery[Task]]) -> None:
+        """Count the tasks just read (not the re-runs) as started in the batch."""
+        self.started += sum(d.msg.members is None for d in deliveries)
 
 
 # KEYS: the task stream. ARGV: consumer group, consumer, entry ids.
@@ -209,6 +273,7 @@ class RolloutWorker:
             client, keys, keys.tasks, keys.CG_ROLLOUT, consumer, Task, cfg.transport, log
         )
         self.backpressure = Backpressure(aclient, keys, cfg, log)
+        self.sync = SyncBatches(aclient, keys, cfg, log) if cfg.rollout.mode == "sync" else None
         self._on_cluster = is_cluster(client)
         r = cfg.rollout
         self.threads = threads or WorkerThreads(r.env_threads or r.max_concurrency)
@@ -323,8 +388,17 @@ class RolloutWorker:
             if not self._starting():
                 return
             count = -(-self._room() // n)  # whole tasks, rounded up
+            if self.sync is not None:
+                count = min(count, await self.sync.room(self.follower.loaded_version))
+                # The batch is out (wait for the trainer's next version), or a version
+                # loads (its batch begins once it is served).
+                if count <= 0 or not self.follower.lock.is_open:
+                    await asyncio.sleep(BACKPRESSURE_POLL_S)
+                    continue
             read_ns = time.time_ns()
             deliveries = await self._read(count)
+            if self.sync is not None:
+                self.sync.count(deliveries)
             read_end = time.time_ns()
             if not deliveries or read_end - read_ns >= INPUT_WAIT_MIN_NS:
                 self.tracer.span(self._reader_track, Span.ROLLOUT_INPUT_WAIT, read_ns, read_end)
