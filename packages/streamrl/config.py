@@ -466,6 +466,17 @@ class RolloutConfig(_Section):
     episode_timeout_s: float = Field(
         60.0, gt=0, le=86400, description="Wall-clock limit of one episode."
     )
+    model_call_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        le=86400,
+        description=(
+            "Limit of one model call, from the episode's request to its result (waiting "
+            "for the engine included): a call past it is cancelled, its engine slot freed, "
+            "and the episode ends with status timeout. 0: none of its own (the episode's "
+            "limit applies). Leave room for the first call's compilation."
+        ),
+    )
     env_step_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -279,3 +279,62 @@ def test_resume_on_the_real_engine(setup: Any) -> None:
     assert resumed.tokens == whole.tokens and resumed.loss_mask == whole.loss_mask
     assert resumed.logprobs[: len(first.logprobs)] == first.logprobs
     assert [s.turn for s in states] == [1, 2, 2]  # the resumed run saved its turn 2 only
+
+
+def test_a_model_call_past_its_limit_ends_its_episode_as_a_timeout(setup: Any) -> None:
+    """The engine held on purpose (no decoding): a call that outlives
+    `rollout.model_call_timeout_s` is cancelled and its episode ends with status timeout,
+    long before the episode's own limit; once the engine decodes again its slot is free
+    and the next episode runs (issue 18, model-call timeout)."""
+    cfg, chat, spec, params = setup
+    log = structlog.get_logger()
+    engine = Engine(
+        spec,
+        params,
+        EngineConfig(
+            num_slots=2,
+            kv_cache_size=256,
+            max_prompt_length=255,
+            max_new_tokens=16,
+            sampling=GREEDY,
+            stop_ids=tuple(chat.stop_ids),
+            pad_id=chat.pad_id,
+            decode_chunk=4,
+        ),
+    )
+    server = EngineServer(engine, 7, log)
+    rollout = cfg.rollout.model_copy(
+        update={"model_call_timeout_s": 0.5, "episode_timeout_s": 60.0}
+    )
+    runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
+    warm = EpisodeRunner(server, chat.dialogue, cfg.rollout, 0, "test", log)  # no call limit
+
+    async def go() -> tuple[Trajectory, Trajectory, float]:
+        serving = asyncio.create_task(server.serve())
+        try:
+            # The engine's compilations first (a first call outlives 0.5 s on its own).
+            await warm.run(scripted_task(2, "scripted"), 0, functools.partial(_same, ScriptedEnv()))
+            server.hold()
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            stuck = await runner.run(
+                scripted_task(0, "scripted"), 0, functools.partial(_same, ScriptedEnv())
+            )
+            took = loop.time() - start
+            server.release()
+            after = await runner.run(
+                scripted_task(1, "scripted"), 0, functools.partial(_same, ScriptedEnv())
+            )
+            return stuck, after, took
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+
+    with structlog.testing.capture_logs() as logs:
+        stuck, after, took = asyncio.run(go())
+    assert stuck.status == "timeout" and stuck.reward == 0.0
+    assert stuck.error == "model call exceeded rollout.model_call_timeout_s (0.5s)"
+    assert took < 10.0  # the call's limit, not the episode's 60 s
+    assert [e["traj_id"] for e in logs if e["event"] == "model_call_timeout"] == [stuck.traj_id]
+    assert after.status == "ok" and after.reward == 1.0
+    assert not engine.has_work() and not server._calls  # the cancelled call's slot was freed

@@ -60,6 +60,10 @@ class EpisodeError(RuntimeError):
     """An episode that cannot go on; the message becomes the trajectory's `error`."""
 
 
+class ModelCallTimeoutError(RuntimeError):
+    """A model call outlived `rollout.model_call_timeout_s`: the episode ends as a timeout."""
+
+
 def traj_id(task: Task, member: int) -> str:
     return f"{task.group_id}-m{member}"
 
@@ -146,6 +150,9 @@ class EpisodeRunner:
         except TimeoutError:
             st.status, st.reward = "timeout", 0.0
             st.error = f"episode exceeded episode_timeout_s ({self.cfg.episode_timeout_s:g}s)"
+        except ModelCallTimeoutError as err:
+            st.status, st.reward, st.error = "timeout", 0.0, str(err)
+            self.log.warning("model_call_timeout", traj_id=tid, error=st.error)
         except Exception as err:
             st.status, st.reward = "error", 0.0
             st.error = f"{type(err).__name__}: {err}"
@@ -223,7 +230,7 @@ class EpisodeRunner:
             t0 = time.monotonic()
             called_ns = time.time_ns()
             async with self._model_slots:
-                result, version = await self.server.generate(request)
+                result, version = await self._generate(request)
             st.model_s += time.monotonic() - t0
             self._trace_model_call(st.track, called_ns, result.started_ns)
             sampled_from = len(tr)
@@ -330,6 +337,20 @@ class EpisodeRunner:
             saved_model_s=round(saved.model_s, 4),
             saved_env_s=round(saved.env_s, 4),
         )
+
+    async def _generate(self, request: GenRequest) -> tuple[GenResult, int]:
+        """One model call, within `model_call_timeout_s` if set. Cancelled past it: the
+        engine server frees the call's slot (at its next chunk boundary)."""
+        limit = self.cfg.model_call_timeout_s
+        if not limit:
+            return await self.server.generate(request)
+        try:
+            async with asyncio.timeout(limit):
+                return await self.server.generate(request)
+        except TimeoutError:
+            raise ModelCallTimeoutError(
+                f"model call exceeded rollout.model_call_timeout_s ({limit:g}s)"
+            ) from None
 
     async def _env_step(self, env: Environment, action: Action, call_prefix: str) -> StepResult:
         try:
