@@ -131,7 +131,6 @@ def test_up_trains_lora_adapters_and_syncs_them_through_redis(
     assert proc.returncode == 0, out
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 3 and s["policy_version"] == 3
-    assert s["max_trajectory_policy_version"] >= 1  # rollout served merged adapters
     assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
     published = [
         json.loads(line)
@@ -143,6 +142,15 @@ def test_up_trains_lora_adapters_and_syncs_them_through_redis(
     assert max(e["nbytes"] for e in published[1:]) < published[0]["nbytes"] / 10
     rollout = (run_dir / "logs" / "rollout-0.log").read_text()
     assert '"weights_refused"' not in rollout or '"weights_refused": 0' in rollout
+    # Rollout merged the adapters and served them. (Not "a trajectory of version >= 1":
+    # in flight tasks may fill all 3 steps with version 0 before the first adapters load,
+    # a race the trainer's first compile decides; a CI run on loaded cores lost it.)
+    loaded = [
+        json.loads(line)
+        for line in rollout.splitlines()
+        if line.startswith("{") and '"weights_loaded"' in line
+    ]
+    assert any(e["version"] >= 1 and e.get("kind") == "lora" for e in loaded), loaded
     assert_nothing_left(s)
 
 
