@@ -226,7 +226,7 @@ def test_a_redis_that_fails_for_good_still_leaves_a_summary(tmp_path: Path) -> N
     with exit code 1 and the documented summary.json, its counters the last the launcher
     read (review code-86b402d, 4: a traceback and no summary before)."""
     run_dir = tmp_path / "run"
-    proc = up(run_dir, 100_000, "run.max_restarts=0", config=STUB)
+    proc = up(run_dir, 100_000, "run.max_restarts=0", "run.trainer_stop_timeout_s=5", config=STUB)
     try:
         _wait_for_steps(run_dir / "logs", 2)
         time.sleep(11)  # a progress read (every 10 s) after the first steps
