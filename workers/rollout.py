@@ -50,6 +50,7 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
         stop_ids=tuple(chat.stop_ids),
         pad_id=chat.pad_id,
         decode_chunk=r.decode_chunk,
+        kv_reuse=r.kv_reuse,
     )
     mesh = make_mesh(r.mesh_data, r.mesh_tensor) if r.mesh_data * r.mesh_tensor > 1 else None
     return chat, Engine(spec, params, engine_cfg, dtype=dtype, mesh=mesh)
