@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamrl.model.engine import Engine, EngineConfig
+from streamrl.model.engine import Engine, EngineConfig, suffix_bucket
 from streamrl.model.llm import init_params
 from streamrl.model.sampling import GenRequest, GenResult
 from tests.unit.test_engine import PARAMS, SAMPLING, SPEC, STOP, prompt, reference_logprobs
@@ -210,13 +210,14 @@ def test_suffix_prefills_compile_a_bounded_set_of_shapes() -> None:
     """Without stop tokens every turn samples TURN tokens, so the same schedule replays
     exactly: the second run (other tokens, same lengths) compiles nothing, and prefills
     compiled at most one program per (rows, length) bucket: rows 1, 2, 4 (max_prefill 4)
-    times whole-prompt lengths 64, 128, 160 and suffix lengths 16, 32, 64, 128, 160."""
+    times whole-prompt lengths 64, 128, 160 and suffix lengths 16, 24, 32, 48, 64, 96,
+    128, 160 (the slot's length caps the last)."""
     e = make_engine(True, slots=3, stop=())
     turns = 8
     group = sessions(2, 5, turns)
     play(e, group, turns)
     first = dict(e.compile_counts)
-    assert first["prefill"] <= 3 * (3 + 5)
+    assert first["prefill"] <= 3 * (3 + 8)
     again = sessions(2, 5, turns)
     for s in again:  # other tokens, the same lengths
         s.transcript = [(t + 7) % 91 + 6 for t in s.transcript]
@@ -224,3 +225,9 @@ def test_suffix_prefills_compile_a_bounded_set_of_shapes() -> None:
     play(e, again, turns)
     assert e.compile_counts == first
     assert e.kv_stats()["reuse_hits"] > 0
+
+
+def test_suffix_buckets() -> None:
+    sizes = [suffix_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 129, 193, 257)]
+    assert sizes == [16, 16, 24, 24, 32, 48, 48, 64, 192, 256, 384]
+    assert len({suffix_bucket(n) for n in range(1, 4097)}) == 17  # 16, then 2 a doubling

@@ -24,8 +24,8 @@ finishes, its slot is not freed but parked with the tokens its keys/values hold 
 sample, all but the last sampled token, which was never fed). The session's next request
 takes the parked slot back and prefills only from the first token where its prompt departs
 from them (normally: the last sampled token, the tool results, the template), at their
-positions after the kept prefix; the suffix's length is bucketed by powers of two (at least
-`SUFFIX_BUCKET`), so such prefills compile one program per (rows, length) bucket. A parked
+positions after the kept prefix; the suffix's length is bucketed (`suffix_bucket`: 16, 24,
+32, 48, 64, ...), so such prefills compile one program per (rows, length) bucket. A parked
 slot is evicted, least recently parked first, when a new request finds no free slot (its
 session then prefills its whole prompt again: counted in `evictions`); `end_session` frees
 it (the episode ended), and new params (`set_params`) drop every parked slot, since keys and
@@ -77,7 +77,7 @@ from streamrl.model.sharding import (
 from streamrl.model.spec import ModelSpec
 
 PROMPT_BUCKET = 64
-SUFFIX_BUCKET = 16  # shortest suffix prefill (powers of two up from it)
+SUFFIX_BUCKET = 16  # shortest suffix prefill (see `suffix_bucket`)
 POOL_ALIGN = 8
 
 
@@ -87,6 +87,14 @@ def pow2(n: int) -> int:
 
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
+
+
+def suffix_bucket(n: int) -> int:
+    """The padded length of a suffix prefill of n tokens: the least of 2^k and 3 x 2^(k-1)
+    (16, 24, 32, 48, 64, 96, ...) that holds n, at least `SUFFIX_BUCKET`. Padding stays
+    under half, and there are two buckets per doubling of the longest suffix."""
+    p = max(pow2(n), SUFFIX_BUCKET)
+    return p * 3 // 4 if p >= 2 * SUFFIX_BUCKET and n <= p * 3 // 4 else p
 
 
 @dataclass(frozen=True)
@@ -370,7 +378,7 @@ class Engine:
         window then recomputes some kept positions (same tokens, same positions)."""
         b = round_up(pow2(len(seqs)), self._row_multiple)
         need = max(s.length - s.start for s in seqs)
-        bucket = max(pow2(need), SUFFIX_BUCKET) if suffix else round_up(need, PROMPT_BUCKET)
+        bucket = suffix_bucket(need) if suffix else round_up(need, PROMPT_BUCKET)
         p = min(bucket, self.pool_len)
         tokens = np.full((b, p), self.cfg.pad_id, np.int32)
         starts = np.zeros((b,), np.int32)
