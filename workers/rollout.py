@@ -66,6 +66,7 @@ class Policy:
     dialogue: NewDialogue
     tokens: Callable[[], int]
     occupancy: Callable[[], float]  # busy batch slots over all (0..1)
+    kv: Callable[[], dict[str, int]]  # the engine's prefill and KV-reuse counters
 
 
 def transformer_policy(ctx: WorkerContext) -> Policy:
@@ -91,6 +92,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
         chat.dialogue,
         lambda: engine.tokens_generated,
         lambda: engine.active / slots,
+        engine.kv_stats,
     )
 
 
@@ -111,6 +113,7 @@ def stub_policy(ctx: WorkerContext) -> Policy:
         StubDialogue,
         lambda: stub.tokens_generated,
         lambda: min(1.0, stub.in_flight / slots),
+        dict,
     )
 
 
@@ -181,6 +184,7 @@ async def serve(
             episodes=worker.started,
             engine_steps=server.steps,
             tokens=policy.tokens(),
+            kv=policy.kv(),
             weight_syncs=follower.syncs,
             weight_sync_s=round(follower.sync_s, 3),
             weight_stall_s=round(server.stall_s, 3),
