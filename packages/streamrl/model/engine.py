@@ -182,6 +182,7 @@ class Engine:
         self.params = params
         self._parked: OrderedDict[str, _Parked] = OrderedDict()  # least recently parked first
         self._epoch = 0
+        self.invalidated = 0  # parked slots dropped by new params
         self.set_params(params)
         # Slots per row rounded up to a multiple of 8: a decode step's attention runs about
         # twice as fast over 256 or 264 positions as over 257 (vectorised rows on a CPU).
@@ -206,7 +207,6 @@ class Engine:
         self.reuse_hits = 0  # requests that took back their session's parked slot
         self.reused_tokens = 0  # prompt positions those did not compute again
         self.evictions = 0  # parked slots taken for other requests
-        self.invalidated = 0  # parked slots dropped by new params
 
     # -- public ----------------------------------------------------------------------------
 
@@ -355,8 +355,8 @@ class Engine:
                 seq.start = _common_prefix(parked.tokens, seq.request.prompt[:-1])
                 admitted.append(seq)
             self._waiting = rest
-        parked_slots = {p.slot for p in self._parked.values()}
-        free = [i for i, s in enumerate(self._slots) if s is None and i not in parked_slots]
+        taken = {p.slot for p in self._parked.values()} | {s.slot for s in admitted}
+        free = [i for i, s in enumerate(self._slots) if s is None and i not in taken]
         free.reverse()  # lowest last: popped first
         while self._waiting:
             if free:
