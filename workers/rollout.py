@@ -50,6 +50,7 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
         stop_ids=tuple(chat.stop_ids),
         pad_id=chat.pad_id,
         decode_chunk=r.decode_chunk,
+        kv_reuse=r.kv_reuse,
     )
     mesh = make_mesh(r.mesh_data, r.mesh_tensor) if r.mesh_data * r.mesh_tensor > 1 else None
     return chat, Engine(spec, params, engine_cfg, dtype=dtype, mesh=mesh)
@@ -65,6 +66,7 @@ class Policy:
     dialogue: NewDialogue
     tokens: Callable[[], int]
     occupancy: Callable[[], float]  # busy batch slots over all (0..1)
+    kv: Callable[[], dict[str, int]]  # the engine's prefill and KV-reuse counters
 
 
 def transformer_policy(ctx: WorkerContext) -> Policy:
@@ -90,6 +92,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
         chat.dialogue,
         lambda: engine.tokens_generated,
         lambda: engine.active / slots,
+        engine.kv_stats,
     )
 
 
@@ -110,6 +113,7 @@ def stub_policy(ctx: WorkerContext) -> Policy:
         StubDialogue,
         lambda: stub.tokens_generated,
         lambda: min(1.0, stub.in_flight / slots),
+        dict,
     )
 
 
@@ -180,6 +184,7 @@ async def serve(
             episodes=worker.started,
             engine_steps=server.steps,
             tokens=policy.tokens(),
+            kv=policy.kv(),
             weight_syncs=follower.syncs,
             weight_sync_s=round(follower.sync_s, 3),
             weight_stall_s=round(server.stall_s, 3),

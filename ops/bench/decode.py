@@ -1,6 +1,7 @@
 """Decode throughput of the continuous-batching engine against transformers' generate.
 
     .venv/bin/python ops/bench/decode.py [--concurrency 1 8 32 64] [--threads 2]
+        [--rows all|decode|agentic] [--agentic-episodes 64] [--agentic-turns 8]
 
 A ~20 M parameter Qwen2-family model with random weights (built locally, no download);
 prompts of 128 random tokens, 128 sampled tokens each (temperature 1, no stop token, so
@@ -19,6 +20,14 @@ every sequence runs to its budget). For each concurrency C it measures, side by 
                  sustains over all the work it does.
 
 Tokens/s are medians over `--repeats` runs; ratios are engine over each baseline.
+
+The agentic row (issue 18): `--agentic-episodes` concurrent episodes (64) of
+`--agentic-turns` model turns (8) of 48 sampled tokens each, a 128-token first prompt and,
+after each turn, a 128-token tool result (a stub tool: random ids, no latency), on an
+engine of one slot per episode (`--agentic-slots` fewer forces evictions). With KV reuse
+(`rollout.kv_reuse`) each turn prefills what the last one added; without, the whole
+transcript. Reported: sampled tokens/s, prefill tokens per episode against its final
+transcript's length, reuse hits and evictions per run.
 """
 
 from __future__ import annotations
@@ -88,6 +97,83 @@ def engine_rate(
     return seqs * RESPONSE / t
 
 
+AGENT_TURN, AGENT_TOOL = 48, 128
+
+
+def agentic_row(
+    spec: ModelSpec,
+    params: object,
+    episodes: int,
+    turns: int,
+    slots: int,
+    reuse: bool,
+    repeats: int,
+) -> dict[str, float]:
+    """Sampled tokens/s and, per run, prefill tokens per episode, reuse hits, evictions."""
+    kv = PROMPT + (turns - 1) * (AGENT_TURN + AGENT_TOOL) + AGENT_TURN
+    cfg = EngineConfig(num_slots=slots, kv_cache_size=kv, max_prompt_length=kv - AGENT_TURN,
+                       max_new_tokens=AGENT_TURN, sampling=SAMPLING, stop_ids=(), pad_id=0,
+                       decode_chunk=16, max_prefill=16, kv_reuse=reuse)  # fmt: skip
+    engine = Engine(spec, params, cfg)
+    rng = np.random.default_rng(2)
+    firsts = prompts(episodes, spec.vocab_size)
+    tools = rng.integers(2, spec.vocab_size, (episodes, turns, AGENT_TOOL)).tolist()
+    runs = iter(range(1 << 30))
+
+    def run() -> None:
+        r = next(runs)  # each run its own sessions (and seeds): nothing kept from the last
+        transcripts = [list(p) for p in firsts]
+        turn = [0] * episodes
+        handles = {}
+        for e in range(episodes):
+            req = GenRequest(transcripts[e], AGENT_TURN, seed=e, session=f"{r}-{e}")
+            handles[engine.submit(req)] = e
+        while handles:
+            for handle, result in engine.step():
+                e = handles.pop(handle)
+                turn[e] += 1
+                if turn[e] == turns:
+                    engine.end_session(f"{r}-{e}")
+                    continue
+                transcripts[e] += result.tokens + tools[e][turn[e] - 1]
+                req = GenRequest(transcripts[e], AGENT_TURN, seed=e * turns + turn[e],
+                                 session=f"{r}-{e}")  # fmt: skip
+                handles[engine.submit(req)] = e
+
+    run()  # compile every shape this schedule uses
+    before = engine.kv_stats()
+    t = median_time(run, repeats)
+    after = engine.kv_stats()
+    per_run = {k: (after[k] - before[k]) / repeats for k in after}
+    return {
+        "rate": episodes * turns * AGENT_TURN / t,
+        "prefill": per_run["prefill_tokens"] / episodes,
+        "hits": per_run["reuse_hits"],
+        "evictions": per_run["evictions"],
+        "transcript": kv,
+    }
+
+
+def print_agentic(spec: ModelSpec, params: object, args: argparse.Namespace) -> None:
+    n, turns = args.agentic_episodes, args.agentic_turns
+    slots = args.agentic_slots or n
+    print(f"agentic: {n} episodes x {turns} turns of {AGENT_TURN} tokens, {AGENT_TOOL}-token "
+          f"tool results, {slots} slots")  # fmt: skip
+    print(f"{'kv reuse':>8} {'tokens/s':>8} {'x off':>6} {'prefill/episode':>15} "
+          f"{'transcript':>10} {'reuse hits':>10} {'evictions':>9}")  # fmt: skip
+    rows = {}
+    for reuse in (False, True):
+        rows[reuse] = agentic_row(spec, params, n, turns, slots, reuse, args.repeats)
+    for reuse in (False, True):
+        row = rows[reuse]
+        print(
+            f"{'on' if reuse else 'off':>8} {row['rate']:>8.0f} "
+            f"{row['rate'] / rows[False]['rate']:>6.2f} {row['prefill']:>15.0f} "
+            f"{row['transcript']:>10} {row['hits']:>10.0f} {row['evictions']:>9.0f}",
+            flush=True,
+        )
+
+
 def hf_rate(ckpt: Path, batch: int, repeats: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
@@ -111,6 +197,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", choices=("all", "decode", "agentic"), default="all")
+    parser.add_argument("--agentic-episodes", type=int, default=64)
+    parser.add_argument("--agentic-turns", type=int, default=8)
+    parser.add_argument("--agentic-slots", type=int, default=0, help="0: one per episode")
     args = parser.parse_args()
     import torch
 
@@ -128,6 +218,10 @@ def main() -> None:
             f" bound {bound:.0f} tokens/s; jax {jax.__version__} on {jax.default_backend()};"
             f" torch threads {args.threads}; cpus {os.cpu_count()}"
         )
+        if args.rows != "decode":
+            print_agentic(spec, params, args)
+        if args.rows == "agentic":
+            return
         single = engine_rate(spec, params, 1, 2, args.repeats)
         hf_serial = hf_rate(Path(tmp), 1, args.repeats)
         work = (PROMPT + RESPONSE) / RESPONSE  # FLOPs per generated token, prefill included

@@ -457,6 +457,17 @@ class RolloutConfig(_Section):
     decode_chunk: int = Field(
         8, ge=1, le=1024, description="Decode steps per device call of the engine."
     )
+    kv_reuse: bool = Field(
+        True,
+        description=(
+            "Keep an episode's KV cache between its turns: a finished turn's engine slot is "
+            "parked and the next turn prefills only the tokens added since (tool results, "
+            "template); parked slots are evicted least recently used when new work needs "
+            "one and dropped at each weight swap. Samples equal those without reuse to "
+            "float32 rounding (see the README's policy section). false: every turn "
+            "prefills its whole transcript."
+        ),
+    )
     mesh_data: int = Field(
         1, ge=1, le=4096, description="Devices along the mesh's data axis (KV slots split)."
     )

@@ -351,6 +351,7 @@ async def run_pass(
         stop_ids=tuple(policy.chat.stop_ids),
         pad_id=policy.chat.pad_id,
         decode_chunk=r.decode_chunk,
+        kv_reuse=r.kv_reuse,
     )
     engine = Engine(policy.spec, policy.params, engine_cfg, dtype=_dtype(cfg))
     server = EngineServer(engine, policy.step or 0, log)

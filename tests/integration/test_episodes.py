@@ -7,6 +7,7 @@ import re
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import structlog
 
@@ -338,3 +339,94 @@ def test_a_model_call_past_its_limit_ends_its_episode_as_a_timeout(setup: Any) -
     assert [e["traj_id"] for e in logs if e["event"] == "model_call_timeout"] == [stuck.traj_id]
     assert after.status == "ok" and after.reward == 1.0
     assert not engine.has_work() and not server._calls  # the cancelled call's slot was freed
+
+
+class ToolTurnsEnv(Environment):
+    """`turns` tool results of about 40 tokens each, then the end (reward 1); `raise_at`:
+    the environment raises at that step instead."""
+
+    def __init__(self, n: int, turns: int = 6, raise_at: int = 0):
+        self.n, self.turns, self.limit, self.raise_at = n, 0, turns, raise_at
+
+    async def reset(self) -> Reset:  # distinct prompts: no group copies a first prefill
+        return Reset(prompt=f"Compute {self.n}+1 with the calculator.")
+
+    async def step(self, action: Action, call_prefix: str) -> StepResult:
+        self.turns += 1
+        if self.turns == self.raise_at:
+            raise ValueError("environment exploded")
+        result = " ".join(str(self.turns * 7 + i) for i in range(12))
+        return StepResult(observations=[result], done=self.turns >= self.limit, reward=1.0)
+
+    async def close(self) -> None:
+        return None
+
+
+def _tool_agent(env: Environment) -> tuple[Agent, Environment]:
+    return ToolAgent(), env
+
+
+async def _run_turns(
+    setup: tuple[Config, HFChat, Any, Any], envs: list[ToolTurnsEnv], reuse: bool
+) -> tuple[list[Trajectory], Engine]:
+    cfg, chat, spec, params = setup
+    log = structlog.get_logger()
+    engine = Engine(
+        spec,
+        params,
+        EngineConfig(
+            num_slots=4,
+            kv_cache_size=1024,
+            max_prompt_length=1023,
+            max_new_tokens=16,
+            sampling=GREEDY,
+            stop_ids=tuple(chat.stop_ids),
+            pad_id=chat.pad_id,
+            decode_chunk=4,
+            kv_reuse=reuse,
+        ),
+    )
+    server = EngineServer(engine, 7, log)
+    rollout = cfg.rollout.model_copy(update={"max_steps": 8, "max_response_length": 800})
+    runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
+    serving = asyncio.create_task(server.serve())
+    try:
+        trajs = await asyncio.gather(
+            *(
+                runner.run(scripted_task(i, "scripted"), 0, functools.partial(_tool_agent, e))
+                for i, e in enumerate(envs)
+            )
+        )
+        for _ in range(200):  # the episodes' end_session calls reach the engine thread
+            if engine.parked == 0 and server._inbox.empty():
+                break
+            await asyncio.sleep(0.02)
+        return list(trajs), engine
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+
+
+def test_kv_reuse_prefills_each_episode_once(setup: Any) -> None:
+    """Episodes of 6 turns through the engine server and the real chat template (issue 18):
+    with `kv_reuse` each turn prefills only what the last turn added, so an episode's
+    prefill tokens come to its transcript's length (less the last sampled token, never fed,
+    and one token a turn: each prompt's last token is decoded, not prefilled); without, each turn
+    prefills its whole transcript again, the sum of a growing series. Samples are the same;
+    every episode's slot is freed at its end, the one that fails included."""
+    envs = lambda: [ToolTurnsEnv(i) for i in range(3)] + [ToolTurnsEnv(3, raise_at=3)]  # noqa: E731
+    on, on_engine = asyncio.run(_run_turns(setup, envs(), reuse=True))
+    off, off_engine = asyncio.run(_run_turns(setup, envs(), reuse=False))
+    for a, b in zip(on, off, strict=True):
+        assert a.tokens == b.tokens and a.loss_mask == b.loss_mask
+        np.testing.assert_allclose(a.logprob_array(), b.logprob_array(), atol=1e-5)
+    assert [t.status for t in on] == ["ok"] * 3 + ["error"]
+    for a, b in zip(on[:3], off[:3], strict=True):
+        starts = np.flatnonzero(a.mask_array())  # each one-token turn's position
+        assert len(starts) == 6 and len(a.token_array()) >= 240
+        assert a.timings["prefill_tokens"] == len(a.token_array()) - 1 - 6
+        assert b.timings["prefill_tokens"] == sum(int(i) - 1 for i in starts)
+        assert b.timings["prefill_tokens"] > 3 * a.timings["prefill_tokens"]
+    stats = on_engine.kv_stats()
+    assert stats["reuse_hits"] == 3 * 5 + 2 and stats["evictions"] == 0
+    assert on_engine.parked == 0 and off_engine.parked == 0  # no slot kept after its episode

@@ -9,12 +9,35 @@ Every concurrent sequence of a rollout worker owns one slot of the pool
 2. runs `decode_chunk` decode steps over the active slots in one device call; each slot
    feeds its own last token at its own position, so sequences of any lengths decode
    together, and a sequence admitted now joins the very next chunk;
-3. frees the slots of finished sequences at once (stop token, stop string or token budget).
+3. frees the slots of finished sequences at once (stop token, stop string or token budget),
+   or parks them (below).
 
 Slots are handed out lowest-first, so the active ones stay packed at the low end and a
 decode call covers only the first `bucket(highest active slot)` rows. Shapes are bucketed
 (powers of two for rows, multiples of 64 for prompt lengths), so steady state compiles
 nothing new; `compile_counts` says how many traces each program took.
+
+KV reuse across turns (`kv_reuse`): an agentic episode's turns are requests of one
+`session` (its traj id) whose prompts each extend the last: the previous prompt, the tokens
+sampled for it, then tool results and template tokens. When a sequence of a session
+finishes, its slot is not freed but parked with the tokens its keys/values hold (prompt and
+sample, all but the last sampled token, which was never fed). The session's next request
+takes the parked slot back and prefills only from the first token where its prompt departs
+from them (normally: the last sampled token, the tool results, the template), at their
+positions after the kept prefix; the suffix's length is bucketed (`suffix_bucket`: 16, 24,
+32, 48, 64, ...), so such prefills compile one program per (rows, length) bucket. A parked
+slot is evicted, least recently parked first, when a new request finds no free slot (its
+session then prefills its whole prompt again: counted in `evictions`); `end_session` frees
+it (the episode ended), and new params (`set_params`) drop every parked slot, since keys and
+values computed by the old params are not what the new ones compute. A sequence admitted
+before a `set_params` is not parked either. Parked slots are not decoded (their rows in a
+decode call write nothing they hold), but one below an active slot widens the decode call.
+
+Exactness: a reused position's keys/values were computed by an earlier call (the previous
+turn's prefill or a decode step) where without reuse this turn's prefill computes them; the
+two are the same function of the same tokens, computed through differently shaped float32
+matmuls, so they agree to rounding (not bit for bit), as a request's samples already do
+across batch-mates (see tests/unit/test_engine_kv.py for the measured bounds).
 
 Sampling: temperature, top-p, top-k; token i of a request draws from
 `fold_in(PRNGKey(seed), i)`, so a request samples the same whatever its batch-mates or
@@ -25,7 +48,7 @@ over the whole vocabulary, before top-k/top-p (see `streamrl.model.sampling`).
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +77,7 @@ from streamrl.model.sharding import (
 from streamrl.model.spec import ModelSpec
 
 PROMPT_BUCKET = 64
+SUFFIX_BUCKET = 16  # shortest suffix prefill (see `suffix_bucket`)
 POOL_ALIGN = 8
 
 
@@ -63,6 +87,14 @@ def pow2(n: int) -> int:
 
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
+
+
+def suffix_bucket(n: int) -> int:
+    """The padded length of a suffix prefill of n tokens: the least of 2^k and 3 x 2^(k-1)
+    (16, 24, 32, 48, 64, 96, ...) that holds n, at least `SUFFIX_BUCKET`. Padding stays
+    under half, and there are two buckets per doubling of the longest suffix."""
+    p = max(pow2(n), SUFFIX_BUCKET)
+    return p * 3 // 4 if p >= 2 * SUFFIX_BUCKET and n <= p * 3 // 4 else p
 
 
 @dataclass(frozen=True)
@@ -83,6 +115,7 @@ class EngineConfig:
     decode_chunk: int = 8
     max_prefill: int = 16
     stop_strings: tuple[str, ...] = ()
+    kv_reuse: bool = True
 
     def __post_init__(self) -> None:
         check_sampling(self.sampling)
@@ -106,6 +139,17 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False
+    start: int = 0  # prompt positions taken from the session's parked slot
+    prefilled: int = 0  # prompt positions computed for it
+    epoch: int = 0  # the params it was admitted under (`Engine._epoch`)
+
+
+@dataclass
+class _Parked:
+    """A finished session's slot: positions [0, len(tokens)) hold these tokens' keys/values."""
+
+    slot: int
+    tokens: list[int]
 
 
 class Engine:
@@ -136,6 +180,9 @@ class Engine:
                     f"num_slots ({cfg.num_slots}) is not divisible by data={self._row_multiple}"
                 )
         self.params = params
+        self._parked: OrderedDict[str, _Parked] = OrderedDict()  # least recently parked first
+        self._epoch = 0
+        self.invalidated = 0  # parked slots dropped by new params
         self.set_params(params)
         # Slots per row rounded up to a multiple of 8: a decode step's attention runs about
         # twice as fast over 256 or 264 positions as over 257 (vectorised rows on a CPU).
@@ -154,14 +201,22 @@ class Engine:
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,) if donate else ())
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,) if donate else ())
         self.tokens_generated = 0
-        self.prefills = 0  # prompts prefilled
+        self.prefills = 0  # prompts prefilled (whole, or the suffix after a reused prefix)
         self.slot_copies = 0  # slots filled by copying a group member's prefill
+        self.prefill_tokens = 0  # prompt positions computed
+        self.reuse_hits = 0  # requests that took back their session's parked slot
+        self.reused_tokens = 0  # prompt positions those did not compute again
+        self.evictions = 0  # parked slots taken for other requests
 
     # -- public ----------------------------------------------------------------------------
 
     def set_params(self, params: Any) -> None:
-        """Serve these params from the next step on (placed on the mesh, if any)."""
+        """Serve these params from the next step on (placed on the mesh, if any). Parked
+        slots are dropped: their keys/values are the old params'."""
         self.params = shard_params(params, self.mesh) if self.mesh is not None else params
+        self._epoch += 1
+        self.invalidated += len(self._parked)
+        self._parked.clear()
 
     def check(self, request: GenRequest) -> None:
         """Raise ValueError naming the sizes for a request this engine cannot serve."""
@@ -193,15 +248,35 @@ class Engine:
         return seq.handle
 
     def cancel(self, handle: int) -> None:
-        """Forget a request (its episode gave up); its slot is freed now."""
+        """Forget a request (its episode gave up); its slot is freed now, not parked."""
         self._waiting = deque(s for s in self._waiting if s.handle != handle)
         for i, s in enumerate(self._slots):
             if s is not None and s.handle == handle:
                 self._slots[i] = None
 
+    def end_session(self, session: str) -> None:
+        """The session has no more turns: free its parked slot, if any."""
+        self._parked.pop(session, None)
+
     @property
     def active(self) -> int:
         return sum(s is not None for s in self._slots)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    def kv_stats(self) -> dict[str, int]:
+        """Prefill and KV-reuse counters since the engine started."""
+        return {
+            "prefills": self.prefills,
+            "prefill_tokens": self.prefill_tokens,
+            "reuse_hits": self.reuse_hits,
+            "reused_tokens": self.reused_tokens,
+            "evictions": self.evictions,
+            "invalidated": self.invalidated,
+            "parked": len(self._parked),
+        }
 
     @property
     def waiting(self) -> int:
@@ -228,21 +303,26 @@ class Engine:
     # -- admission and prefill -------------------------------------------------------------
 
     def _admit(self) -> None:
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        if not free or not self._waiting:
+        admitted = self._assign_slots()
+        if not admitted:
             return
-        admitted: list[_Seq] = []
-        while self._waiting and len(admitted) < len(free):
-            admitted.append(self._waiting.popleft())
-        for seq, slot in zip(admitted, free, strict=False):
-            seq.slot = slot
+        for seq in admitted:
             seq.length = len(seq.request.prompt) - 1
             seq.last = seq.request.prompt[-1]
-            self._slots[slot] = seq
+            seq.epoch = self._epoch
+            self._slots[seq.slot] = seq
+            if seq.start:
+                self.reuse_hits += 1
+                self.reused_tokens += seq.start
         # One prefill per distinct prompt; group members get a copy of its slot.
         firsts: dict[tuple[int, ...], _Seq] = {}
         copies: list[tuple[int, int]] = []
+        suffixes: list[_Seq] = []
         for seq in admitted:
+            if seq.start:
+                if seq.length > seq.start:
+                    suffixes.append(seq)
+                continue
             key = tuple(seq.request.prompt)
             if key in firsts:
                 copies.append((firsts[key].slot, seq.slot))
@@ -250,23 +330,67 @@ class Engine:
                 firsts[key] = seq
         todo = [s for s in firsts.values() if s.length > 0]
         for i in range(0, len(todo), self.cfg.max_prefill):
-            self._prefill_batch(todo[i : i + self.cfg.max_prefill])
-        self.prefills += len(todo)
+            self._prefill_batch(todo[i : i + self.cfg.max_prefill], suffix=False)
+        for i in range(0, len(suffixes), self.cfg.max_prefill):
+            self._prefill_batch(suffixes[i : i + self.cfg.max_prefill], suffix=True)
+        self.prefills += len(todo) + len(suffixes)
         if copies:
             self._copy_slots(copies)
             self.slot_copies += len(copies)
 
-    def _prefill_batch(self, seqs: list[_Seq]) -> None:
+    def _assign_slots(self) -> list[_Seq]:
+        """Take waiting requests into slots: their session's parked slot, else the lowest
+        free one, else the least recently parked one (an eviction)."""
+        if not self._waiting:
+            return []
+        admitted: list[_Seq] = []
+        if self._parked:  # requests whose session parked a slot take it back first
+            rest: deque[_Seq] = deque()
+            for seq in self._waiting:
+                parked = self._parked.pop(seq.request.session, None)
+                if parked is None:
+                    rest.append(seq)
+                    continue
+                seq.slot = parked.slot
+                seq.start = _common_prefix(parked.tokens, seq.request.prompt[:-1])
+                admitted.append(seq)
+            self._waiting = rest
+        taken = {p.slot for p in self._parked.values()} | {s.slot for s in admitted}
+        free = [i for i, s in enumerate(self._slots) if s is None and i not in taken]
+        free.reverse()  # lowest last: popped first
+        while self._waiting:
+            if free:
+                slot = free.pop()
+            elif self._parked:
+                slot = self._parked.popitem(last=False)[1].slot
+                self.evictions += 1
+            else:
+                break
+            seq = self._waiting.popleft()
+            seq.slot = slot
+            admitted.append(seq)
+        return admitted
+
+    def _prefill_batch(self, seqs: list[_Seq], suffix: bool) -> None:
+        """Prefill prompt positions [start, length) of each sequence (start 0: the whole
+        prompt but its last token), right-padded to a bucketed length p. A row's window
+        starts at `start`, or earlier when [start, start + p) would overrun the slot: the
+        window then recomputes some kept positions (same tokens, same positions)."""
         b = round_up(pow2(len(seqs)), self._row_multiple)
-        p = min(round_up(max(s.length for s in seqs), PROMPT_BUCKET), self.pool_len)
+        need = max(s.length - s.start for s in seqs)
+        bucket = suffix_bucket(need) if suffix else round_up(need, PROMPT_BUCKET)
+        p = min(bucket, self.pool_len)
         tokens = np.full((b, p), self.cfg.pad_id, np.int32)
-        lengths = np.zeros((b,), np.int32)
+        starts = np.zeros((b,), np.int32)
+        ends = np.zeros((b,), np.int32)
         slots = np.full((b,), self.cfg.num_slots, np.int32)  # out of range: dropped
         for i, s in enumerate(seqs):
-            tokens[i, : s.length] = s.request.prompt[: s.length]
-            lengths[i] = s.length
-            slots[i] = s.slot
-        self.pool = self._prefill(self.params, self.pool, tokens, lengths, slots)
+            w = min(s.start, self.pool_len - p)
+            tokens[i, : s.length - w] = s.request.prompt[w : s.length]
+            starts[i], ends[i], slots[i] = w, s.length, s.slot
+            s.prefilled = s.length - w
+            self.prefill_tokens += s.length - w
+        self.pool = self._prefill(self.params, self.pool, tokens, starts, ends, slots)
 
     def _copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         m = pow2(len(pairs))
@@ -288,6 +412,9 @@ class Engine:
         produced = np.zeros((n,), np.int32)
         for i, s in enumerate(self._slots[:n]):
             if s is None:
+                # A row that is done before it starts still writes its token's key/value
+                # at its length: the slot's last position, which no parked slot holds.
+                lengths[i] = self.pool_len - 1
                 continue
             last[i], lengths[i], seeds[i] = s.last, s.length, s.request.seed
             produced[i] = len(s.tokens)
@@ -316,9 +443,27 @@ class Engine:
             s.last = s.tokens[-1] if s.tokens else s.last
             s.stopped = bool(stopped[i]) or self._hit_stop_string(s, before)
             if s.stopped or len(s.tokens) >= s.request.max_new_tokens:
-                finished.append((s.handle, GenResult(s.tokens, s.logprobs, s.stopped)))
+                result = GenResult(
+                    s.tokens,
+                    s.logprobs,
+                    s.stopped,
+                    prefill_tokens=s.prefilled,
+                    reused_tokens=s.start,
+                )
+                finished.append((s.handle, result))
                 self._slots[i] = None
+                self._park(s)
         return finished
+
+    def _park(self, s: _Seq) -> None:
+        """Keep a finished session's slot for its next turn (see the module docstring)."""
+        session = s.request.session
+        if not (self.cfg.kv_reuse and session) or s.epoch != self._epoch:
+            return
+        held = s.request.prompt + s.tokens
+        # All but the last sampled token were fed (a stop string's cut drops fed ones).
+        self._parked.pop(session, None)
+        self._parked[session] = _Parked(s.slot, held[: len(held) - 1])
 
     def _hit_stop_string(self, s: _Seq, before: int) -> bool:
         """Cut the sample right after the token that completed a stop string (only tokens
@@ -342,18 +487,25 @@ class Engine:
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), pool)
 
     def _prefill_fn(
-        self, params: Any, pool: KVCache, tokens: jax.Array, lengths: jax.Array, slots: jax.Array
+        self,
+        params: Any,
+        pool: KVCache,
+        tokens: jax.Array,
+        starts: jax.Array,
+        ends: jax.Array,
+        slots: jax.Array,
     ) -> KVCache:
-        """Write the keys/values of right-padded prompts [b, p] into pool rows `slots`."""
+        """Write the keys/values of right-padded token windows [b, p], at positions
+        starts[i] onwards (positions before are kept: they attend to them), into pool rows
+        `slots`; a row's tokens end at ends[i]."""
         self.compile_counts["prefill"] += 1
-        b, p = tokens.shape
+        _, p = tokens.shape
         s = self.pool_len
         rows = jnp.minimum(slots, self.cfg.num_slots - 1)
         cache = jax.tree.map(lambda x: x[rows], pool)
-        q = jnp.arange(p, dtype=jnp.int32)
-        k = jnp.arange(s, dtype=jnp.int32)
-        mask = (k[None, None, :] <= q[None, :, None]) & (k[None, None, :] < lengths[:, None, None])
-        positions = jnp.broadcast_to(q, (b, p))
+        positions = starts[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
+        k = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+        mask = (k <= positions[:, :, None]) & (k < ends[:, None, None])
         _, cache = forward(
             params,
             self.spec,
@@ -418,3 +570,11 @@ class Engine:
         pool = self._constrain(jax.tree.map(lambda full, part: full.at[:n].set(part), pool, view))
         stopped = (hits & actives).any(axis=0)
         return pool, toks.T, lps.T, counts, stopped
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

@@ -8,8 +8,10 @@ New weights are swapped in by the engine thread between decode chunks (`swap`); 
 result carries the lowest policy version that sampled any of its tokens. `hold` stops the
 thread at the next chunk boundary until the swap (the `pause` sync mode): sequences in
 flight wait, requests that arrive meanwhile are taken only after the swap, so they are
-sampled by the new version alone. The time the engine spent held or swapping while it had
-work is counted (`stall_s`): the decode time weight sync cost.
+sampled by the new version alone. A swap also drops the engine's parked KV slots (see
+`streamrl.model.engine`: the new params would not compute those keys/values);
+`end_session` frees an episode's parked slot when it ends. The time the engine spent held
+or swapping while it had work is counted (`stall_s`): the decode time weight sync cost.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class EngineServer:
         self.version = version
         self.log = log
         self.max_consecutive_failures = max_consecutive_failures
-        self._inbox: queue.SimpleQueue[_Call | int] = queue.SimpleQueue()
+        # A call, a cancelled call's id, or a session that ended.
+        self._inbox: queue.SimpleQueue[_Call | int | str] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._weights: tuple[Any, int, Future[None]] | None = None
@@ -83,6 +86,12 @@ class EngineServer:
             self._inbox.put(id(call))  # free its slot
             self._wake.set()
             raise
+
+    def end_session(self, session: str) -> None:
+        """The episode `session` made its last model call: free its KV slot, if parked
+        (callable from any thread; applied by the engine thread after what came before)."""
+        self._inbox.put(session)
+        self._wake.set()
 
     def hold(self) -> None:
         """Stop decoding at the next chunk boundary until `swap` (or `release`)."""
@@ -204,6 +213,9 @@ class EngineServer:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, str):  # an ended session
+                self.engine.end_session(item)
+                continue
             if isinstance(item, int):  # a cancelled call
                 handle = handles.pop(item, None)
                 if handle is not None:

@@ -45,6 +45,8 @@ class ModelService(Protocol):
 
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]: ...
 
+    def end_session(self, session: str) -> None: ...
+
 
 if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never needs it
     from streamrl.hfchat import Dialogue
@@ -82,6 +84,7 @@ class _State:
     error: str = ""
     model_s: float = 0.0
     env_s: float = 0.0
+    prefill_tokens: int = 0  # prompt positions the engine computed for this worker's turns
     turns: list[SavedTurn] = field(default_factory=list)
     run_seed: int = 0
     elapsed_s: float = 0.0  # play time before this worker's (a resumed episode's)
@@ -95,7 +98,11 @@ class EpisodeRunner:
     Traced (`tracer`), each episode on its own track ("episode", traj_id): the `episode`
     span (this worker's part of it), each model call's `model.queue` (a model slot, then
     the engine taking it) and `model.decode`, each `env.step`; the episode's span starts
-    the flow to its group."""
+    the flow to its group.
+
+    Each model call carries the episode's traj id as its session, so the engine may keep
+    the episode's KV cache between its turns (`rollout.kv_reuse`); the episode's end,
+    whatever ends it, releases it (`end_session`)."""
 
     def __init__(
         self,
@@ -158,6 +165,7 @@ class EpisodeRunner:
             st.error = f"{type(err).__name__}: {err}"
             self.log.warning("episode_error", traj_id=tid, error=st.error)
         finally:
+            self.server.end_session(tid)
             if env is not None:
                 await _close(env, self.log, tid)
             if agent is not None:
@@ -168,6 +176,7 @@ class EpisodeRunner:
             "episode_s": st.elapsed_s + time.monotonic() - start,
             "model_s": st.model_s,
             "env_s": st.env_s,
+            "prefill_tokens": st.prefill_tokens,
         }
         if resume is not None:
             timings["resumed_turn"] = resume.turn
@@ -226,12 +235,14 @@ class EpisodeRunner:
                 prompt=list(tr.tokens),
                 max_new_tokens=min(cfg.max_turn_tokens, budget),
                 seed=sample_seed(st.run_seed, tid, turn),
+                session=tid,
             )
             t0 = time.monotonic()
             called_ns = time.time_ns()
             async with self._model_slots:
                 result, version = await self._generate(request)
             st.model_s += time.monotonic() - t0
+            st.prefill_tokens += result.prefill_tokens
             self._trace_model_call(st.track, called_ns, result.started_ns)
             sampled_from = len(tr)
             tr.add_sampled(result.tokens, result.logprobs, version)

@@ -86,6 +86,9 @@ class StubServer:
         )
         return result, version
 
+    def end_session(self, session: str) -> None:
+        """The stub keeps nothing between turns."""
+
     async def serve(self) -> None:
         """Nothing runs beside the calls: wait until cancelled."""
         self._bind()

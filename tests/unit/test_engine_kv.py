@@ -1,0 +1,253 @@
+"""KV reuse across a session's turns (issue 18): the engine with a real (tiny, random) model.
+
+A session here is what an agentic episode is to the engine: turn after turn, each prompt
+the previous prompt, the tokens sampled for it, then some "tool result" tokens appended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from streamrl.model.engine import Engine, EngineConfig, suffix_bucket
+from streamrl.model.llm import init_params
+from streamrl.model.sampling import GenRequest, GenResult
+from tests.unit.test_engine import PARAMS, SAMPLING, SPEC, STOP, prompt, reference_logprobs
+
+KV = 160  # positions per slot (the pool's rows are 160 wide: a multiple of 8)
+TURN = 12  # tokens a turn may sample
+
+
+def make_engine(reuse: bool, slots: int = 3, stop: tuple[int, ...] = (STOP,)) -> Engine:
+    cfg = EngineConfig(
+        num_slots=slots,
+        kv_cache_size=KV,
+        max_prompt_length=KV - TURN,
+        max_new_tokens=TURN,
+        sampling=SAMPLING,
+        stop_ids=stop,
+        pad_id=0,
+        decode_chunk=4,
+        max_prefill=4,
+        kv_reuse=reuse,
+    )
+    return Engine(SPEC, PARAMS, cfg)
+
+
+def seed_of(session: str, turn: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session}:{turn}".encode(), digest_size=4).digest())
+
+
+@dataclass
+class Session:
+    """One conversation: its transcript, the tool results it appends after each turn, and
+    after how many engine steps it asks for its next turn (a tool's latency)."""
+
+    name: str
+    transcript: list[int]
+    tools: list[list[int]]
+    delays: list[int]
+    results: list[GenResult] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+    due: int = 0  # the step at which the next request goes in
+    handle: int = -1
+
+    @property
+    def turn(self) -> int:
+        return len(self.results)
+
+    def request(self) -> GenRequest:
+        self.prompts.append(list(self.transcript))
+        return GenRequest(
+            list(self.transcript), TURN, seed=seed_of(self.name, self.turn), session=self.name
+        )
+
+
+def sessions(seed: int, n: int, turns: int) -> list[Session]:
+    """n sessions of `turns` turns: first prompts of 8..40 tokens, tool results of 1..24,
+    tool latencies of 0..6 engine steps."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        out.append(
+            Session(
+                name=f"s{seed}-{i}",
+                transcript=rng.integers(6, 97, int(rng.integers(8, 41))).tolist(),
+                tools=[
+                    rng.integers(6, 97, int(rng.integers(1, 25))).tolist() for _ in range(turns)
+                ],
+                delays=[int(rng.integers(0, 7)) for _ in range(turns)],
+            )
+        )
+    return out
+
+
+def play(engine: Engine, group: list[Session], turns: int, swap_at: int = -1) -> int:
+    """Drive the sessions' turns through `engine` (submit and step, interleaved as tool
+    latencies fall) until each has played `turns` turns or run out of room; the engine's
+    sessions are ended at the end. `swap_at`: at that step, serve new params (the same
+    values, a new tree: what a weight sync does). Returns the steps taken."""
+    step = 0
+    live = list(group)
+    while live:
+        for s in live:
+            if s.handle < 0 and s.due <= step:
+                s.handle = engine.submit(s.request())
+        if step == swap_at:
+            engine.set_params(PARAMS_COPY)
+        done = dict(engine.step())
+        step += 1
+        assert step < 1000, "a turn never came back"
+        for s in list(live):
+            if s.handle in done:
+                res = done.pop(s.handle)
+                s.results.append(res)
+                s.handle = -1
+                s.transcript += res.tokens + s.tools[s.turn - 1]
+                s.due = step + s.delays[s.turn - 1]
+                if s.turn >= turns or len(s.transcript) > KV - TURN:
+                    live.remove(s)
+                    engine.end_session(s.name)
+    return step
+
+
+PARAMS_COPY = init_params(SPEC, 0, std=0.3)  # the same values as PARAMS, another tree
+
+
+def test_reuse_samples_what_a_whole_prefill_samples() -> None:
+    """Several turns of interleaved sessions on 3 slots (evictions forced), a weight swap
+    in the middle: every turn's tokens are equal with reuse and without, log-probs equal to
+    float32 rounding (measured 6.2e-6 at most, about half of them bit-equal; bounded at
+    1e-5), and both match a plain
+    forward."""
+    turns = 6
+    on, off = make_engine(True), make_engine(False)
+    with_reuse, without = sessions(1, 4, turns), sessions(1, 4, turns)
+    play(on, with_reuse, turns, swap_at=20)
+    play(off, without, turns, swap_at=20)
+    worst = 0.0
+    same = total = 0
+    for a, b in zip(with_reuse, without, strict=True):
+        assert a.prompts == b.prompts and len(a.results) == len(b.results) > 2
+        for p, ra, rb in zip(a.prompts, a.results, b.results, strict=True):
+            assert ra.tokens == rb.tokens
+            diff = np.abs(np.asarray(ra.logprobs) - np.asarray(rb.logprobs))
+            worst = max(worst, float(diff.max()))
+            same, total = same + int((diff == 0).sum()), total + len(diff)
+            ref = reference_logprobs(p + ra.tokens, SAMPLING.temperature)[len(p) - 1 :]
+            np.testing.assert_allclose(ra.logprobs, ref, atol=1e-4)
+            assert ra.reused_tokens + ra.prefill_tokens == len(p) - 1
+            assert rb.reused_tokens == 0 and rb.prefill_tokens in (0, len(p) - 1)
+    print(f"max |logprob(reuse) - logprob(no reuse)| = {worst:.2e}; {same}/{total} bit-equal")
+    assert worst <= 1e-5
+    stats = on.kv_stats()
+    print(stats, off.kv_stats())
+    assert stats["reuse_hits"] > 5 and stats["evictions"] > 0 and stats["invalidated"] > 0
+    assert stats["prefill_tokens"] < 0.7 * off.kv_stats()["prefill_tokens"]
+    assert off.kv_stats()["reuse_hits"] == off.kv_stats()["parked"] == 0
+    assert on.parked == 0 and not on.has_work()  # every session ended: nothing kept
+
+
+def test_a_weight_swap_drops_parked_slots_and_in_flight_sequences_are_not_parked() -> None:
+    e = make_engine(True, slots=2, stop=())
+    p = prompt(3, 20)
+    [r] = e.generate([GenRequest(p, TURN, seed=1, session="a")])
+    assert e.parked == 1
+    e.set_params(PARAMS_COPY)
+    assert e.parked == 0 and e.kv_stats()["invalidated"] == 1
+    # The next turn prefills its whole prompt under the new params.
+    nxt = p + r.tokens + prompt(4, 5)
+    [r2] = e.generate([GenRequest(nxt, TURN, seed=2, session="a")])
+    assert (r2.reused_tokens, r2.prefill_tokens) == (0, len(nxt) - 1)
+    assert e.parked == 1
+    # A turn admitted before a swap finishes after it: its KV mixes both, not parked.
+    e.end_session("a")
+    h = e.submit(GenRequest(prompt(5, 20), TURN, seed=3, session="b"))
+    e.step()
+    e.set_params(PARAMS)
+    done = dict(e.step())
+    while h not in done:
+        done.update(e.step())
+    assert e.parked == 0
+
+
+def test_cancel_and_end_session_free_the_slot() -> None:
+    e = make_engine(True, slots=1, stop=())
+    h = e.submit(GenRequest(prompt(1, 20), TURN, seed=1, session="a"))
+    e.step()
+    e.cancel(h)
+    assert e.active == 0 and e.parked == 0  # a cancelled turn is not kept
+    [r] = e.generate([GenRequest(prompt(1, 20), TURN, seed=1, session="a")])
+    assert e.parked == 1
+    e.end_session("a")
+    assert e.parked == 0
+    # The one slot is free again: a new session takes it without evicting anything.
+    e.generate([GenRequest(prompt(2, 20), TURN, seed=2, session="b")])
+    assert e.kv_stats()["evictions"] == 0
+    # Another session's request evicts b's parked slot; b then prefills its whole prompt.
+    e.generate([GenRequest(prompt(3, 20), TURN, seed=3, session="c")])
+    assert e.kv_stats()["evictions"] == 1
+    [rb] = e.generate([GenRequest(prompt(2, 30), TURN, seed=4, session="b")])
+    assert (rb.reused_tokens, rb.prefill_tokens) == (0, 29)
+    assert len(r.tokens) == TURN
+
+
+def test_a_prompt_that_departs_from_the_kept_tokens_reuses_the_common_prefix() -> None:
+    e = make_engine(True, slots=2, stop=())
+    p = prompt(6, 30)
+    [r] = e.generate([GenRequest(p, TURN, seed=1, session="a")])
+    edited = p[:20] + prompt(7, 15)  # the transcript was rewritten after position 20
+    [r2] = e.generate([GenRequest(edited, TURN, seed=2, session="a")])
+    assert (r2.reused_tokens, r2.prefill_tokens) == (20, len(edited) - 1 - 20)
+    [alone] = make_engine(False, slots=2, stop=()).generate([GenRequest(edited, TURN, seed=2)])
+    assert r2.tokens == alone.tokens
+    np.testing.assert_allclose(r2.logprobs, alone.logprobs, atol=2e-6)
+    assert len(r.tokens) == TURN
+
+
+def test_a_suffix_window_past_the_slot_end_is_moved_back() -> None:
+    """A 33-token suffix pads to 48; at position 114 that would overrun the 160-position
+    slot, so the window starts at 112 and computes two kept positions again."""
+    first = prompt(8, 103)
+    engines = make_engine(True, slots=1, stop=()), make_engine(False, slots=1, stop=())
+    results = []
+    for e in engines:
+        [r] = e.generate([GenRequest(first, TURN, seed=1, session="a")])
+        nxt = first + r.tokens + prompt(9, 33)
+        assert len(nxt) == 148
+        [r2] = e.generate([GenRequest(nxt, TURN, seed=2, session="a")])
+        results.append(r2)
+    on, off = results
+    assert (on.reused_tokens, on.prefill_tokens) == (114, 147 - 112)
+    assert (off.reused_tokens, off.prefill_tokens) == (0, 147)
+    assert on.tokens == off.tokens
+    np.testing.assert_allclose(on.logprobs, off.logprobs, atol=1e-5)
+
+
+def test_suffix_prefills_compile_a_bounded_set_of_shapes() -> None:
+    """Without stop tokens every turn samples TURN tokens, so the same schedule replays
+    exactly: the second run (other tokens, same lengths) compiles nothing, and prefills
+    compiled at most one program per (rows, length) bucket: rows 1, 2, 4 (max_prefill 4)
+    times whole-prompt lengths 64, 128, 160 and suffix lengths 16, 24, 32, 48, 64, 96,
+    128, 160 (the slot's length caps the last)."""
+    e = make_engine(True, slots=3, stop=())
+    turns = 8
+    group = sessions(2, 5, turns)
+    play(e, group, turns)
+    first = dict(e.compile_counts)
+    assert first["prefill"] <= 3 * (3 + 8)
+    again = sessions(2, 5, turns)
+    for s in again:  # other tokens, the same lengths
+        s.transcript = [(t + 7) % 91 + 6 for t in s.transcript]
+        s.name += "-again"
+    play(e, again, turns)
+    assert e.compile_counts == first
+    assert e.kv_stats()["reuse_hits"] > 0
+
+
+def test_suffix_buckets() -> None:
+    sizes = [suffix_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 129, 193, 257)]
+    assert sizes == [16, 16, 24, 24, 32, 48, 48, 64, 192, 256, 384]
+    assert len({suffix_bucket(n) for n in range(1, 4097)}) == 17  # 16, then 2 a doubling
