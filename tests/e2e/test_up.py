@@ -369,8 +369,10 @@ def test_stalled_trainer_pauses_rollout(
         # Tasks running when the pause began still finish (max_concurrency / group size);
         # and a task whose last member is done but whose group the grouper has not emitted
         # yet counts neither as running nor as ready, so as many may start in that gap.
+        # The count rollout reads is the grouper's, published every 0.2 s: on loaded cores
+        # one more wave can start on a stale one (a CI run saw 12 = 3 + 9 here).
         in_flight = 16 // 4
-        assert max(ready for ready, _ in samples) <= bound + 2 * in_flight, samples
+        assert max(ready for ready, _ in samples) <= bound + 3 * in_flight, samples
         assert len({traj for _, traj in samples[-8:]}) == 1, samples  # rollout stopped
         assert stat("backpressure_pauses") >= 1
         out, _ = proc.communicate(timeout=600)
