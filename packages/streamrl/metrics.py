@@ -343,9 +343,13 @@ def memory_probe() -> dict[str, float]:
 def device_memory_probe() -> dict[str, float]:
     """Device memory in use and its peak, MiB, summed over local devices: only where JAX is
     already imported (never imported here: the light workers must not load it) and its
-    devices answer (`memory_stats()` is None on CPU)."""
+    devices answer (`memory_stats()` is None on CPU), and only once the worker itself has
+    started JAX's backends: asking for devices first would start them here, on the sampler's
+    thread, before a multi-process trainer's `jax.distributed.initialize` (a CI run's
+    trainer process died of it: "Unable to initialize backend 'cpu'")."""
     jax: Any = sys.modules.get("jax")
-    if jax is None:
+    bridge: Any = sys.modules.get("jax._src.xla_bridge")
+    if jax is None or bridge is None or not bridge.backends_are_initialized():
         return {}
     used = peak = 0
     answered = False

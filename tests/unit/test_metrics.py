@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,24 @@ def test_tool_timeouts_are_told_from_other_errors() -> None:
     assert timed_out(result("no tool worker answered within 3s, 2 attempts", infra=True))
     assert not timed_out(result("exit status: 1"))
     assert not timed_out(result(""))
+
+
+def test_the_device_memory_probe_never_starts_jax_s_backends() -> None:
+    """JAX imported but its backends not started (a multi-process trainer before its
+    `jax.distributed.initialize`): the probe answers nothing and starts nothing; once the
+    worker started them it may ask (CPU devices report no memory: still nothing)."""
+    code = (
+        "import jax\n"
+        "from jax._src import xla_bridge\n"
+        "from streamrl.metrics import device_memory_probe\n"
+        "assert device_memory_probe() == {}\n"
+        "assert not xla_bridge.backends_are_initialized()\n"
+        "jax.devices()\n"
+        "assert xla_bridge.backends_are_initialized()\n"
+        "assert device_memory_probe() == {}\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
