@@ -74,7 +74,30 @@ class ScriptedEnv(Environment):
         return None
 
 
-def _same(env: ScriptedEnv) -> tuple[Agent, Environment]:
+def _engine(
+    setup: tuple[Config, HFChat, Any, Any],
+    num_slots: int,
+    kv: int,
+    kind: type[Engine] = Engine,
+    **options: Any,
+) -> Engine:
+    """The tiny policy's engine: `num_slots` slots of `kv` positions, greedy, the chat's
+    stop and pad ids, decode chunks of 4 (`options` override or add EngineConfig fields)."""
+    _, chat, spec, params = setup
+    fields: dict[str, Any] = {
+        "num_slots": num_slots,
+        "kv_cache_size": kv,
+        "max_prompt_length": kv - 1,
+        "max_new_tokens": 16,
+        "sampling": GREEDY,
+        "stop_ids": tuple(chat.stop_ids),
+        "pad_id": chat.pad_id,
+        "decode_chunk": 4,
+    }
+    return kind(spec, params, EngineConfig(**(fields | options)))
+
+
+def _same(env: Environment) -> tuple[Agent, Environment]:
     return ToolAgent(), env
 
 
@@ -85,22 +108,10 @@ async def _run_all(
     kv: int = 256,
     poison: str = "",
 ) -> list[Trajectory]:
-    cfg, chat, spec, params = setup
+    cfg, chat, _, _ = setup
     log = structlog.get_logger()
-    engine = PoisonEngine(
-        spec,
-        params,
-        EngineConfig(
-            num_slots=8,
-            kv_cache_size=kv,
-            max_prompt_length=kv - 1,
-            max_new_tokens=16,
-            sampling=GREEDY,
-            stop_ids=tuple(chat.stop_ids),
-            pad_id=chat.pad_id,
-            decode_chunk=4,
-        ),
-    )
+    engine = _engine(setup, 8, kv, PoisonEngine)
+    assert isinstance(engine, PoisonEngine)
     engine.poison = tuple(chat.encode(poison)) if poison else ()
     server = EngineServer(engine, 7, log)
     rollout = cfg.rollout.model_copy(update={"env_step_timeout_s": env_step_timeout_s})
@@ -183,20 +194,9 @@ def test_trajectory_layout(setup: Any) -> None:
 def test_broken_engine_stops_the_server(setup: Any) -> None:
     """When every step fails, the server gives up (and with it the worker) instead of
     failing episodes for ever."""
-    _, chat, spec, params = setup
-    engine = PoisonEngine(
-        spec,
-        params,
-        EngineConfig(
-            num_slots=4,
-            kv_cache_size=128,
-            max_prompt_length=127,
-            max_new_tokens=4,
-            sampling=GREEDY,
-            stop_ids=tuple(chat.stop_ids),
-            pad_id=chat.pad_id,
-        ),
-    )
+    chat = setup[1]
+    engine = _engine(setup, 4, 128, PoisonEngine, max_new_tokens=4, decode_chunk=8)
+    assert isinstance(engine, PoisonEngine)
     engine.poison = tuple(chat.encode(POISON))
     server = EngineServer(engine, 0, structlog.get_logger(), max_consecutive_failures=3)
 
@@ -240,26 +240,13 @@ def test_resume_on_the_real_engine(setup: Any) -> None:
     """An episode resumed from its first turn boundary on the JAX engine and the real chat
     template: the engine prefills the saved tokens, the replayed dialogue renders the next
     tool result as the uninterrupted episode did, and the first turn keeps its version."""
-    cfg, chat, spec, params = setup
+    cfg, chat, _, _ = setup
     log = structlog.get_logger()
     rollout = cfg.rollout.model_copy(update={"max_steps": 3})
     states: list[EpisodeState] = []
 
     async def play(version: int, resume: EpisodeState | None) -> Trajectory:
-        engine = Engine(
-            spec,
-            params,
-            EngineConfig(
-                num_slots=2,
-                kv_cache_size=256,
-                max_prompt_length=255,
-                max_new_tokens=16,
-                sampling=GREEDY,
-                stop_ids=tuple(chat.stop_ids),
-                pad_id=chat.pad_id,
-                decode_chunk=4,
-            ),
-        )
+        engine = _engine(setup, 2, 256)
         server = EngineServer(engine, version, log)
         runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
         serving = asyncio.create_task(server.serve())
@@ -287,22 +274,9 @@ def test_a_model_call_past_its_limit_ends_its_episode_as_a_timeout(setup: Any) -
     `rollout.model_call_timeout_s` is cancelled and its episode ends with status timeout,
     long before the episode's own limit; once the engine decodes again its slot is free
     and the next episode runs (issue 18, model-call timeout)."""
-    cfg, chat, spec, params = setup
+    cfg, chat, _, _ = setup
     log = structlog.get_logger()
-    engine = Engine(
-        spec,
-        params,
-        EngineConfig(
-            num_slots=2,
-            kv_cache_size=256,
-            max_prompt_length=255,
-            max_new_tokens=16,
-            sampling=GREEDY,
-            stop_ids=tuple(chat.stop_ids),
-            pad_id=chat.pad_id,
-            decode_chunk=4,
-        ),
-    )
+    engine = _engine(setup, 2, 256)
     server = EngineServer(engine, 7, log)
     rollout = cfg.rollout.model_copy(
         update={"model_call_timeout_s": 0.5, "episode_timeout_s": 60.0}
@@ -362,30 +336,12 @@ class ToolTurnsEnv(Environment):
         return None
 
 
-def _tool_agent(env: Environment) -> tuple[Agent, Environment]:
-    return ToolAgent(), env
-
-
 async def _run_turns(
     setup: tuple[Config, HFChat, Any, Any], envs: list[ToolTurnsEnv], reuse: bool
 ) -> tuple[list[Trajectory], Engine]:
-    cfg, chat, spec, params = setup
+    cfg, chat, _, _ = setup
     log = structlog.get_logger()
-    engine = Engine(
-        spec,
-        params,
-        EngineConfig(
-            num_slots=4,
-            kv_cache_size=1024,
-            max_prompt_length=1023,
-            max_new_tokens=16,
-            sampling=GREEDY,
-            stop_ids=tuple(chat.stop_ids),
-            pad_id=chat.pad_id,
-            decode_chunk=4,
-            kv_reuse=reuse,
-        ),
-    )
+    engine = _engine(setup, 4, 1024, kv_reuse=reuse)
     server = EngineServer(engine, 7, log)
     rollout = cfg.rollout.model_copy(update={"max_steps": 8, "max_response_length": 800})
     runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
@@ -393,7 +349,7 @@ async def _run_turns(
     try:
         trajs = await asyncio.gather(
             *(
-                runner.run(scripted_task(i, "scripted"), 0, functools.partial(_tool_agent, e))
+                runner.run(scripted_task(i, "scripted"), 0, functools.partial(_same, e))
                 for i, e in enumerate(envs)
             )
         )
