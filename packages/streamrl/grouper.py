@@ -855,7 +855,3 @@ class Grouper:
     def _has_pending(self) -> bool:
         info = self.client.xpending(self.keys.trajectories, self.keys.CG_GROUPER)
         return bool(info["pending"])
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

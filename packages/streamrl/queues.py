@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from streamrl.names import Keys
+from streamrl.transport import as_str
 from streamrl.wire import DeadLetter, WireError, decode
 
 LAG_COUNT_CAP = 100_000  # entries counted at most when Redis does not report the lag
@@ -108,22 +109,18 @@ def backlog(
     if length == 0:
         return 0, 0  # (or no stream yet: XINFO would fail)
     groups: Any = client.xinfo_groups(stream)
-    found = next((g for g in groups if _text(g["name"]) == group), None)
+    found = next((g for g in groups if as_str(g["name"]) == group), None)
     if found is None:  # no reader has joined yet: every entry waits
         return length, 0
     pending = int(found["pending"])
     lag = found.get("lag")
     if lag is not None:
         return int(lag), pending
-    after = f"({_text(found['last-delivered-id'])}"
+    after = f"({as_str(found['last-delivered-id'])}"
     if count_after is not None:
         return int(count_after(stream, after, cap)), pending
     entries: Any = client.xrange(stream, min=after, count=cap)
     return len(entries), pending
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def partial_groups(client: redis.Redis, keys: Keys, now_ms: float) -> tuple[int, float | None]:

@@ -28,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 
+from streamrl.metrics import percentile
 from streamrl.tracing import merge, read_trace
 
 # Counter names read here (the metrics sampler writes them; the issue-16 contract).
@@ -223,8 +224,10 @@ def bottleneck(
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> list[float]:
-    """Linear-interpolated percentiles (numpy's default) of `values`."""
-    return [float(x) for x in np.percentile(np.asarray(values, dtype=np.float64), qs)]
+    """Linear-interpolated percentiles (numpy's default) of `values`, as the workers'
+    counters compute theirs (`metrics.percentile`)."""
+    ordered = sorted(values)
+    return [percentile(ordered, q) for q in qs]
 
 
 # --- reading a run -----------------------------------------------------------------------

@@ -25,7 +25,6 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from rich.console import Console, Group
@@ -36,6 +35,7 @@ from rich.text import Text
 from streamrl import metrics as m
 from streamrl.metrics import decode_sample
 from streamrl.names import Keys
+from streamrl.transport import as_str
 
 SCAN_COUNT = 500
 BEAT_FRESH_S = 30.0  # a beat unchanged for longer than this shows as `no beat`
@@ -75,10 +75,6 @@ class Snapshot:
 _SLOT = re.compile(r":worker:([A-Za-z_]+):(\d+)(:beat)?$")
 
 
-def _text(raw: Any) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
-
-
 class StatusReader:
     """Reads snapshots of one run; remembers when each beat last changed."""
 
@@ -89,7 +85,7 @@ class StatusReader:
         self._beats: dict[str, tuple[str, float]] = {}  # worker id -> (beat, first seen)
 
     def _scan(self, pattern: str) -> list[str]:
-        return sorted({_text(k) for k in self.client.scan_iter(pattern, count=SCAN_COUNT)})
+        return sorted({as_str(k) for k in self.client.scan_iter(pattern, count=SCAN_COUNT)})
 
     def read(self) -> Snapshot:
         k = self.keys
@@ -122,18 +118,18 @@ class StatusReader:
             age = None
             if last:
                 entry_id, fields = last[0]
-                age = max(0.0, now - int(_text(entry_id).split("-")[0]) / 1000)
+                age = max(0.0, now - int(as_str(entry_id).split("-")[0]) / 1000)
                 values = decode_sample(fields)
-            beat_s = None if beat is None else _text(beat)
+            beat_s = None if beat is None else as_str(beat)
             if beat_s is not None:
                 seen = self._beats.get(wid)
                 if seen is None or seen[0] != beat_s:
                     self._beats[wid] = (beat_s, now)
                 beat_age[wid] = now - self._beats[wid][1]
             workers.append(
-                WorkerState(wid, None if holder is None else _text(holder), beat_s, age, values)
+                WorkerState(wid, None if holder is None else as_str(holder), beat_s, age, values)
             )
-        stats = {_text(a): _text(b) for a, b in replies[-1].items()}
+        stats = {as_str(a): as_str(b) for a, b in replies[-1].items()}
         return Snapshot(self.keys.ns, workers, stats, beat_age, now)
 
 

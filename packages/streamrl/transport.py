@@ -75,8 +75,9 @@ def publish(client: redis.Redis | Pipeline, stream: str, msg: Message) -> Any:
     return client.xadd(stream, fields)
 
 
-def as_str(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
+def as_str(x: Any) -> str:
+    """A reply's field as text (bytes decoded; an int or a str as it is written)."""
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class RedisStreamConsumer(Generic[M]):
