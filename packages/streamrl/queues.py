@@ -69,22 +69,16 @@ def _groups(client: redis.Redis, stream: str, now_ms: float) -> list[GroupInfo]:
     out = []
     raw: Any = client.xinfo_groups(stream)
     for g in raw:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
+        name = as_str(g["name"])
         oldest = None
         if int(g["pending"]):
             summary: Any = client.xpending(stream, name)
             oldest = _entry_age_s(summary["min"], now_ms)
-        lag = g.get("lag")
-        if lag is None:  # Redis before 7 does not report it: count (up to a cap)
-            last = g["last-delivered-id"]
-            last = last.decode() if isinstance(last, bytes) else str(last)
-            undelivered: Any = client.xrange(stream, min=f"({last}", count=LAG_COUNT_CAP)
-            lag = len(undelivered)
         out.append(
             GroupInfo(
                 name=name,
                 consumers=int(g["consumers"]),
-                lag=None if lag is None else int(lag),
+                lag=_lag(client, stream, g, LAG_COUNT_CAP),
                 pending=int(g["pending"]),
                 oldest_pending_s=oldest,
             )
@@ -112,15 +106,28 @@ def backlog(
     found = next((g for g in groups if as_str(g["name"]) == group), None)
     if found is None:  # no reader has joined yet: every entry waits
         return length, 0
-    pending = int(found["pending"])
-    lag = found.get("lag")
+    return _lag(client, stream, found, cap, count_after), int(found["pending"])
+
+
+def _lag(
+    client: redis.Redis,
+    stream: str,
+    group: Any,
+    cap: int,
+    count_after: Callable[[str, str, int], int] | None = None,
+) -> int:
+    """The lag of a consumer group as XINFO GROUPS reports it (`group`), or, where Redis
+    does not (before 7; entries deleted past its position on 7), the entries after its
+    last delivered one, up to `cap`: by `count_after(stream, exclusive start id, cap)`
+    when given (a script: no payload crosses the wire), else by XRANGE."""
+    lag = group.get("lag")
     if lag is not None:
-        return int(lag), pending
-    after = f"({as_str(found['last-delivered-id'])}"
+        return int(lag)
+    after = f"({as_str(group['last-delivered-id'])}"
     if count_after is not None:
-        return int(count_after(stream, after, cap)), pending
+        return int(count_after(stream, after, cap))
     entries: Any = client.xrange(stream, min=after, count=cap)
-    return len(entries), pending
+    return len(entries)
 
 
 def partial_groups(client: redis.Redis, keys: Keys, now_ms: float) -> tuple[int, float | None]:
