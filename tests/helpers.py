@@ -20,6 +20,9 @@ from streamrl.names import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.toml"
+# configs/tiny.toml evaluates held-out every few steps in a process of its own: the tests
+# that launch a run and are not about evaluation leave it out (a later --set wins).
+NO_EVALUATOR = "trainer.eval_every=0"
 
 
 def spawn_worker(

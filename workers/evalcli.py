@@ -2,9 +2,12 @@
 
     streamrl eval --config configs/tiny.toml --run-dir runs/tiny --n 200 --samples 4 --json
     streamrl eval --checkpoint runs/tiny/export --n 200 --gate baseline.json --tolerance 0.05
+    streamrl eval --config configs/tiny.toml --watch runs/tiny --n 100   # the run's evaluator
 
-Logic in `streamrl.evaluation` (episodes), `streamrl.tasks.heldout` (the split) and
-`streamrl.evalstats` (intervals, pass@k, the gate rule).
+--watch RUN_DIR is the evaluator of a run with trainer.eval_every (`streamrl up` starts it):
+it evaluates the snapshots the trainer writes into RUN_DIR/eval/ until the run drains it
+(`streamrl.evalrun`). Logic in `streamrl.evaluation` (episodes), `streamrl.tasks.heldout`
+(the split) and `streamrl.evalstats` (intervals, pass@k, the gate rule).
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamrl.config import Config
 
 GATE_RULE = (
     "--gate fails (exit 1) when the greedy solve rate fell by more than --tolerance below "
@@ -41,6 +48,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="the policy a run of --config starts from (model.checkpoint or the built-in "
         "one, warm-started when model.init = warmstart)",
+    )
+    which.add_argument(
+        "--watch",
+        type=Path,
+        metavar="RUN_DIR",
+        help="evaluate the run's snapshots as the trainer writes them (trainer.eval_every) "
+        "into RUN_DIR/eval/step-N.json, at trainer.eval_niceness, until the run drains it",
     )
     e.add_argument(
         "--config",
@@ -110,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
     from streamrl.model.spec import SpecError
     from streamrl.tools.sandbox import SandboxUnavailableError
 
+    if args.watch:
+        return watch(cfg, args.watch, args.n, args.solve_threshold)
     log = configure_logging("eval", stream=sys.stderr, run=cfg.run.name)
     try:
         baseline = evaluation.read_baseline(args.gate) if args.gate else None
@@ -120,17 +136,8 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"sandbox unavailable: {err}", EXIT_SANDBOX)
     except (evaluation.EvalError, ConfigError, ChatError, CheckpointError, SpecError) as err:
         return fail(str(err))
-    if verdict is not None:
-        result["gate"] = {
-            "baseline": str(args.gate),
-            "baseline_solve_rate": verdict.baseline,
-            "tolerance": verdict.tolerance,
-            "passed": verdict.passed,
-            "reason": verdict.reason,
-        }
-        if baseline is not None and baseline.get("split") != result["split"]:
-            print("streamrl eval: warning: the baseline's held-out split differs "
-                  f"({baseline.get('split')} vs {result['split']})", file=sys.stderr)  # fmt: skip
+    if verdict is not None and baseline is not None:
+        _add_gate(result, baseline, verdict, args.gate)
     text = json.dumps(result, indent=2)
     if args.output:
         args.output.write_text(text + "\n")
@@ -138,4 +145,55 @@ def main(args: argparse.Namespace) -> int:
     if verdict is not None:
         print(f"gate {'passed' if verdict.passed else 'FAILED'}: {verdict.reason}", file=sys.stderr)
         return EXIT_OK if verdict.passed else EXIT_GATE_FAILED
+    return EXIT_OK
+
+
+def _add_gate(result: dict[str, Any], baseline: dict[str, Any], verdict: Any, path: Path) -> None:
+    result["gate"] = {
+        "baseline": str(path),
+        "baseline_solve_rate": verdict.baseline,
+        "tolerance": verdict.tolerance,
+        "passed": verdict.passed,
+        "reason": verdict.reason,
+    }
+    if baseline.get("split") != result["split"]:
+        print("streamrl eval: warning: the baseline's held-out split differs "
+              f"({baseline.get('split')} vs {result['split']})", file=sys.stderr)  # fmt: skip
+
+
+def watch(cfg: Config, run_dir: Path, n: int, solve_threshold: float) -> int:
+    """The run's evaluator (`streamrl.evalrun.watch`), logging to RUN_DIR/logs/evaluator.log.
+    Exits 0 once drained; SIGTERM stops it at once (what it had claimed is released when it
+    starts again)."""
+    import os
+
+    from streamrl import evalrun, evaluation
+    from streamrl.evalstats import EXIT_OK, EXIT_SANDBOX
+    from streamrl.hfchat import ChatError
+    from streamrl.logs import configure_logging
+    from streamrl.model.checkpoint import CheckpointError
+    from streamrl.model.spec import SpecError
+    from streamrl.runtime import run_log
+    from streamrl.tools.sandbox import SandboxUnavailableError
+
+    os.nice(cfg.trainer.eval_niceness)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = configure_logging("evaluator", file=run_log(logs, "evaluator", cfg), run=cfg.run.name)
+
+    def evaluate(step: int, path: Path) -> dict[str, Any]:
+        try:
+            policy = evaluation.load_policy(cfg, path, None)
+        except (CheckpointError, SpecError, ChatError, evaluation.EvalError, OSError) as err:
+            raise evalrun.SnapshotError(f"{path}: {err}") from None
+        return evaluation.evaluate(cfg, policy, n, 0, solve_threshold, log)
+
+    log.info("evaluator_start", run_dir=str(run_dir), tasks=n, pid=os.getpid())
+    try:
+        root = evalrun.eval_dir(run_dir)
+        done = evalrun.watch(root, evaluate, lambda: False, log, every=cfg.trainer.eval_all)
+    except SandboxUnavailableError as err:
+        log.error("evaluator_sandbox_unavailable", error=str(err))
+        return EXIT_SANDBOX
+    log.info("evaluator_done", evaluated=done)
     return EXIT_OK

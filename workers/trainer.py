@@ -8,9 +8,17 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from streamrl import evalrun
 from streamrl.runtime import WorkerContext
 from streamrl.trainer.cluster import init_distributed
-from streamrl.trainer.loop import CheckpointHook, ExportHook, Hook, PublishHook, TrainerLoop
+from streamrl.trainer.loop import (
+    CheckpointHook,
+    EvalSnapshotHook,
+    ExportHook,
+    Hook,
+    PublishHook,
+    TrainerLoop,
+)
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import TrainState, lora_config
 from streamrl.weightsync import WEIGHTS_DIR, DirChannel, RedisChannel, WeightsChannel
@@ -100,7 +108,12 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
         ckpt,
         lora=step_fn.lora,
     )
-    return Policy(state, step_fn, chat.pad_id, [export])
+    hooks: list[Hook] = [export]
+    if cfg.trainer.eval_every:
+        root = evalrun.eval_dir(ctx.run_dir)
+        t = cfg.trainer
+        hooks.append(EvalSnapshotHook(t.eval_every, root, spec, ckpt, step_fn.lora, t.eval_all))
+    return Policy(state, step_fn, chat.pad_id, hooks)
 
 
 def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointer]:

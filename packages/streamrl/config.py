@@ -905,6 +905,47 @@ class TrainerConfig(_Section):
             "(0: at the end of the run only)."
         ),
     )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Held-out evaluation during the run (0: off): the trainer writes the policy as a "
+            "snapshot at the start, every N steps and at the end (RUN_DIR/eval/pending/"
+            "step-N), and the evaluator process that `streamrl up` starts evaluates the "
+            "newest one greedily on `eval_tasks` held-out tasks (skipping older snapshots it "
+            "fell behind on) into RUN_DIR/eval/step-N.json. Needs model.kind transformer."
+        ),
+    )
+    eval_tasks: int = Field(
+        100, ge=1, le=1_000_000, description="Held-out tasks of each evaluation (eval_every)."
+    )
+    eval_all: bool = Field(
+        False,
+        description=(
+            "Evaluate every snapshot, oldest first, none skipped (learning curves: "
+            "ops/bench/learning.py); the run's end waits for all of them (eval_timeout_s). "
+            "Off: the evaluator takes the newest and drops those it fell behind on."
+        ),
+    )
+    eval_niceness: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description=(
+            "The evaluator process's niceness (os.nice): evaluation takes only the CPU that "
+            "rollout and the trainer leave."
+        ),
+    )
+    eval_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "After the last step, how long `streamrl up` waits for the evaluator to evaluate "
+            "the final snapshot before stopping it."
+        ),
+    )
     max_steps: int = Field(
         0, ge=0, le=100_000_000, description="Stop after this many steps (0: run until stopped)."
     )
@@ -1078,6 +1119,15 @@ class Config(_Section):
             raise ValueError(
                 f"rollout.kv_cache_size ({self.rollout.kv_cache_size}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len}) of the built-in model"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval(self) -> Config:
+        if self.trainer.eval_every and self.model.kind != "transformer":
+            raise ValueError(
+                f"trainer.eval_every ({self.trainer.eval_every}) needs model.kind = "
+                f'"transformer": a {self.model.kind} model has no policy to evaluate'
             )
         return self
 

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -40,7 +41,7 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
-from streamrl import rundir
+from streamrl import evalrun, rundir
 from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
@@ -71,6 +72,8 @@ SUMMARY_SHOWN = (
     "max_trajectory_policy_version",
     "mean_reward_first",
     "mean_reward_last",
+    "eval_solve_rate_first",
+    "eval_solve_rate_last",
 )
 
 
@@ -96,6 +99,81 @@ class WorkerProc:
         return f"{self.name}-{self.index}"
 
 
+@dataclass
+class EvalProc:
+    """The run's evaluator (`streamrl eval --watch`, trainer.eval_every): its own process
+    and session, outside the Redis workers (it shares only the run directory). Restarted
+    when it exits before the run drains it, up to run.max_restarts in run.restart_window_s;
+    after that the run goes on without it."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    err_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+    restart_at: float | None = None
+    gave_up: bool = False
+
+    def start(self) -> EvalProc:
+        with open(self.err_path, "ab") as err:
+            self.popen = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+                env=self.env,
+                start_new_session=True,
+            )
+        return self
+
+    def check(self, cfg: Config, log: structlog.stdlib.BoundLogger) -> None:
+        """Restart it (after a backoff) when it exited; give up past the restart limit."""
+        if self.popen is None or self.gave_up:
+            return
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.restarts.append(now)
+                self.start()
+                log.info("evaluator_restarted", pid=self.popen.pid, n=len(self.restarts))
+            return
+        rc = self.popen.poll()
+        if rc is None:
+            return
+        nth = restart_decision(self.restarts, now, cfg.run.max_restarts, cfg.run.restart_window_s)
+        if nth is None:
+            self.gave_up = True
+            log.error("evaluator_failed", exit_code=rc, stderr=str(self.err_path))
+            return
+        self.restart_at = now + backoff_s(nth, cfg.run.restart_backoff_s)
+        log.warning("evaluator_exited", exit_code=rc, restart_in_s=self.restart_at - now)
+
+    def drain(self, cfg: Config, root: Path, stopping: Callable[[], bool], log: Any) -> bool:
+        """Ask it to evaluate what is pending and exit; wait up to trainer.eval_timeout_s
+        (or until `stopping()`), restarting it as `check` does. Whether it finished."""
+        evalrun.request_drain(root)
+        deadline = time.monotonic() + cfg.trainer.eval_timeout_s
+        while self.popen is not None and not self.gave_up and not stopping():
+            if self.restart_at is None and self.popen.poll() == 0:
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("evaluator_drain_timeout", after_s=cfg.trainer.eval_timeout_s)
+                return False
+            self.check(cfg, log)
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        if self.popen is None:
+            return
+        _signal_group(self.popen, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=STOP_TIMEOUT_S)
+        _signal_group(self.popen, signal.SIGKILL)
+        self.popen.wait()
+
+
 class Launcher:
     def __init__(
         self,
@@ -117,6 +195,7 @@ class Launcher:
         self.resume = resume
         self.redis_restarts: list[float] = []
         self.procs: list[WorkerProc] = []
+        self.evaluator: EvalProc | None = None
         self._env: dict[str, str] = {}
         self.redis: EmbeddedRedis | None = None
         self._stop_signal: str | None = None
@@ -182,7 +261,7 @@ class Launcher:
             self._record()
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
             reason, code = self._monitor(quick, log)
-            self._shutdown(log)
+            self._shutdown(log, drain_eval=code == 0 and self._stop_signal is None)
             self._write_summary(client, reason, log)
             client.close()
             quick.close()
@@ -286,6 +365,15 @@ class Launcher:
         self._new_coordinator()
         for name, index in self._plan():
             self.procs.append(self._spawn(name, index, self._env))
+        if self.cfg.trainer.eval_every:
+            evalrun.clear_drain(evalrun.eval_dir(self.run_dir))
+            self.evaluator = EvalProc(
+                evaluator_command(
+                    self.config_path, self.run_dir, self.overrides, self.cfg.trainer.eval_tasks
+                ),
+                {**os.environ, "PYTHONUNBUFFERED": "1"},
+                self.run_dir / "logs" / "evaluator.stderr",
+            ).start()
 
     def _new_coordinator(self) -> None:
         """A fresh address for the trainer processes' coordination service (process 0
@@ -336,6 +424,8 @@ class Launcher:
             ended = self._check_workers(log)
             if ended is not None:
                 return ended
+            if self.evaluator is not None:
+                self.evaluator.check(self.cfg, log)
             self._watch_liveness(client, log)
             if time.monotonic() >= next_progress:
                 try:
@@ -472,13 +562,25 @@ class Launcher:
         self._record()
         log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
-    def _shutdown(self, log: structlog.stdlib.BoundLogger) -> None:
+    def _shutdown(self, log: structlog.stdlib.BoundLogger, drain_eval: bool = False) -> None:
         """SIGTERM every worker's process group, then SIGKILL what is left: after
         STOP_TIMEOUT_S, or `run.trainer_stop_timeout_s` for the trainer (its final
-        checkpoint)."""
+        checkpoint). Then the evaluator: with `drain_eval` (the trainer finished) it first
+        evaluates what is pending, the final policy (`EvalProc.drain`)."""
         if self._stopped:
             return
         self._stopped = True
+        try:
+            self._stop_workers(log)
+            if drain_eval and self.evaluator is not None:
+                print("\nevaluating the final policy on the held-out split ...", file=self.out)
+                root = evalrun.eval_dir(self.run_dir)
+                self.evaluator.drain(self.cfg, root, lambda: bool(self._stop_signal), log)
+        finally:
+            if self.evaluator is not None:
+                self.evaluator.stop()
+
+    def _stop_workers(self, log: structlog.stdlib.BoundLogger) -> None:
         for p in self.procs:
             _signal_group(p.popen, signal.SIGTERM)
         start = time.monotonic()
@@ -523,6 +625,11 @@ class Launcher:
             f"traj {s.get('trajectories', 0)} | tool calls {s.get('tool_calls', 0)} | "
             f"dropped {s.get('groups_dropped', 0)} | dead {dead}"
         )
+        if self.evaluator is not None:
+            results = evalrun.read_results(evalrun.eval_dir(self.run_dir))
+            if results:
+                r = results[-1]
+                line += f" | held-out {r['solve_rate']:.2f} @ step {r['step']}"
         end = "\r" if self.out.isatty() else "\n"
         print(line, end=end, file=self.out, flush=True)
 
@@ -562,6 +669,8 @@ class Launcher:
             "mean_reward_first": sum(rewards[:k]) / k if rewards else None,
             "mean_reward_last": sum(rewards[-k:]) / k if rewards else None,
             "rewards_per_step": rewards,
+            # held-out greedy solve rates (trainer.eval_every; None when off)
+            **evalrun.eval_summary(evalrun.eval_dir(self.run_dir)),
             "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
             "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
             "worker_restarts": {p.worker_id: len(p.restarts) for p in self.procs},
@@ -628,19 +737,20 @@ def worker_command(
     name: str, index: int, config: str | Path, run_dir: str | Path, overrides: list[str]
 ) -> list[str]:
     """argv of `streamrl worker NAME` run with this interpreter."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl_workers.cli",
-        "worker",
-        name,
-        "--config",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "--index",
-        str(index),
-    ]
+    args = ["worker", name, "--config", str(config), "--run-dir", str(run_dir)]
+    return _cli([*args, "--index", str(index)], overrides)
+
+
+def evaluator_command(
+    config: str | Path, run_dir: str | Path, overrides: list[str], tasks: int
+) -> list[str]:
+    """argv of the run's evaluator, `streamrl eval --watch RUN_DIR`, with this interpreter."""
+    args = ["eval", "--watch", str(run_dir), "--config", str(config), "--n", str(tasks)]
+    return _cli(args, overrides)
+
+
+def _cli(args: list[str], overrides: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", *args]
     for item in overrides:
         cmd += ["--set", item]
     return cmd

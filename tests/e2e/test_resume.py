@@ -18,7 +18,7 @@ import redis
 from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
 from tests.e2e.test_up import assert_nothing_left, started_pids, summary_of, up
-from tests.helpers import REPO, TINY
+from tests.helpers import NO_EVALUATOR, REPO, TINY
 
 # Two `streamrl up` runs each (the first of the session also trains the warm start).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 def resume(run_dir: Path, steps: int, *sets: str, env: dict[str, str] | None = None) -> str:
     cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(TINY),
            "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
-    for s in sets:
+    for s in (NO_EVALUATOR, *sets):
         cmd += ["--set", s]
     proc = subprocess.run(
         cmd,

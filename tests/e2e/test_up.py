@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from streamrl.names import Keys
-from tests.helpers import REPO, TINY, committed_trajectories, live_in_group
+from tests.helpers import NO_EVALUATOR, REPO, TINY, committed_trajectories, live_in_group
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ def up(
         "--run-dir",
         str(run_dir),
     ]
-    for s in sets:
+    for s in (NO_EVALUATOR, *sets):
         cmd += ["--set", s]
     return subprocess.Popen(
         cmd,

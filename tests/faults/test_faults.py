@@ -53,7 +53,7 @@ from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis
 from streamrl.tasks.registry import make_task
 from streamrl.wire import Group, Task, Trajectory, WireError, decode
-from tests.helpers import REPO, TINY
+from tests.helpers import NO_EVALUATOR, REPO, TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -151,7 +151,7 @@ class Up:
     def _start(self, where: list[str]) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(TINY),
                "--steps", "0", *where]  # fmt: skip
-        for s in self.sets:
+        for s in (NO_EVALUATOR, *self.sets):
             cmd += ["--set", s]
         self.launches += 1
         return subprocess.Popen(

@@ -16,7 +16,9 @@ from streamrl.config import Config, parse_config
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.tiny import ensure_checkpoint
+from streamrl.plugins import PluginError
 from streamrl.tasks.arithmetic import demonstration, make_task
+from streamrl.tasks.registry import load_taskdef
 from streamrl.tools.registry import CALCULATOR
 from streamrl.trainer.warmstart import (
     cache_key,
@@ -131,3 +133,32 @@ def test_user_checkpoint_key_follows_its_files(cache: Path, tmp_path: Path) -> N
     second = cache_key(cfg)
     (user / "chat_template.jinja").write_text("{{ messages }}")  # a new file changes it too
     assert cache_key(cfg) != second
+
+
+def test_no_tool_errors_give_up_in_one_turn(cache: Path, chat: HFChat) -> None:
+    """task.options.demo_error = "no_tool": an erring demonstration is one assistant turn,
+    `<answer>?</answer>` with no tool call; the others call the calculator as usual."""
+    cfg = parse_config(
+        {
+            "model": {**TINY, "cache_dir": str(cache), "warmstart_error_rate": 0.5},
+            "run": {"seed": 5},
+            "task": {"options": {"demo_error": "no_tool"}},
+        }
+    )
+    rng = random.Random(3)
+    transcripts = [demonstration_transcript(cfg, chat, i, rng) for i in range(60)]
+    texts = [
+        chat.decode([t for t, m in zip(tr.tokens, tr.mask, strict=True) if m]) for tr in transcripts
+    ]
+    gave_up = [t for t in texts if "<tool_call>" not in t]
+    called = [t for t in texts if "<tool_call>" in t]
+    assert 15 <= len(gave_up) <= 45 and len(gave_up) + len(called) == 60
+    assert all(t == "<answer>?</answer>" + chat.turn_end for t in gave_up)
+    # A demonstration that calls the tool answers right (only give-ups err).
+    for tr, text in zip(transcripts, texts, strict=True):
+        if "<tool_call>" in text:
+            answer = text.split("<answer>")[1].split("</answer>")[0]
+            assert f"<tool_response>{answer}</tool_response>" in chat.decode(tr.tokens)
+    bad = parse_config({"task": {"options": {"demo_error": "nope"}}})
+    with pytest.raises(PluginError, match=r"task\.options\.demo_error"):
+        load_taskdef(bad.task, 0)

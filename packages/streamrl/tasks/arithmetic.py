@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.agents.base import Environment
 from streamrl.agents.envs import ToolEnvironment, ToolRecord
@@ -17,7 +20,6 @@ from streamrl.config import TaskConfig
 from streamrl.tasks.base import (
     Demonstration,
     EpisodeContext,
-    NoOptions,
     Prompt,
     TaskDef,
     build_task,
@@ -43,8 +45,30 @@ def expression(cfg: TaskConfig, seed: int, index: int) -> tuple[str, int]:
     return f"{a}{op}{b}", value
 
 
-class ArithmeticTask(TaskDef[NoOptions]):
+DemoError = Literal["answer", "no_tool"]
+
+
+class ArithmeticOptions(BaseModel):
+    """[task.options] of the arithmetic task."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    demo_error: DemoError = Field(
+        "answer",
+        description=(
+            "How the warm start's erring demonstrations (model.warmstart_error_rate of them) "
+            "err: `answer` calls the calculator, then answers a nearby wrong number; "
+            "`no_tool` gives up at once, a single turn `<answer>?</answer>` without a "
+            "call. With `no_tool` the warm policy knows the whole procedure (sampling finds "
+            "it) but prefers giving up (greedy rarely calls the tool): the gap RL closes."
+        ),
+    )
+
+
+class ArithmeticTask(TaskDef[ArithmeticOptions]):
     """`a op b` questions (task.num_prompts, max_operand, operators); the calculator tool."""
+
+    Options = ArithmeticOptions
 
     def prompt(self, index: int) -> Prompt:
         expr, value = expression(self.cfg, self.seed, index)
@@ -59,12 +83,12 @@ class ArithmeticTask(TaskDef[NoOptions]):
         return reward(answer, outputs, ctx.task.answer)
 
     def demonstration(self, task: Task, rng: random.Random, error_rate: float) -> Demonstration:
-        d = demonstration(task, rng, error_rate)
+        d = demonstration(task, rng, error_rate, self.options.demo_error)
         return Demonstration(task, [CALCULATOR.schema()], d.turns, d.tool_results)
 
 
 def make_task(cfg: TaskConfig, seed: int, cursor: int, num_generations: int) -> Task:
-    prompt = ArithmeticTask(NoOptions(), cfg, seed).prompt(cursor % cfg.num_prompts)
+    prompt = ArithmeticTask(ArithmeticOptions(), cfg, seed).prompt(cursor % cfg.num_prompts)
     return build_task(KIND, prompt, cursor, num_generations)
 
 
@@ -88,10 +112,18 @@ class Script:
     tool_results: list[str]
 
 
-def demonstration(task: Task, rng: random.Random, error_rate: float) -> Script:
-    """Call the calculator, then answer with its result; a fraction answers wrongly."""
+GIVE_UP = "<answer>?</answer>"
+
+
+def demonstration(
+    task: Task, rng: random.Random, error_rate: float, error: DemoError = "answer"
+) -> Script:
+    """Call the calculator, then answer with its result; a fraction `error_rate` errs as
+    `error` says (ArithmeticOptions.demo_error)."""
     answer = task.answer
     if rng.random() < error_rate:
+        if error == "no_tool":
+            return Script(turns=[GIVE_UP], tool_results=[])
         answer = str(int(answer) + rng.choice([-10, -2, -1, 1, 2, 10]))
     return Script(
         turns=[calculator_call(task_expression(task)), f"<answer>{answer}</answer>"],

@@ -44,6 +44,7 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl import evalrun
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
@@ -529,8 +530,8 @@ class TrainerLoop:
         return groups if self.cluster.leader else []
 
     def run(self) -> None:
-        for hook in self.hooks:  # version 0: what rollout starts from
-            if isinstance(hook, PublishHook):
+        for hook in self.hooks:  # version 0: what rollout starts from, and evaluation
+            if isinstance(hook, PublishHook | EvalSnapshotHook):
                 hook(self, final=True)
         while True:
             wait_ns = time.time_ns()
@@ -755,32 +756,84 @@ class ExportHook:
         params = loop.cluster.gather(loop.state.policy_params(self.lora))
         if not loop.cluster.leader:
             return
-        parent = self.export_dir.parent
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{self.export_dir.name}-", dir=parent))
-        old = parent / f"{tmp.name}-old"
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
-        try:
-            export_checkpoint(tmp, self.spec, params, self.max_shard_bytes)
-            from streamrl.hfchat import chat_template_text  # transformers: not for a stub
-
-            template = chat_template_text(loop.cfg.model.chat_template)
-            for name in TOKENIZER_FILES:
-                if template is not None and name in TEMPLATE_FILES:
-                    continue
-                if (self.source_dir / name).is_file():
-                    shutil.copyfile(self.source_dir / name, tmp / name)
-            if template is not None:
-                (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
-            if self.export_dir.exists():
-                os.rename(self.export_dir, old)
-            os.rename(tmp, self.export_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(old, ignore_errors=True)
+        write_export(
+            self.export_dir, self.spec, params, self.source_dir, loop.cfg, self.max_shard_bytes
+        )
         loop.log.info(
             "export_written",
             step=loop.step,
             path=str(self.export_dir),
+            write_s=round(time.monotonic() - start, 4),
+        )
+
+
+def write_export(
+    export_dir: Path,
+    spec: ModelSpec,
+    params: Any,
+    source_dir: Path,
+    cfg: Config,
+    max_shard_bytes: int | None = None,
+    stamp: bool = False,
+) -> None:
+    """`params` as a Hugging Face checkpoint directory at `export_dir` (ExportHook's doc),
+    written beside it and renamed into place; `stamp`: with the time it was written
+    (`evalrun.SNAPSHOT_WRITTEN`)."""
+    parent = export_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}-", dir=parent))
+    old = parent / f"{tmp.name}-old"
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
+    try:
+        export_checkpoint(tmp, spec, params, max_shard_bytes)
+        from streamrl.hfchat import chat_template_text  # transformers: not for a stub
+
+        template = chat_template_text(cfg.model.chat_template)
+        for name in TOKENIZER_FILES:
+            if template is not None and name in TEMPLATE_FILES:
+                continue
+            if (source_dir / name).is_file():
+                shutil.copyfile(source_dir / name, tmp / name)
+        if template is not None:
+            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        if stamp:
+            (tmp / evalrun.SNAPSHOT_WRITTEN).write_text(repr(time.time()))
+        if export_dir.exists():
+            os.rename(export_dir, old)
+        os.rename(tmp, export_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass
+class EvalSnapshotHook:
+    """Writes the policy for the evaluator (`streamrl.evalrun`): a Hugging Face checkpoint
+    directory at RUN_DIR/eval/pending/step-N at the start of the run (step 0, as
+    PublishHook), every `every` steps and at the end, unless step N was written before (a
+    resumed run); removes the older pending snapshots (the evaluator takes the newest)
+    unless `keep_all`."""
+
+    every: int
+    root: Path  # RUN_DIR/eval
+    spec: ModelSpec
+    source_dir: Path
+    lora: LoraConfig | None = None
+    keep_all: bool = False  # trainer.eval_all: never prune
+
+    @_busy_hook
+    def __call__(self, loop: TrainerLoop, final: bool) -> None:
+        start = time.monotonic()
+        params = loop.cluster.gather(loop.state.policy_params(self.lora))
+        if not loop.cluster.leader or evalrun.has_step(self.root, loop.step):
+            return
+        path = self.root / evalrun.PENDING / f"step-{loop.step}"
+        write_export(path, self.spec, params, self.source_dir, loop.cfg, stamp=True)
+        pruned = [] if self.keep_all else evalrun.prune_pending(self.root, loop.step)
+        loop.log.info(
+            "eval_snapshot_written",
+            step=loop.step,
+            path=str(path),
+            pruned=pruned,
             write_s=round(time.monotonic() - start, 4),
         )
