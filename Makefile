@@ -1,7 +1,7 @@
 # The same targets run locally and in CI (.ci/run calls `make test`).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STEPS ?= 12
+STEPS ?= 20
 RUN_DIR ?= runs/demo
 CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=

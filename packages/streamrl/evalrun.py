@@ -127,6 +127,7 @@ def set_aside(root: Path, path: Path) -> Path:
 
 def write_result(root: Path, step: int, result: dict[str, Any]) -> Path:
     """eval/step-N.json, written beside and renamed into place (never half-written)."""
+    root.mkdir(parents=True, exist_ok=True)
     path = result_path(root, step)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")

@@ -28,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 
+from streamrl import evalrun
 from streamrl.metrics import percentile
 from streamrl.tracing import merge, read_trace
 
@@ -243,6 +244,7 @@ class RunData:
     t0_ns: int = 0
     summary: dict[str, Any] | None = None
     trace_files: int = 0
+    evals: list[dict[str, Any]] = field(default_factory=list)  # RUN_DIR/eval/step-N.json
 
     @property
     def run(self) -> Interval:
@@ -334,6 +336,7 @@ def load_run(run_dir: Path) -> RunData:
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         data.summary = json.loads(summary_path.read_text())
+    data.evals = evalrun.read_results(evalrun.eval_dir(run_dir))
     return data
 
 
@@ -478,9 +481,32 @@ def breakdowns_of(data: RunData) -> dict[str, dict[str, float]]:
     return {w: breakdown(data.spans[w], wall) for w, wall in data.walls.items() if w in data.spans}
 
 
+def _heldout_plot(data: RunData) -> Plot:
+    """Held-out greedy solve rate (trainer.eval_every) against trainer step, with its 95 %
+    interval."""
+    title = "Held-out solve rate (greedy) by trainer step"
+    fig = Figure(figsize=(9, 3.2), layout="constrained")
+    ax = fig.subplots()
+    steps = [r["step"] for r in data.evals]
+    rates = [r["solve_rate"] for r in data.evals]
+    lo = [r["greedy"]["solve_rate"]["lo"] for r in data.evals]
+    hi = [r["greedy"]["solve_rate"]["hi"] for r in data.evals]
+    ax.fill_between(steps, lo, hi, alpha=0.2, label="95% interval")
+    ax.plot(steps, rates, marker="o", label=f"solve rate ({data.evals[-1]['n']} tasks)")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("held-out solve rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return Plot("heldout", title, fig)
+
+
 def figures(data: RunData) -> list[Plot]:
-    """Every plot of the report, in order (`figure` None where the trace had nothing)."""
+    """Every plot of the report, in order (`figure` None where the trace had nothing); the
+    held-out plot first when the run evaluated (RUN_DIR/eval)."""
     return [
+        *([_heldout_plot(data)] if data.evals else []),
         _reward_plot(data),
         _panels(
             data,
@@ -566,6 +592,28 @@ def _summary_lines(data: RunData) -> list[str]:
         ]
     )
     return [*lines, *_table(("figure", "value", "from"), rows)]
+
+
+def _heldout_lines(data: RunData) -> list[str]:
+    if not data.evals:
+        return ["No held-out evaluations (trainer.eval_every = 0)."]
+    rows = []
+    for r in data.evals:
+        g = r["greedy"]
+        wf = g.get("tool_call_wellformed_rate")
+        rows.append(
+            (
+                r["step"],
+                f"{g['solve_rate']['value']:.3f} [{g['solve_rate']['lo']:.3f}, "
+                f"{g['solve_rate']['hi']:.3f}]",
+                r["n"],
+                f"{g['reward_mean']['value']:.3f}",
+                "-" if wf is None else f"{wf['value']:.3f}",
+                f"{g['turns_mean']['value']:.2f}",
+            )
+        )
+    header = ["step", "solve rate [95%]", "tasks", "mean reward", "well-formed calls", "turns"]
+    return _table(header, rows)
 
 
 def _rates_lines(data: RunData) -> list[str]:
@@ -682,6 +730,10 @@ def render_markdown(data: RunData, plots: Sequence[Plot], title: str) -> str:
         "## Run",
         "",
         *_summary_lines(data),
+        "",
+        "## Held-out evaluation (greedy, RUN_DIR/eval)",
+        "",
+        *_heldout_lines(data),
         "",
         "## Rates and reward (each counter's last sample)",
         "",

@@ -12,6 +12,7 @@ import pytest
 from matplotlib.patches import Rectangle
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
+from streamrl import evalrun
 from streamrl.report import (
     Bottleneck,
     QueueTrend,
@@ -291,3 +292,33 @@ def test_report_of_a_run_with_summary_json_alone(tmp_path: Path) -> None:
     assert reward.figure is not None
     [(ylabel, lines, _)] = _drawn(reward.figure)
     assert (ylabel, lines) == ("reward (mean)", [[0.1, 0.3]])
+
+
+def test_report_plots_and_tables_the_held_out_evaluations(tmp_path: Path) -> None:
+    """RUN_DIR/eval/step-N.json (trainer.eval_every): the first plot, solve rate by step
+    with its interval, and a table."""
+    (tmp_path / "summary.json").write_text(json.dumps({"run": "ev", "trainer_steps": 10}))
+
+    def rate(v: float, lo: float, hi: float) -> dict[str, float]:
+        return {"value": v, "lo": lo, "hi": hi, "n": 100}
+
+    for step, v in ((0, 0.0), (5, 0.4), (10, 0.95)):
+        greedy = {
+            "solve_rate": rate(v, max(0.0, v - 0.1), min(1.0, v + 0.05)),
+            "reward_mean": rate(v, v, v),
+            "tool_call_wellformed_rate": None if step == 0 else rate(0.9, 0.8, 0.95),
+            "turns_mean": rate(2.0, 2.0, 2.0),
+        }
+        evalrun.write_result(
+            evalrun.eval_dir(tmp_path),
+            step,
+            {"step": step, "solve_rate": v, "n": 100, "greedy": greedy},
+        )
+    md = write_report(tmp_path).read_text()
+    plots = figures(load_run(tmp_path))
+    assert plots[0].name == "heldout" and plots[0].figure is not None
+    [(ylabel, lines, _)] = _drawn(plots[0].figure)
+    assert ylabel == "held-out solve rate" and lines == [[0.0, 0.4, 0.95]]
+    assert (tmp_path / "report" / "heldout.png").stat().st_size > 10_000
+    assert "| 10 | 0.950 [0.850, 1.000] | 100 | 0.950 | 0.900 | 2.00 |" in md
+    assert "| 0 | 0.000 [0.000, 0.050] | 100 | 0.000 | - | 2.00 |" in md
