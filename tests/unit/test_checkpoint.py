@@ -106,6 +106,16 @@ def test_no_weight_files(ckpt: Path) -> None:
         load_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_damaged_weights_file(ckpt: Path, damage: str) -> None:
+    """A weights file that is not readable safetensors is a CheckpointError naming it (the
+    evaluator sets such a snapshot aside), never the library's own exception."""
+    data = (ckpt / WEIGHTS).read_bytes()
+    (ckpt / WEIGHTS).write_bytes(b"not safetensors" if damage == "garbage" else data[:200])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors"):
+        load_checkpoint(ckpt)
+
+
 def _rewrite(ckpt: Path, change: dict[str, np.ndarray | None]) -> None:
     tensors = load_file(ckpt / WEIGHTS)
     for name, value in change.items():

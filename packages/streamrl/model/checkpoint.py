@@ -12,9 +12,10 @@ unexpected or wrongly shaped tensor, an index pointing at a missing shard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from streamrl.model.llm import Params, init_params, param_shapes
@@ -152,7 +153,7 @@ def _locate(root: Path, slots: Mapping[str, _Slot], spec: ModelSpec) -> dict[str
     """Which file holds each expected tensor, with names and shapes checked (no data read)."""
     located: dict[str, Path] = {}
     for file in _tensor_files(root):
-        with safe_open(file, framework="numpy") as f:
+        with _open(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if _ignored(name, spec):
                     continue
@@ -161,6 +162,16 @@ def _locate(root: Path, slots: Mapping[str, _Slot], spec: ModelSpec) -> dict[str
                     raise CheckpointError(f"{file}: tensor {name} also in {located[name].name}")
                 located[name] = file
     return located
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """safe_open for reading, a damaged file (truncated, not safetensors) a CheckpointError."""
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
 
 
 def _check_tensor(file: Path, name: str, tensor: Any, slots: Mapping[str, _Slot]) -> None:
@@ -191,7 +202,7 @@ def _read(located: Mapping[str, Path], slots: Mapping[str, _Slot], dtype: Any) -
     Tensors go to the device one at a time, so host memory holds one tensor, not a model.
     """
     if dtype is None:
-        with safe_open(located[_EMBED], framework="numpy") as f:
+        with _open(located[_EMBED]) as f:
             dtype = _DTYPES[f.get_slice(_EMBED).get_dtype()]
     target = np.dtype(dtype)
     by_file: dict[Path, list[str]] = {}
@@ -199,7 +210,7 @@ def _read(located: Mapping[str, Path], slots: Mapping[str, _Slot], dtype: Any) -
         by_file.setdefault(file, []).append(name)
     params: dict[str, Any] = {}
     for file, names in by_file.items():
-        with safe_open(file, framework="numpy") as f:
+        with _open(file) as f:
             for name in names:
                 slot = slots[name]
                 value = f.get_tensor(name).astype(target, copy=False)
