@@ -13,6 +13,7 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
+from streamrl import evalrun
 from streamrl.config import parse_config
 from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
@@ -21,7 +22,7 @@ from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.names import Keys
 from streamrl.tools.registry import CALCULATOR
-from streamrl.trainer.loop import ExportHook, TrainerLoop
+from streamrl.trainer.loop import EvalSnapshotHook, ExportHook, TrainerLoop
 from streamrl.trainer.step import (
     build_batch,
     init_state,
@@ -102,7 +103,11 @@ def test_export_loads_in_transformers_as_the_trained_policy(
         stop=lambda: False,
         pad_id=chat.pad_id,
         max_steps=STEPS,
-        hooks=[ExportHook(2, export, spec, ckpt), ExportHook(0, final, spec, ckpt)],
+        hooks=[
+            ExportHook(2, export, spec, ckpt),
+            ExportHook(0, final, spec, ckpt),
+            EvalSnapshotHook(2, evalrun.eval_dir(tmp_path / "run"), spec, ckpt),
+        ],
     )
     with capture_logs() as logs:
         loop.run()
@@ -116,7 +121,16 @@ def test_export_loads_in_transformers_as_the_trained_policy(
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    assert sorted(p.name for p in export.parent.iterdir()) == ["export", "final"]  # no temps
+    assert sorted(p.name for p in export.parent.iterdir()) == ["eval", "export", "final"]
+    # The evaluator's snapshots (trainer.eval_every): the policy before any step, every 2
+    # steps and the last; each one drops the older pending ones (the evaluator takes the
+    # newest), and carries the time it was written.
+    snaps = [(e["step"], e["pruned"]) for e in logs if e["event"] == "eval_snapshot_written"]
+    assert snaps == [(0, []), (2, [0]), (3, [2])]
+    root = evalrun.eval_dir(tmp_path / "run")
+    [(step, snapshot)] = evalrun.pending(root)
+    assert step == 3 and evalrun.snapshot_written_at(snapshot) is not None
+    assert not (export / evalrun.SNAPSHOT_WRITTEN).exists()
     # The groups carry the starting policy's log-probs: the first step trains on policy,
     # the later ones off it, and each train_step line says how far (mismatch metrics).
     steps = [e for e in logs if e["event"] == "train_step"]
@@ -142,7 +156,8 @@ def test_export_loads_in_transformers_as_the_trained_policy(
     prompt = exported.dialogue([CALCULATOR.schema()]).prompt("Compute 0+3 with the calculator.")
     assert prompt == sequences[0][: len(prompt)]
     assert sequences[0][len(prompt) :] == chat.assistant_turn("<answer>3</answer>")
-    spec_back, params_back = load_checkpoint(export)
-    assert spec_back == spec
-    same = zip(jax.tree.leaves(params_back), jax.tree.leaves(trained), strict=True)
-    assert all(np.array_equal(a, b) for a, b in same)
+    for out in (export, snapshot):
+        spec_back, params_back = load_checkpoint(out)
+        assert spec_back == spec
+        same = zip(jax.tree.leaves(params_back), jax.tree.leaves(trained), strict=True)
+        assert all(np.array_equal(a, b) for a, b in same)

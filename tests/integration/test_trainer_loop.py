@@ -213,6 +213,7 @@ def test_the_lineage_keeps_a_window_and_still_skips_duplicates(
     @dataclass
     class Probe:  # runs after the checkpoint hook: what the loop holds then
         every: int = 1
+        at_start: bool = False
 
         def __call__(self, loop: TrainerLoop, final: bool) -> None:
             sizes.append((len(loop.lineage), len(loop.consumed)))

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -90,9 +90,13 @@ class NonFiniteStepsError(FatalError):
 class Hook(Protocol):
     """Runs after every `every`-th step, and at the end of the run unless the last step
     was such a step (`final=True`); `every` 0: at the end only. Never after a skipped
-    (non-finite) step."""
+    (non-finite) step. `at_start`: also before the first step (`final=True`), as the
+    publication of version 0 and the evaluator's step-0 snapshot do."""
 
     every: int
+
+    @property
+    def at_start(self) -> bool: ...
 
     def __call__(self, loop: TrainerLoop, final: bool) -> None: ...
 
@@ -530,8 +534,8 @@ class TrainerLoop:
         return groups if self.cluster.leader else []
 
     def run(self) -> None:
-        for hook in self.hooks:  # version 0: what rollout starts from, and evaluation
-            if isinstance(hook, PublishHook | EvalSnapshotHook):
+        for hook in self.hooks:  # e.g. version 0: what rollout starts from
+            if hook.at_start:
                 hook(self, final=True)
         while True:
             wait_ns = time.time_ns()
@@ -610,6 +614,7 @@ class PublishHook:
     publisher: WeightPublisher
     adapters: Callable[[TrainState], tuple[Any, LoraConfig]] | None = None
     published: int = 0
+    at_start: ClassVar[bool] = True  # version 0: what rollout starts from
 
     @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
@@ -643,6 +648,7 @@ class CheckpointHook:
     keep: int
     checkpointer: ocp.AbstractCheckpointer
     trim: bool = True  # after each checkpoint (ckpts.trim_streams, ckpts.trim_history)
+    at_start: ClassVar[bool] = False
 
     @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
@@ -749,6 +755,7 @@ class ExportHook:
     source_dir: Path
     max_shard_bytes: int | None = None
     lora: LoraConfig | None = None  # LoRA training: the adapters are merged into the export
+    at_start: ClassVar[bool] = False
 
     @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
@@ -820,6 +827,7 @@ class EvalSnapshotHook:
     source_dir: Path
     lora: LoraConfig | None = None
     keep_all: bool = False  # trainer.eval_all: never prune
+    at_start: ClassVar[bool] = True  # the step-0 snapshot: the policy before RL
 
     @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> None:
