@@ -42,7 +42,7 @@ typecheck: $(VENV)/.installed
 # As root, `make test` readies the sandbox host first (make sandbox-host) and requires the
 # sandbox tests to run; where it cannot, they skip and its last line says so and why.
 test: lint typecheck
-	ops/sandbox/with_sandbox.sh $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	ops/sandbox/with_sandbox.sh $(PY) -m pytest -m "not slow" --durations=30 $(PYTEST_ARGS)
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory compose-test; \
 	else echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"; fi
 

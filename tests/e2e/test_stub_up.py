@@ -4,6 +4,7 @@ of Redis and the orchestration, every group accounted for."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import socket
@@ -19,7 +20,7 @@ import redis
 
 from streamrl.metrics import read_series
 from streamrl.names import Keys
-from streamrl.redis_server import free_port, url_from_conf
+from streamrl.redis_server import url_from_conf
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.helpers import REPO, committed_trajectories
 
@@ -96,9 +97,13 @@ PORT_OFFSET = {"tools-0": 0, "tools-1": 1, "grouper-0": 2, "trainer-0": 3, "roll
 
 
 def _free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free now."""
+    """The first of `n` consecutive ports free now, below the kernel's ephemeral range: a
+    port in that range may become the local port of any outgoing connection (a worker's
+    Redis client) between this check and the worker's bind, which then fails for as long
+    as that connection lives (seen: the trainer's Prometheus port, five restarts)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(50):
-        base = free_port()
+        base = random.randrange(max(1024, low - 12_000), low - n)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:

@@ -77,9 +77,12 @@ def test_sync_mode_trains_every_trajectory_on_policy(tmp_path: Path, colocated: 
         version = trained_by[t["traj_id"].rpartition("-m")[0]]
         assert t["versions"] and set(t["versions"]) == {version}, t
     # Each batch: a step's groups plus one task for each group dropped, all of one version
-    # (the run ends in batch STEPS, whose end is never logged).
+    # (the run ends in batch STEPS, whose end is never logged). The colocated worker's
+    # rollout side stops when its trainer thread ends, which may be before it sees the
+    # last version, so there the end of batch STEPS - 1 may go unlogged too (seen in CI).
     batches = _events(rollout_log, "sync_batch_done")
-    assert [b["version"] for b in batches] == list(range(STEPS))
+    last = STEPS - 1 if colocated and len(batches) == STEPS - 1 else STEPS
+    assert [b["version"] for b in batches] == list(range(last))
     assert all(b["tasks"] - b["dropped"] == PER_STEP for b in batches), batches
     assert 0 < sum(b["dropped"] for b in batches) <= s["groups_dropped"]
     per_version: dict[int, int] = {}
