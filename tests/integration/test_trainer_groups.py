@@ -27,11 +27,12 @@ from streamrl.trainer.loop import ROWS_MASKED
 from streamrl.transport import GROUPS_SET_ASIDE, publish
 from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
 from streamrl_workers.workerproc import wait_for_queues
-from tests.helpers import REPO, TINY
+from tests.helpers import NO_EVALUATOR, REPO, TINY
 
 STUB = (
     "model.kind=stub",
     "model.init=checkpoint",
+    NO_EVALUATOR,  # a stub model has no policy to evaluate
     "trainer.groups_per_step=1",
     "trainer.checkpoint_every=1",
 )
