@@ -115,15 +115,7 @@ class EvalProc:
     gave_up: bool = False
 
     def start(self) -> EvalProc:
-        with open(self.err_path, "ab") as err:
-            self.popen = subprocess.Popen(
-                self.cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=err,
-                stderr=err,
-                env=self.env,
-                start_new_session=True,
-            )
+        self.popen = _start_session(self.cmd, self.env, self.err_path)
         return self
 
     def check(self, cfg: Config, log: structlog.stdlib.BoundLogger) -> None:
@@ -399,15 +391,7 @@ class Launcher:
             cmd += ["--steps", str(self.steps)]
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
         err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
-        with open(err_path, "ab") as err:  # all else it prints (its log is its own)
-            popen = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=err,
-                stderr=err,
-                env=env,
-                start_new_session=True,
-            )
+        popen = _start_session(cmd, env, err_path)
         return WorkerProc(name, index, popen, log_path, err_path)
 
     def _monitor(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> tuple[str, int]:
@@ -754,6 +738,15 @@ def _cli(args: list[str], overrides: list[str]) -> list[str]:
     for item in overrides:
         cmd += ["--set", item]
     return cmd
+
+
+def _start_session(cmd: list[str], env: dict[str, str], err_path: Path) -> subprocess.Popen[bytes]:
+    """A worker or the evaluator in a session of its own (stopping it stops its whole
+    process group), all it prints appended to `err_path` (its log is its own)."""
+    with open(err_path, "ab") as err:
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, start_new_session=True
+        )
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
