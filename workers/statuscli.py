@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from streamrl import evalrun
 from streamrl.config import ConfigError, load_config
 from streamrl.names import Keys
 from streamrl.redis_server import url_from_conf
@@ -74,7 +75,9 @@ def main(args: argparse.Namespace) -> int:
     client = make_client(url, retries=0, busy_wait_s=0, socket_timeout=5)
     console = Console(width=None if sys.stdout.isatty() else STATUS_WIDTH)
     try:
-        show(StatusReader(client, Keys(run)), console, once=args.once, every_s=args.every)
+        evals = evalrun.eval_dir(Path(args.run_dir)) if args.run_dir else None
+        reader = StatusReader(client, Keys(run), eval_root=evals)
+        show(reader, console, once=args.once, every_s=args.every)
     except redis.RedisError as err:
         print(f"streamrl: cannot read the run from Redis: {type(err).__name__}: {err}",
               file=sys.stderr)  # fmt: skip

@@ -2,6 +2,7 @@
 
     .venv/bin/python ops/bench/learning.py [--steps 30] [--eval-every 5] [--seeds 0 1 2]
         [--variants sync async0 async1 async2 async4] [--out docs/learning.json]
+        [--tool-latency 1.0 [--tool-sigma 1.0]]   # a slow calculator (see below)
     .venv/bin/python ops/bench/learning.py --from-json docs/learning.json   # table + PNG only
 
 Every run is the default demo (configs/tiny.toml, `streamrl up`, every worker its own
@@ -13,6 +14,12 @@ The variants differ in one setting only:
            waits for the trainer to train on it and publish: classic on-policy GRPO);
 - asyncK:  rollout.mode = "async", grouper.off_policy_steps = K (groups up to K versions
            stale are trained, importance-corrected; older ones dropped).
+
+`--tool-latency S` makes every calculator call take S seconds more as the agent sees it
+(task.options.tool_latency_s; with `--tool-sigma` the median of a lognormal): the
+workload asynchronous rollout exists for, where sampling waits on tools and the trainer's
+work can overlap that wait. Without it the calculator answers at once and rollout and
+trainer compete for the same 2 cores, leaving async nothing to overlap.
 
 Each step consumes trainer.groups_per_step groups (4), so groups consumed = 4 x step in
 every variant. Wall time of a point: when its snapshot was written, from the step-0
@@ -51,9 +58,16 @@ TOLERANCE = 0.05  # issue 17: async within 0.05 (absolute) of sync's final solve
 
 
 def run_one(
-    variant: str, seed: int, steps: int, eval_every: int, work: Path, cache: Path
+    variant: str,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    work: Path,
+    cache: Path,
+    extra: list[str] | None = None,
 ) -> dict[str, Any]:
-    """One `streamrl up` run; its evaluation points and timings."""
+    """One `streamrl up` run (`extra`: more --set overrides); its evaluation points and
+    timings."""
     run_dir = work / f"{variant}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [
@@ -64,6 +78,7 @@ def run_one(
         "trainer.eval_all=true",
         "trainer.eval_timeout_s=1800",
         *VARIANTS[variant],
+        *(extra or []),
     ]
     cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(CONFIG),
            "--steps", str(steps), "--run-dir", str(run_dir)]  # fmt: skip
@@ -148,7 +163,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +190,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("configs/tiny.toml: sync vs async (grouper.off_policy_steps K)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -192,15 +207,24 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "learning.json")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "learning.png")
     ap.add_argument("--from-json", type=Path, default=None, help="table and PNG of a past run")
+    ap.add_argument("--tool-latency", type=float, default=0.0, help="extra s per calculator call")
+    ap.add_argument("--tool-sigma", type=float, default=0.0, help="its lognormal log-std")
     args = ap.parse_args()
+    extra = [
+        f"task.options.tool_latency_s={args.tool_latency}",
+        f"task.options.tool_latency_sigma={args.tool_sigma}",
+    ]
     if args.from_json:
-        runs = json.loads(args.from_json.read_text())["runs"]
+        saved = json.loads(args.from_json.read_text())
+        runs = saved["runs"]
+        args.tool_latency = saved["args"].get("tool_latency", 0.0)
+        args.tool_sigma = saved["args"].get("tool_sigma", 0.0)
     else:
         cache = args.work / "cache"
         runs = []
         for seed in args.seeds:
             for variant in args.variants:
-                r = run_one(variant, seed, args.steps, args.eval_every, args.work, cache)
+                r = run_one(variant, seed, args.steps, args.eval_every, args.work, cache, extra)
                 runs.append(r)
                 curve = " ".join(f"{p['step']}:{p['solve_rate']:.2f}" for p in r["points"])
                 print(f"{variant} seed {seed}: {curve} ({r['train_wall_s']} s)", flush=True)
@@ -208,7 +232,11 @@ def main() -> int:
                     "out": str(args.out), "png": str(args.png), "from_json": None},
                     "runs": runs}, indent=1) + "\n")  # fmt: skip
     print(table(runs))
-    plot(runs, args.png)
+    title = "configs/tiny.toml: sync vs async (grouper.off_policy_steps K)"
+    if args.tool_latency:
+        spread = f", lognormal sigma {args.tool_sigma:g}" if args.tool_sigma else ""
+        title += f"; calculator +{args.tool_latency:g} s{spread}"
+    plot(runs, args.png, title)
     print(f"plot: {args.png}")
     return 0
 

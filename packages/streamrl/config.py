@@ -344,6 +344,18 @@ class ModelConfig(_Section):
     rope_theta: float = Field(
         10000.0, gt=0, description="Built-in tiny model only: RoPE base frequency."
     )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description=(
+            "Seed of the starting policy: the built-in tiny model's random weights and the "
+            "warm start (which demonstrations, in what order). Unset: run.seed. Set it to "
+            "compare runs of several run.seed values from one starting policy, as RL runs "
+            "start from one base model (the warm start is then trained once for all of "
+            "them); the held-out split then also leaves out the warm start's prompts."
+        ),
+    )
     init: Literal["checkpoint", "warmstart"] = Field(
         "checkpoint",
         description=(
@@ -1112,6 +1124,11 @@ class Config(_Section):
         default_factory=TraceConfig,
         description="Perfetto trace files of the workers.",
     )
+
+    @property
+    def model_seed(self) -> int:
+        """The starting policy's seed: model.seed, else run.seed."""
+        return self.run.seed if self.model.seed is None else self.model.seed
 
     @model_validator(mode="after")
     def _lengths(self) -> Config:

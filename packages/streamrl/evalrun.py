@@ -135,18 +135,29 @@ def write_result(root: Path, step: int, result: dict[str, Any]) -> Path:
     return path
 
 
+def _read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+        float(data["solve_rate"])
+        int(data["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_results(root: Path) -> list[dict[str, Any]]:
     """The run's evaluation results, by step (unreadable files skipped)."""
-    out = []
-    for _step, path in _steps(root, _RESULT):
-        try:
-            data = json.loads(path.read_text())
-            float(data["solve_rate"])
-            int(data["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        out.append(data)
-    return out
+    return [r for _, path in _steps(root, _RESULT) if (r := _read_result(path)) is not None]
+
+
+def latest_result(root: Path) -> dict[str, Any] | None:
+    """The result of the highest step that reads, parsing no other file (the launcher's
+    progress line asks every few seconds, and a long run has many results)."""
+    for _, path in reversed(_steps(root, _RESULT)):
+        result = _read_result(path)
+        if result is not None:
+            return result
+    return None
 
 
 def eval_summary(root: Path) -> dict[str, Any]:

@@ -402,7 +402,9 @@ def evaluate(
     from streamrl.tools.registry import load_tools
 
     start = time.monotonic()
-    tasks = heldout_tasks(cfg.task, cfg.run.seed, n, max(samples, 1))
+    # A warm start of its own seed trained on that seed's prompts: not held out either.
+    warm = (cfg.model_seed,) if cfg.model.init == "warmstart" else ()
+    tasks = heldout_tasks(cfg.task, cfg.run.seed, n, max(samples, 1), warm)
     log.info("eval_start", policy=policy.source, tasks=n, samples=samples)
     # The tool workers' sandbox choice and tools, in this process (`LocalCaller`).
     install_tools(load_tools(cfg.tools))

@@ -610,9 +610,8 @@ class Launcher:
             f"dropped {s.get('groups_dropped', 0)} | dead {dead}"
         )
         if self.evaluator is not None:
-            results = evalrun.read_results(evalrun.eval_dir(self.run_dir))
-            if results:
-                r = results[-1]
+            r = evalrun.latest_result(evalrun.eval_dir(self.run_dir))
+            if r is not None:
                 line += f" | held-out {r['solve_rate']:.2f} @ step {r['step']}"
         end = "\r" if self.out.isatty() else "\n"
         print(line, end=end, file=self.out, flush=True)

@@ -7,7 +7,9 @@ What it reads, each frame (a handful of round trips, as the operator user):
   `no beat` while its slot is held but its loop has not beaten lately, `gone` when its slot
   lapsed (it stopped or died);
 - the newest sample of every worker's counters (`Keys.worker_metrics`: `streamrl.metrics`);
-- the run's counters (`Keys.stats`).
+- the run's counters (`Keys.stats`);
+- given a run directory, the held-out evaluator's newest result (RUN_DIR/eval, a file:
+  the evaluator writes no Redis).
 
 Figures of one kind from several workers combine by what they mean: rates and totals add
 up (two groupers' groups per minute), a queue's depth is the largest any reader reports
@@ -25,6 +27,8 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console, Group
@@ -32,6 +36,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from streamrl import evalrun
 from streamrl import metrics as m
 from streamrl.metrics import decode_sample
 from streamrl.names import Keys
@@ -70,6 +75,7 @@ class Snapshot:
     stats: dict[str, str]
     beat_age_s: dict[str, float]  # worker id -> seconds since its beat last changed
     taken_at: float  # unix seconds
+    heldout: dict[str, Any] | None = None  # the evaluator's newest result (a run directory)
 
 
 _SLOT = re.compile(r":worker:([A-Za-z_]+):(\d+)(:beat)?$")
@@ -78,10 +84,17 @@ _SLOT = re.compile(r":worker:([A-Za-z_]+):(\d+)(:beat)?$")
 class StatusReader:
     """Reads snapshots of one run; remembers when each beat last changed."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        clock: Callable[[], float] = time.time,
+        eval_root: Path | None = None,
+    ):
         self.client = client
         self.keys = keys
         self.clock = clock
+        self.eval_root = eval_root  # RUN_DIR/eval: the held-out row (files, not Redis)
         self._beats: dict[str, tuple[str, float]] = {}  # worker id -> (beat, first seen)
 
     def _scan(self, pattern: str) -> list[str]:
@@ -130,7 +143,8 @@ class StatusReader:
                 WorkerState(wid, None if holder is None else as_str(holder), beat_s, age, values)
             )
         stats = {as_str(a): as_str(b) for a, b in replies[-1].items()}
-        return Snapshot(self.keys.ns, workers, stats, beat_age, now)
+        heldout = evalrun.latest_result(self.eval_root) if self.eval_root is not None else None
+        return Snapshot(self.keys.ns, workers, stats, beat_age, now, heldout)
 
 
 def _split(worker_id: str) -> tuple[str, int]:
@@ -228,6 +242,12 @@ def _queues_table(snap: Snapshot) -> Table:
     return t
 
 
+def _heldout(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return "-"
+    return f"{float(result['solve_rate']):.2f} @ step {int(result['step'])}"
+
+
 def _pipeline_table(snap: Snapshot) -> Table:
     ws = snap.workers
     trainers = [w for w in ws if w.kind in ("trainer", "colocated")]
@@ -259,6 +279,7 @@ def _pipeline_table(snap: Snapshot) -> Table:
             f"{_fmt(average(rollouts, m.TOOL_ERROR_RATE), '.1%')} / "
             f"{_fmt(average(rollouts, m.TOOL_TIMEOUT_RATE), '.1%')}",
         ),
+        ("held-out solve rate", _heldout(snap.heldout)),
         ("trainer steps (run)", snap.stats.get("trainer_steps", "-")),
         ("groups (run)", snap.stats.get("groups", "-")),
     ]

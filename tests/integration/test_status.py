@@ -4,11 +4,13 @@ their counter series, liveness from the slots and beats, a frame drawn live."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import redis
 import structlog
 from rich.console import Console
 
+from streamrl import evalrun
 from streamrl import metrics as m
 from streamrl.names import Keys
 from streamrl.status import StatusReader, show
@@ -50,6 +52,19 @@ def test_reader_finds_workers_and_their_state(rclient: redis.Redis, keys: Keys) 
     rclient.set(keys.worker_beat("rollout", 0), "h:1 2", px=60_000)
     snap = reader.read()
     assert rollout.state(snap.beat_age_s["rollout-0"]) == "live"
+
+
+def test_a_run_directory_adds_the_evaluators_newest_result(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    evals = evalrun.eval_dir(tmp_path)
+    reader = StatusReader(rclient, keys, eval_root=evals)
+    assert reader.read().heldout is None  # no evaluation yet
+    for step, rate in ((0, 0.0), (5, 0.91)):
+        evalrun.write_result(evals, step, {"solve_rate": rate, "step": step})
+    heldout = reader.read().heldout
+    assert heldout is not None and (heldout["step"], heldout["solve_rate"]) == (5, 0.91)
+    assert StatusReader(rclient, keys).read().heldout is None  # Redis alone: no row value
 
 
 def test_live_view_redraws(rclient: redis.Redis, keys: Keys) -> None:

@@ -290,3 +290,48 @@ def test_model_agent_and_task_environment() -> None:
     assert asyncio.run(env.reset()).tools == []
     step = asyncio.run(env.step(agent.act("<answer>12</answer>"), "e"))
     assert step.done and step.reward == 1.0
+
+
+def test_arithmetic_tool_latency_option_delays_each_calculator_call() -> None:
+    import random
+    import time
+
+    from streamrl.config import TaskConfig
+    from streamrl.tasks.arithmetic import ArithmeticOptions, ArithmeticTask, SlowTool
+    from streamrl.tasks.base import EpisodeContext, EpisodeServices, build_task
+    from streamrl.tools.registry import CALCULATOR
+
+    class Caller:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str, str]] = []
+
+        async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+            self.calls.append((name, arguments, call_id))
+            return ToolResult(call_id=call_id, ok=True, output="7")
+
+    # Fixed: the median itself; lognormal: drawn, capped, the same for the same generator.
+    assert ArithmeticOptions(tool_latency_s=0.25).delay(random.Random(1)) == 0.25
+    wide = ArithmeticOptions(tool_latency_s=1.0, tool_latency_sigma=3.0, tool_latency_max_s=2.0)
+    draws = [wide.delay(random.Random(i)) for i in range(200)]
+    assert max(draws) == 2.0 and min(draws) < 0.5 and len(set(draws)) > 50
+    assert wide.delay(random.Random(5)) == wide.delay(random.Random(5))
+
+    async def episode(options: ArithmeticOptions) -> tuple[float, Caller, Any]:
+        caller = Caller()
+        schemas = {CALCULATOR.name: CALCULATOR.schema()}
+        services = EpisodeServices(caller, ToolLimits(), schemas, seed=3, options=options)
+        taskdef = ArithmeticTask(options, TaskConfig(), 3)
+        task = build_task("arithmetic", taskdef.prompt(0), 0, 2)
+        env = taskdef.environment(EpisodeContext(task, 0, services))
+        start = time.perf_counter()
+        step = await env.step(Action("", calls=[call("calculator", expression="3+4")]), "ep")
+        return time.perf_counter() - start, caller, step
+
+    took, caller, step = asyncio.run(episode(ArithmeticOptions(tool_latency_s=0.3)))
+    assert took >= 0.3 and step.observations == ["7"]
+    assert caller.calls == [("calculator", '{"expression": "3+4"}', "ep-0")]
+    plain = ArithmeticTask(ArithmeticOptions(), TaskConfig(), 3)
+    services = EpisodeServices(Caller(), ToolLimits(), {CALCULATOR.name: CALCULATOR.schema()})
+    ctx = EpisodeContext(build_task("arithmetic", plain.prompt(0), 0, 2), 0, services)
+    env = plain.environment(ctx)
+    assert isinstance(env, ToolEnvironment) and not isinstance(env.tools["calculator"], SlowTool)

@@ -73,6 +73,10 @@ def test_results_and_summary_by_step(tmp_path: Path) -> None:
     assert (s["eval_step_first"], s["eval_step_last"]) == (0, 20)
     assert s["eval"] == [[0, 0.1], [10, 0.5], [20, 0.9]]
     assert not list(tmp_path.glob(".*.tmp"))
+    # The newest readable result, step 30's damaged file passed over.
+    latest = evalrun.latest_result(tmp_path)
+    assert latest is not None and (latest["step"], latest["solve_rate"]) == (20, 0.9)
+    assert evalrun.latest_result(tmp_path / "none") is None
 
 
 def test_watch_evaluates_newest_sets_aside_unreadable_and_drains(tmp_path: Path) -> None:

@@ -83,3 +83,18 @@ def test_a_dataset_task_needs_its_own_held_out_rows_minus_training_ones(tmp_path
     assert [(p.text, p.answer) for p in heldout_prompts(cfg, 0, 2)] == [("h1", "a"), ("h2", "b")]
     with pytest.raises(HeldoutError, match="2 rows whose prompt no training row has"):
         heldout_prompts(cfg, 0, 3)
+
+
+def test_a_warm_start_of_another_seed_has_its_prompts_left_out_too() -> None:
+    # model.seed 5 with run.seed 1: the warm start demonstrates seed 5's training prompts.
+    cfg = TaskConfig(num_prompts=120, max_operand=9)
+    held = {t.prompt for t in heldout_tasks(cfg, 1, 30, 4, also_seeds=(5,))}
+    assert len(held) == 30
+    assert not held & (_trained(cfg, 1) | _trained(cfg, 5))
+    # Without it the run's own split does contain some of seed 5's training prompts.
+    own = {t.prompt for t in heldout_tasks(cfg, 1, 30, 4)}
+    assert own & _trained(cfg, 5)
+    # The run's own seed among also_seeds changes nothing.
+    assert [p.text for p in heldout_prompts(cfg, 1, 30, also_seeds=(1,))] == [
+        p.text for p in heldout_prompts(cfg, 1, 30)
+    ]

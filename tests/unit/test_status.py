@@ -72,6 +72,11 @@ def test_a_frame_shows_workers_queues_and_the_pipeline() -> None:
     assert "200.0" in lines["trajectories/min"] and "60.0" in lines["groups/min"]
     assert "12" in lines["policy version"] and "0.600" in lines["reward"]
     assert "6" in lines["trajectories"]  # the queue's depth
+    assert lines["held-out solve rate"].split("│")[2].strip() == "-"  # no run directory
+    snap.heldout = {"step": 10, "solve_rate": 0.987}
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(render(snap))
+    assert "0.99 @ step 10" in out.getvalue()
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -118,6 +118,17 @@ def test_short_warmstart_lowers_loss_and_is_cached(cache: Path, chat: HFChat) ->
         assert key(**change) != key(), change
     reseeded = cfg.model_copy(update={"run": cfg.run.model_copy(update={"seed": 6})})
     assert cache_key(reseeded, ckpt) != key()
+    # model.seed, when set, seeds the starting policy instead of run.seed: one warm start
+    # (and one built-in checkpoint) for runs of every run.seed.
+    pinned = cfg.model_copy(update={"model": cfg.model.model_copy(update={"seed": 5})})
+    assert pinned.model_seed == 5 and reseeded.model_seed == 6
+    pinned6 = reseeded.model_copy(update={"model": pinned.model})
+    assert cache_key(pinned6) == cache_key(pinned) == key()
+    assert ensure_checkpoint(pinned6) == ckpt
+    elsewhere = cfg.model_copy(update={"model": cfg.model.model_copy(update={"seed": 7})})
+    assert cache_key(elsewhere) != key() and ensure_checkpoint(elsewhere) != ckpt
+    demo = demonstration_transcript(pinned6, chat, 3, random.Random(1))
+    assert demo.tokens == demonstration_transcript(cfg, chat, 3, random.Random(1)).tokens
     harder = cfg.model_copy(update={"task": cfg.task.model_copy(update={"max_operand": 9})})
     assert cache_key(harder, ckpt) != key()
 

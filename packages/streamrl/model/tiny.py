@@ -53,7 +53,7 @@ def builtin_key(cfg: Config) -> str:
     inputs = {
         "version": TINY_VERSION,
         "template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest(),
-        "seed": cfg.run.seed,
+        "seed": cfg.model_seed,
         "model": m.model_dump(include={"family", "d_model", "num_layers", "num_heads",
                                        "num_kv_heads", "d_ff", "max_seq_len", "rope_theta"}),
     }  # fmt: skip
@@ -75,7 +75,7 @@ def ensure_checkpoint(cfg: Config) -> Path:
         from transformers import AutoTokenizer  # only to count the ids it built
 
         vocab = len(AutoTokenizer.from_pretrained(tmp, local_files_only=True))
-        build_tiny_checkpoint(tmp, builtin_spec(cfg.model, vocab), cfg.run.seed)
+        build_tiny_checkpoint(tmp, builtin_spec(cfg.model, vocab), cfg.model_seed)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first: theirs is identical

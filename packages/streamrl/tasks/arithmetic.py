@@ -7,15 +7,18 @@ run seed, so a cursor names one prompt for ever.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.agents.base import Environment
 from streamrl.agents.envs import ToolEnvironment, ToolRecord
+from streamrl.agents.tools import CallContext, SandboxTool, Tool, ToolOutput
 from streamrl.config import TaskConfig
 from streamrl.tasks.base import (
     Demonstration,
@@ -63,6 +66,29 @@ class ArithmeticOptions(BaseModel):
             "it) but prefers giving up (greedy rarely calls the tool): the gap RL closes."
         ),
     )
+    tool_latency_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description=(
+            "Extra seconds each calculator call takes, as the agent sees it (a slow tool, "
+            "for measuring what asynchronous rollout overlaps; ops/bench/learning.py "
+            "--tool-latency). With tool_latency_sigma > 0 it is the median of a lognormal."
+        ),
+    )
+    tool_latency_sigma: float = Field(
+        0.0, ge=0, le=5, description="Log-std of the calculator's extra latency; 0: fixed."
+    )
+    tool_latency_max_s: float = Field(
+        60.0, gt=0, le=3600, description="Cap of one call's extra latency (the lognormal tail)."
+    )
+
+    def delay(self, rng: random.Random) -> float:
+        """One calculator call's extra latency in seconds."""
+        if self.tool_latency_s == 0 or self.tool_latency_sigma == 0:
+            return self.tool_latency_s
+        extra = self.tool_latency_s * math.exp(self.tool_latency_sigma * rng.gauss())
+        return min(self.tool_latency_max_s, extra)
 
 
 class ArithmeticTask(TaskDef[ArithmeticOptions]):
@@ -75,8 +101,11 @@ class ArithmeticTask(TaskDef[ArithmeticOptions]):
         return Prompt(f"Compute {expr} with the calculator.", str(value))
 
     def environment(self, ctx: EpisodeContext) -> Environment:
-        tools = [ctx.sandbox_tool(CALCULATOR.name)]
-        return ToolEnvironment(ctx.task.prompt, tools, ctx.score, ctx.limits)
+        calculator = ctx.sandbox_tool(CALCULATOR.name)
+        tool: Tool = calculator
+        if self.options.tool_latency_s > 0:
+            tool = SlowTool(calculator, ctx, self.options)
+        return ToolEnvironment(ctx.task.prompt, [tool], ctx.score, ctx.limits)
 
     def reward(self, answer: str | None, calls: list[ToolRecord], ctx: EpisodeContext) -> float:
         outputs = [c.output.output for c in calls if c.name == CALCULATOR.name and c.output.ok]
@@ -85,6 +114,24 @@ class ArithmeticTask(TaskDef[ArithmeticOptions]):
     def demonstration(self, task: Task, rng: random.Random, error_rate: float) -> Demonstration:
         d = demonstration(task, rng, error_rate, self.options.demo_error)
         return Demonstration(task, [CALCULATOR.schema()], d.turns, d.tool_results)
+
+
+class SlowTool(Tool):
+    """A sandbox tool whose every call first waits `options.delay` seconds (drawn from the
+    episode's generator salted with the call id: a replayed call waits the same)."""
+
+    def __init__(self, inner: SandboxTool, ctx: EpisodeContext, options: ArithmeticOptions):
+        self.inner = inner
+        self.ctx = ctx
+        self.options = options
+        self.name = inner.name
+        self.description = inner.description
+        self.parameters = inner.parameters
+        self.kind = inner.kind
+
+    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+        await asyncio.sleep(self.options.delay(self.ctx.rng("tool_latency", ctx.call_id)))
+        return await self.inner.apply_async(args, ctx)
 
 
 def make_task(cfg: TaskConfig, seed: int, cursor: int, num_generations: int) -> Task:

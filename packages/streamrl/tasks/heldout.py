@@ -16,12 +16,16 @@ The held-out split is drawn from outside that set and checked against it by text
 
 So a held-out task is never a training task, whatever the seeds: the text comparison is
 the guarantee, not the index ranges. Both depend on `run.seed` and the task settings, as
-the training set does: evaluate with the run's config. The split is deterministic; the
+the training set does: evaluate with the run's config. A warm start seeded apart from the
+run (`model.seed`) draws its demonstrations from that seed's training set: its prompts are
+left out too (`also_seeds`). The split is deterministic; the
 first n of a larger split are the n of a smaller one. Held-out tasks carry cursors from
 `HELDOUT_CURSOR` up (ids `t1000000000`...), apart from any training cursor a log shows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from streamrl.config import TaskConfig
 from streamrl.plugins import PluginError
@@ -46,13 +50,19 @@ def training_prompts(source: TaskSource) -> set[str]:
     return {source.taskdef.prompt(i).text for i in range(source.cfg.num_prompts)}
 
 
-def heldout_prompts(cfg: TaskConfig, seed: int, n: int) -> list[Prompt]:
-    """The first `n` prompts of the held-out split (module docstring); HeldoutError when
-    there are fewer."""
+def heldout_prompts(
+    cfg: TaskConfig, seed: int, n: int, also_seeds: Sequence[int] = ()
+) -> list[Prompt]:
+    """The first `n` prompts of the held-out split (module docstring), none of them a
+    training prompt of `seed` or of any of `also_seeds`; HeldoutError when there are
+    fewer."""
     if n < 1:
         raise HeldoutError(f"the held-out split needs n >= 1 tasks, got {n}")
     source = task_source(cfg, seed)
     train = training_prompts(source)
+    for other in also_seeds:
+        if other != seed:
+            train |= training_prompts(task_source(cfg, other))
     out: list[Prompt] = []
     if source.data is not None:
         if not cfg.eval_dataset:
@@ -90,9 +100,11 @@ def heldout_prompts(cfg: TaskConfig, seed: int, n: int) -> list[Prompt]:
     )
 
 
-def heldout_tasks(cfg: TaskConfig, seed: int, n: int, num_generations: int) -> list[Task]:
+def heldout_tasks(
+    cfg: TaskConfig, seed: int, n: int, num_generations: int, also_seeds: Sequence[int] = ()
+) -> list[Task]:
     """The held-out split as tasks of `num_generations` members each."""
-    prompts = heldout_prompts(cfg, seed, n)
+    prompts = heldout_prompts(cfg, seed, n, also_seeds)
     return [
         build_task(cfg.name, p, HELDOUT_CURSOR + i, num_generations) for i, p in enumerate(prompts)
     ]

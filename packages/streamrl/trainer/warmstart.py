@@ -73,7 +73,7 @@ def demonstration_transcript(
     the tool result after it up to the next generation prompt (mask 0); each sampled turn
     ends with the template's turn-end token. `rng` decides whether this one errs.
     """
-    demo = demonstration(cfg.task, cfg.run.seed, cursor, rng, cfg.model.warmstart_error_rate)
+    demo = demonstration(cfg.task, cfg.model_seed, cursor, rng, cfg.model.warmstart_error_rate)
     dialogue = chat.dialogue(demo.tools)
     t = Transcript()
     t.add_template(dialogue.prompt(demo.task.prompt))
@@ -150,7 +150,7 @@ def train_demonstrations(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    rng = random.Random(cfg.run.seed)
+    rng = random.Random(cfg.model_seed)
     start = time.perf_counter()
     steps = cfg.model.warmstart_steps
     for i in range(steps):
@@ -184,15 +184,15 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
     """sha256 hex of every input of the warm start's result.
 
     The starting checkpoint (`_checkpoint_identity`), the task section (without
-    `task.max_backlog`), the run seed, the chat template, dtype and warm-start fields of
-    `model` (the template's name, not its text), and WARMSTART_VERSION. Not the cache
-    location, nor `model.init`.
+    `task.max_backlog`), the model seed (`Config.model_seed`: model.seed, else run.seed),
+    the chat template, dtype and warm-start fields of `model` (the template's name, not its
+    text), and WARMSTART_VERSION. Not the cache location, nor `model.init`.
     """
     ckpt = ensure_checkpoint(cfg) if ckpt is None else ckpt
     inputs = {
         "version": WARMSTART_VERSION,
         "checkpoint": _checkpoint_identity(cfg, ckpt),
-        "seed": cfg.run.seed,
+        "seed": cfg.model_seed,
         "model": cfg.model.model_dump(
             include={
                 "chat_template",  # lays out the demonstrations
