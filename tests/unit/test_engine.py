@@ -209,3 +209,43 @@ def test_unaligned_cache_size_is_padded_not_widened() -> None:
     assert [r.tokens for r in odd.generate(reqs)] == [r.tokens for r in engine().generate(reqs)]
     with pytest.raises(ValueError, match=r"= 158 exceeds kv_cache_size \(157\)"):
         odd.submit(GenRequest(prompt(0, 134), 24, seed=0))
+
+
+def test_span_buckets() -> None:
+    from streamrl.model.engine import span_bucket
+
+    assert [span_bucket(n, 264) for n in (1, 64, 65, 96, 97, 129, 192, 193, 256, 257)] == [
+        64, 64, 96, 96, 128, 192, 192, 256, 256, 264,
+    ]  # fmt: skip
+    assert span_bucket(100, 72) == 72  # never past the pool
+
+
+def test_live_span_attention_samples_what_the_whole_cache_does() -> None:
+    """Decoding over the live span (the first span_bucket(reach) positions) instead of all
+    kv_cache_size positions: the same tokens and, to rounding, the same log-probs, for rows
+    of mixed lengths whose reach crosses span buckets (64 -> 96 -> 128) mid-sample; each
+    span compiles once."""
+    results = []
+    counts = []
+    for live in (True, False):
+        cfg = EngineConfig(
+            num_slots=8,
+            kv_cache_size=160,
+            max_prompt_length=96,
+            max_new_tokens=40,
+            sampling=SAMPLING,
+            stop_ids=(),
+            pad_id=0,
+            decode_chunk=4,
+            live_span=live,
+        )
+        e = Engine(SPEC, PARAMS, cfg)
+        reqs = [GenRequest(prompt(200 + i, n), 40, seed=i) for i, n in enumerate((5, 50, 60, 90))]
+        results.append(e.generate(reqs))
+        counts.append(e.compile_counts["decode"])
+    for on, off in zip(*results, strict=True):
+        assert on.tokens == off.tokens
+        np.testing.assert_allclose(on.logprobs, off.logprobs, atol=1e-5)
+    # Rows 4 (reach 96 -> 128 -> 160 with the 90-token prompt), spans 96, 128, 160: three
+    # decode programs with the live span, one without.
+    assert counts == [3, 1]

@@ -8,14 +8,18 @@ Every concurrent sequence of a rollout worker owns one slot of the pool
    prefilled once and the slot is copied to the others;
 2. runs `decode_chunk` decode steps over the active slots in one device call; each slot
    feeds its own last token at its own position, so sequences of any lengths decode
-   together, and a sequence admitted now joins the very next chunk;
+   together, and a sequence admitted now joins the very next chunk. Attention reads only
+   the live span, the first `span_bucket(longest reach)` positions of each slot (64, 96,
+   128, 192, 256, ...; `live_span`), not all `kv_cache_size`: on a CPU a decode step's
+   attention is bound by reading the cache;
 3. frees the slots of finished sequences at once (stop token, stop string or token budget),
    or parks them (below).
 
 Slots are handed out lowest-first, so the active ones stay packed at the low end and a
 decode call covers only the first `bucket(highest active slot)` rows. Shapes are bucketed
-(powers of two for rows, multiples of 64 for prompt lengths), so steady state compiles
-nothing new; `compile_counts` says how many traces each program took.
+(powers of two for rows, multiples of 64 for prompt lengths, two span buckets per doubling),
+so steady state compiles nothing new; `compile_counts` says how many traces each program
+took.
 
 KV reuse across turns (`kv_reuse`): an agentic episode's turns are requests of one
 `session` (its traj id) whose prompts each extend the last: the previous prompt, the tokens
@@ -78,6 +82,7 @@ from streamrl.model.spec import ModelSpec
 
 PROMPT_BUCKET = 64
 SUFFIX_BUCKET = 16  # shortest suffix prefill (see `suffix_bucket`)
+SPAN_BUCKET = 64  # fewest cache positions a decode call attends over (see `span_bucket`)
 POOL_ALIGN = 8
 
 
@@ -89,12 +94,24 @@ def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+def half_pow2(n: int, least: int) -> int:
+    """The least of 2^k and 3 x 2^(k-1) that holds n, at least `least` (a power of two):
+    padding stays under half, two buckets per doubling."""
+    p = max(pow2(n), least)
+    return p * 3 // 4 if p >= 2 * least and n <= p * 3 // 4 else p
+
+
 def suffix_bucket(n: int) -> int:
-    """The padded length of a suffix prefill of n tokens: the least of 2^k and 3 x 2^(k-1)
-    (16, 24, 32, 48, 64, 96, ...) that holds n, at least `SUFFIX_BUCKET`. Padding stays
-    under half, and there are two buckets per doubling of the longest suffix."""
-    p = max(pow2(n), SUFFIX_BUCKET)
-    return p * 3 // 4 if p >= 2 * SUFFIX_BUCKET and n <= p * 3 // 4 else p
+    """The padded length of a suffix prefill of n tokens: 16, 24, 32, 48, 64, 96, ...
+    (`half_pow2` from `SUFFIX_BUCKET`)."""
+    return half_pow2(n, SUFFIX_BUCKET)
+
+
+def span_bucket(n: int, pool_len: int) -> int:
+    """The cache positions a decode call attends over when its rows need the first n:
+    64, 96, 128, 192, 256, ... (`half_pow2` from `SPAN_BUCKET`), rounded up to a multiple
+    of `POOL_ALIGN`, at most the pool's length."""
+    return min(pool_len, round_up(half_pow2(n, SPAN_BUCKET), POOL_ALIGN))
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,7 @@ class EngineConfig:
     max_prefill: int = 16
     stop_strings: tuple[str, ...] = ()
     kv_reuse: bool = True
+    live_span: bool = True
 
     def __post_init__(self) -> None:
         check_sampling(self.sampling)
@@ -199,7 +217,9 @@ class Engine:
         donate = jax.default_backend() != "cpu"
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,) if donate else ())
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,) if donate else ())
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,) if donate else ())
+        self._decode = jax.jit(
+            self._decode_fn, donate_argnums=(1,) if donate else (), static_argnames=("span",)
+        )
         self.tokens_generated = 0
         self.prefills = 0  # prompts prefilled (whole, or the suffix after a reused prefix)
         self.slot_copies = 0  # slots filled by copying a group member's prefill
@@ -419,8 +439,16 @@ class Engine:
             last[i], lengths[i], seeds[i] = s.last, s.length, s.request.seed
             produced[i] = len(s.tokens)
             budget[i] = s.request.max_new_tokens - len(s.tokens)
+        # The live span: every position a row reads in this chunk (its length plus the
+        # chunk's tokens, no more than its budget) lies below `span`.
+        reach = [
+            s.length + min(self.cfg.decode_chunk, s.request.max_new_tokens - len(s.tokens))
+            for s in self._slots[:n]
+            if s is not None
+        ]
+        span = span_bucket(max(reach), self.pool_len) if self.cfg.live_span else self.pool_len
         pool, toks, lps, counts, stopped = self._decode(
-            self.params, self.pool, last, lengths, budget, seeds, produced
+            self.params, self.pool, last, lengths, budget, seeds, produced, span=span
         )
         self.pool = pool
         toks, lps = np.asarray(toks), np.asarray(lps)
@@ -534,16 +562,19 @@ class Engine:
         budget: jax.Array,
         seeds: jax.Array,
         produced: jax.Array,
+        *,
+        span: int,
     ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
-        """`decode_chunk` steps over the first n slots. Returns the pool, tokens and
-        log-probs [n, K], how many tokens each row produced [n] and whether it stopped [n]."""
+        """`decode_chunk` steps over the first n slots, attending over the first `span`
+        positions of each (the live span: what those rows hold and write). Returns the pool,
+        tokens and log-probs [n, K], how many tokens each row produced [n] and whether it
+        stopped [n]."""
         self.compile_counts["decode"] += 1
         n = last.shape[0]
         chunk = self.cfg.decode_chunk
-        s = self.pool_len
         stop_ids = jnp.asarray(self.cfg.stop_ids, jnp.int32).reshape(-1)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
-        k_slots = jnp.arange(s, dtype=jnp.int32)
+        k_slots = jnp.arange(span, dtype=jnp.int32)
         view = jax.tree.map(lambda x: x[:n], pool)
 
         def body(carry: tuple[Any, ...], i: jax.Array) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -16,9 +16,9 @@ checkpoint), as transformers does, with RMSNorm statistics, RoPE angles and the 
 softmax in float32; logits come back as float32.
 
 Decoding uses a `KVCache` of S slots per row. Each call writes its T new keys and values at
-per-row slots `write_pos[b, t]` and then attends over all S slots under the caller's mask,
-so every row of a batch (a continuous-batching pool of sequences) can sit at its own length
-while all shapes stay static under jit.
+per-row slots `write_pos[b, t]` and then attends over the first S' <= S slots (the mask's
+width) under the caller's mask, so every row of a batch (a continuous-batching pool of
+sequences) can sit at its own length while all shapes stay static under jit.
 """
 
 from __future__ import annotations
@@ -332,7 +332,11 @@ class Attention(nn.Module):
             k_all = kv[0].at[rows, :, :, write_pos].set(k.astype(kv[0].dtype), **how)
             v_all = kv[1].at[rows, :, write_pos].set(v.astype(kv[1].dtype), **how)
             new_kv = (k_all, v_all)
-            out = _attend_cached(q, k_all.astype(dt), v_all.astype(dt), mask)
+            # A mask narrower than the cache attends over its first mask.shape[-1] slots
+            # only: a decode step reads no more of the cache than its rows hold.
+            span = mask.shape[-1]
+            k_read, v_read = k_all[..., :span], v_all[:, :, :span]
+            out = _attend_cached(q, k_read.astype(dt), v_read.astype(dt), mask)
         return Linear(s.hidden_size, s.o_proj_bias, dt, name="o_proj")(out), new_kv
 
 
@@ -495,9 +499,10 @@ def forward(
     first written at slot write_pos[b, t] of row b ([B, T] int32; a slot >= S drops the
     write, unless `in_bounds` promises there is none, and no two writes of a row share a
     slot: then the cache is updated in place, much faster), then every query attends over
-    the S slots under attn_mask [B, T, S] bool, which is then required and must admit the
-    slots just written. Returns the updated cache, or None. Under jit pass `spec` as a
-    static argument; the cache keeps its own dtype.
+    the first S' <= S slots under attn_mask [B, T, S'] bool, which is then required and
+    must admit the slots just written (S' < S: the live span of a decode step; the slots
+    past it are written but not read). Returns the updated cache, or None. Under jit pass
+    `spec` as a static argument; the cache keeps its own dtype.
     """
     b, t = tokens.shape
     kv: tuple[LayerKV, ...] | None = None
