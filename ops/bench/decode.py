@@ -11,6 +11,8 @@ every sequence runs to its budget). For each concurrency C it measures, side by 
 - engine b=1:    the same engine code with one slot, sequences one after another;
 - hf serial:     transformers' PyTorch `generate`, one sequence at a time;
 - hf batched:    transformers' `generate` on all C sequences as one batch;
+- full span:     the engine attending over every cache position at each decode step
+                 (`live_span` off: the previous engine), and the engine's ratio to it;
 - engine g4:     the same C sequences as C/4 prompts of 4 members each (a GRPO group of
                  4 shares its prompt's prefill), the rollout worker's real workload;
 - bound:         2 x params FLOPs per generated token against a dense float32 matmul timed
@@ -84,11 +86,18 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 
 def engine_rate(
-    spec: ModelSpec, params: object, slots: int, seqs: int, repeats: int, group: int = 1
+    spec: ModelSpec,
+    params: object,
+    slots: int,
+    seqs: int,
+    repeats: int,
+    group: int = 1,
+    live_span: bool = True,
 ) -> float:
     cfg = EngineConfig(num_slots=slots, kv_cache_size=PROMPT + RESPONSE,
                        max_prompt_length=PROMPT, max_new_tokens=RESPONSE, sampling=SAMPLING,
-                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16)  # fmt: skip
+                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16,
+                       live_span=live_span)  # fmt: skip
     engine = Engine(spec, params, cfg)
     distinct = prompts(-(-seqs // group), spec.vocab_size)
     reqs = [GenRequest(distinct[i // group], RESPONSE, seed=i) for i in range(seqs)]
@@ -228,17 +237,19 @@ def main() -> None:
         header = (f"{'C':>3} {'engine':>7} {'engine b=1':>10} {'hf serial':>9} "
                   f"{'hf batched':>10} {'x b=1':>6} {'x hf ser':>8} {'x hf bat':>8} "
                   f"{'of bound':>8} {'of work':>7} {'engine g4':>9} {'g4 x hf bat':>11} "
-                  f"{'g4 of bound':>11}")  # fmt: skip
+                  f"{'g4 of bound':>11} {'full span':>9} {'x full':>6}")  # fmt: skip
         print(header)
         for c in args.concurrency:
             ours = engine_rate(spec, params, c, c, args.repeats)
             grouped = engine_rate(spec, params, c, c, args.repeats, group=min(4, c))
+            full = engine_rate(spec, params, c, c, args.repeats, live_span=False)
             hf_batched = hf_rate(Path(tmp), c, max(1, args.repeats - 1))
             print(
                 f"{c:>3} {ours:>7.0f} {single:>10.0f} {hf_serial:>9.0f} {hf_batched:>10.0f} "
                 f"{ours / single:>6.2f} {ours / hf_serial:>8.2f} {ours / hf_batched:>8.2f} "
                 f"{ours / bound:>8.2f} {ours * work / bound:>7.2f} {grouped:>9.0f} "
-                f"{grouped / hf_batched:>11.2f} {grouped / bound:>11.2f}",
+                f"{grouped / hf_batched:>11.2f} {grouped / bound:>11.2f} {full:>9.0f} "
+                f"{ours / full:>6.2f}",
                 flush=True,
             )
 

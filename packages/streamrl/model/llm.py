@@ -73,10 +73,13 @@ class KVCache(flax.struct.PyTreeNode):
 def init_cache(spec: ModelSpec, batch: int, length: int, dtype: DType = jnp.float32) -> KVCache:
     """An all-zero cache of `length` slots for each of `batch` rows."""
     heads, dim = spec.num_key_value_heads, spec.head_dim
-    k = jnp.zeros((batch, heads, dim, length), dtype)
-    v = jnp.zeros((batch, heads, length, dim), dtype)
-    layers = spec.num_hidden_layers
-    return KVCache(k=(k,) * layers, v=(v,) * layers)
+    layers = range(spec.num_hidden_layers)
+    # A buffer of its own for each layer: a program that donates the cache (updates it in
+    # place) cannot take one buffer twice.
+    return KVCache(
+        k=tuple(jnp.zeros((batch, heads, dim, length), dtype) for _ in layers),
+        v=tuple(jnp.zeros((batch, heads, length, dim), dtype) for _ in layers),
+    )
 
 
 # ---------------------------------------------------------------------------------------
