@@ -31,6 +31,22 @@ __all__ = [
 ]
 
 
+# A run name (the Redis namespace of its keys: streamrl.names checks it there too).
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+# The longest wait before `streamrl up` restarts a crashed worker (the launcher's cap).
+MAX_BACKOFF_S = 60.0
+
+# Value sets that modules outside the schema take too: each is defined here once and
+# imported there (code review 86b402d, item 6), so a new value cannot reach one side only.
+SyncMode = Literal["continue", "finish", "pause"]
+LoraServing = Literal["merged", "attached"]
+SandboxKind = Literal["auto", "container", "bwrap", "subprocess"]
+KlEstimator = Literal["k1", "k3"]
+Correction = Literal["none", "tis", "icepop"]
+Checksum = Literal["xxh3_128", "sha256"]
+ChannelName = Literal["dir", "redis"]
+
+
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names every offending field."""
 
@@ -47,7 +63,7 @@ class RunConfig(_Section):
     name: str = Field(
         "streamrl",
         description="Run namespace: every Redis stream and key of this run starts with it.",
-        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        pattern=NAME_PATTERN,
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data, initialisation, sampling.")
     colocated: bool = Field(
@@ -73,7 +89,10 @@ class RunConfig(_Section):
         1.0,
         ge=0,
         le=600,
-        description="Wait before a restart; doubles with each restart in the window (max 60 s).",
+        description=(
+            "Wait before a restart; doubles with each restart in the window "
+            f"(max {MAX_BACKOFF_S:g} s)."
+        ),
     )
     trainer_stop_timeout_s: float = Field(
         600.0,
@@ -535,7 +554,7 @@ class RolloutConfig(_Section):
             "worker resumes its members from their last completed turn instead of anew."
         ),
     )
-    sync_mode: Literal["continue", "finish", "pause"] = Field(
+    sync_mode: SyncMode = Field(
         "continue",
         description=(
             "Weight sync (no new episode starts meanwhile): `continue`, running episodes go "
@@ -544,7 +563,7 @@ class RolloutConfig(_Section):
             "model calls wait while it loads, then go on with it."
         ),
     )
-    lora_serving: Literal["merged", "attached"] = Field(
+    lora_serving: LoraServing = Field(
         "merged",
         description=(
             'How adapter-only versions (trainer.publish = "lora") are served: `merged` '
@@ -632,7 +651,7 @@ class ToolsConfig(_Section):
         le=1_000_000,
         description="Calls a failing spell must hold before the breaker trips; 0: never trips.",
     )
-    sandbox: Literal["auto", "container", "bwrap", "subprocess"] = Field(
+    sandbox: SandboxKind = Field(
         "auto",
         description=(
             "Where a call's code runs: `container` (hardened containers through the Docker "
@@ -778,7 +797,7 @@ class TrainerConfig(_Section):
         description="Weight of the KL penalty to the frozen reference (the starting policy); "
         "0: no reference pass at all.",
     )
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator: k1 or k3.")
+    kl_estimator: KlEstimator = Field("k3", description="KL estimator: k1 or k3.")
     use_rollout_logps: bool = Field(
         True,
         description=(
@@ -786,7 +805,7 @@ class TrainerConfig(_Section):
             "token); false: against log-probs the trainer recomputes before its update."
         ),
     )
-    importance_correction: Literal["none", "tis", "icepop"] = Field(
+    importance_correction: Correction = Field(
         "none",
         description=(
             "Staleness correction (needs use_rollout_logps = false: the ratio is then taken "
@@ -842,7 +861,7 @@ class TrainerConfig(_Section):
     publish_every: int = Field(
         1, ge=1, le=1_000_000, description="Publish a new policy version every N steps."
     )
-    weights_channel: Literal["dir", "redis"] = Field(
+    weights_channel: ChannelName = Field(
         "dir",
         description=(
             "Where published weights travel: `dir`, a file in RUN_DIR/weights (atomic "
@@ -853,7 +872,7 @@ class TrainerConfig(_Section):
     weights_chunk_mb: int = Field(
         4, ge=1, le=256, description="Size of one Redis key of published weights (MiB)."
     )
-    weights_checksum: Literal["xxh3_128", "sha256"] = Field(
+    weights_checksum: Checksum = Field(
         "xxh3_128",
         description=(
             "Checksum of published weights, verified by every rollout worker before use: "

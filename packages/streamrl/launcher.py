@@ -43,7 +43,7 @@ import structlog
 from streamrl import checkpoints as ckpts
 from streamrl import evalrun, rundir
 from streamrl.acl import private_dir, worker_role
-from streamrl.config import Config
+from streamrl.config import MAX_BACKOFF_S, Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
 from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
@@ -689,7 +689,6 @@ def step_metrics(
 
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
-MAX_BACKOFF_S = 60.0
 
 
 def _number(raw: bytes) -> int | float:

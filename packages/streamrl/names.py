@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_NS = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+from streamrl.config import NAME_PATTERN
+
+_NS = re.compile(NAME_PATTERN)
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, get_args
 
 import numpy as np
 import redis
 import xxhash
 
+from streamrl.config import ChannelName, Checksum
 from streamrl.names import Keys
 from streamrl.wire import Weights
 
@@ -93,7 +94,7 @@ class Written:
 
 class WeightsChannel(Protocol):
     @property
-    def name(self) -> Literal["dir", "redis"]: ...
+    def name(self) -> ChannelName: ...
 
     def write(self, version: int, pieces: Sequence[Buffer]) -> Written:
         """Store the concatenation of `pieces` as `version`."""
@@ -104,8 +105,7 @@ class WeightsChannel(Protocol):
         ...
 
 
-Checksum = Literal["xxh3_128", "sha256"]
-CHECKSUMS: tuple[Checksum, ...] = ("xxh3_128", "sha256")
+CHECKSUMS: tuple[Checksum, ...] = get_args(Checksum)
 _HASHES: dict[str, Any] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 # Versions at least this big are hashed on a second thread while they are written or
@@ -208,7 +208,7 @@ class DirChannel:
     """Versions as files `vNNNNNN.weights` in `directory` (shared by every worker)."""
 
     directory: Path
-    name: ClassVar[Literal["dir", "redis"]] = "dir"
+    name: ClassVar[ChannelName] = "dir"
 
     def path(self, version: int) -> Path:
         return self.directory / f"v{version:06d}.weights"
@@ -238,7 +238,7 @@ class RedisChannel:
     client: redis.Redis
     keys: Keys
     chunk_bytes: int
-    name: ClassVar[Literal["dir", "redis"]] = "redis"
+    name: ClassVar[ChannelName] = "redis"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:

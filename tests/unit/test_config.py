@@ -132,3 +132,48 @@ def test_sync_rollout_needs_one_worker_and_a_version_per_step() -> None:
     assert parse_config({"rollout": {"num_workers": 2}, "trainer": {"publish_every": 3}})
     both = parse_config({"rollout": {"mode": "sync"}, "run": {"colocated": True}})
     assert both.rollout.mode == "sync" and both.run.colocated
+
+
+def test_each_value_set_is_defined_once_in_the_schema() -> None:
+    """code review 86b402d item 6: the modules that take a configured value name it with the
+    schema's own Literal alias, not a copy that could drift from it."""
+    from typing import get_args
+
+    from streamrl import config, weightsync
+    from streamrl.rl import losses
+    from streamrl.rollout import weights
+    from streamrl.tools import backends
+
+    assert weights.SyncMode is config.SyncMode and weights.LoraServing is config.LoraServing
+    assert backends.SandboxKind is config.SandboxKind
+    assert losses.KlEstimator is config.KlEstimator
+    assert losses.Correction is config.Correction
+    assert weightsync.Checksum is config.Checksum
+    assert weightsync.ChannelName is config.ChannelName
+    fields = {
+        ("rollout", "sync_mode"): config.SyncMode,
+        ("rollout", "lora_serving"): config.LoraServing,
+        ("tools", "sandbox"): config.SandboxKind,
+        ("trainer", "kl_estimator"): config.KlEstimator,
+        ("trainer", "importance_correction"): config.Correction,
+        ("trainer", "weights_checksum"): config.Checksum,
+        ("trainer", "weights_channel"): config.ChannelName,
+    }
+    sections = Config.model_fields
+    for (section, name), alias in fields.items():
+        section_model = sections[section].annotation
+        assert section_model is not None
+        annotation = section_model.model_fields[name].annotation
+        assert get_args(annotation) == get_args(alias), (section, name)
+
+
+def test_the_run_name_rule_and_the_backoff_cap_are_stated_once() -> None:
+    """code review 86b402d: the run-name pattern (config and names.py) and the 60 s restart
+    backoff cap (config's description and the launcher) were written twice."""
+    from streamrl import config, launcher, names
+
+    assert names.NAME_PATTERN is config.NAME_PATTERN
+    assert launcher.MAX_BACKOFF_S is config.MAX_BACKOFF_S
+    backoff = config.RunConfig.model_fields["restart_backoff_s"].description or ""
+    assert f"max {config.MAX_BACKOFF_S:g} s" in backoff
+    assert launcher.backoff_s(100, 1.0) == config.MAX_BACKOFF_S

@@ -35,11 +35,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from streamrl.config import Correction, KlEstimator
 
 __all__ = [
     "LOSSES",
@@ -54,11 +56,9 @@ __all__ = [
 ]
 
 Aggregation = Literal["token", "sequence", "constant"]
-KlEstimator = Literal["k1", "k3"]
-Correction = Literal["none", "tis", "icepop"]
-_AGGREGATIONS = ("token", "sequence", "constant")
-_KL_ESTIMATORS = ("k1", "k3")
-_CORRECTIONS = ("none", "tis", "icepop")
+_AGGREGATIONS = get_args(Aggregation)
+_KL_ESTIMATORS = get_args(KlEstimator)
+_CORRECTIONS = get_args(Correction)
 # Log-ratios are clamped to this before exp() in the weights and the mismatch metrics: a
 # token the behaviour policy found 1e-9 times as likely must not overflow float32.
 _MAX_LOG_RATIO = 20.0

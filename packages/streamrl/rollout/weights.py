@@ -31,13 +31,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import redis
 import redis.asyncio as aioredis
 import structlog
 
+from streamrl.config import LoraServing, SyncMode
 from streamrl.failpoints import WEIGHTS_LOAD, afailpoint
 from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
 from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
@@ -53,9 +54,6 @@ from streamrl.weightsync import (
     overlapped,
 )
 from streamrl.wire import Weights, WireError, decode
-
-SyncMode = Literal["continue", "finish", "pause"]
-LoraServing = Literal["merged", "attached"]
 
 
 class SyncLock:

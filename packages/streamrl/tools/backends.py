@@ -28,15 +28,15 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Protocol
 
 import structlog
 
+from streamrl.config import SandboxKind
 from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
 from streamrl.tools.containers import ContainerConfig, ContainerSandbox
 from streamrl.tools.sandbox import Sandbox, SandboxUnavailableError, SubprocessSandbox
 
-SandboxKind = Literal["container", "bwrap", "subprocess", "auto"]
 # The isolating backends, strongest first: what `auto` may use.
 ISOLATING: tuple[SandboxKind, ...] = ("container", "bwrap")
 FIX = (
