@@ -438,13 +438,10 @@ class Engine:
             produced[i] = len(s.tokens)
             budget[i] = s.request.max_new_tokens - len(s.tokens)
         # The live span: every position a row reads in this chunk (its length plus the
-        # chunk's tokens, no more than its budget) lies below `span`.
-        reach = [
-            s.length + min(self.cfg.decode_chunk, s.request.max_new_tokens - len(s.tokens))
-            for s in self._slots[:n]
-            if s is not None
-        ]
-        span = span_bucket(max(reach), self.pool_len) if self.cfg.live_span else self.pool_len
+        # chunk's tokens, no more than its budget) lies below `span`. Active rows are those
+        # with a budget (an empty slot has none; a row without one has finished).
+        reach = int((lengths + np.minimum(self.cfg.decode_chunk, budget))[budget > 0].max())
+        span = span_bucket(reach, self.pool_len) if self.cfg.live_span else self.pool_len
         pool, toks, lps, counts, stopped = self._decode(
             self.params, self.pool, last, lengths, budget, seeds, produced, span=span
         )

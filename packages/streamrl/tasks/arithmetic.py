@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,6 +25,7 @@ from streamrl.tasks.base import (
     Prompt,
     TaskDef,
     build_task,
+    lognormal_s,
 )
 from streamrl.tools.registry import CALCULATOR
 from streamrl.wire import Task
@@ -85,10 +85,11 @@ class ArithmeticOptions(BaseModel):
 
     def delay(self, rng: random.Random) -> float:
         """One calculator call's extra latency in seconds."""
-        if self.tool_latency_s == 0 or self.tool_latency_sigma == 0:
+        if self.tool_latency_sigma == 0:
             return self.tool_latency_s
-        extra = self.tool_latency_s * math.exp(self.tool_latency_sigma * rng.gauss())
-        return min(self.tool_latency_max_s, extra)
+        return lognormal_s(
+            rng, self.tool_latency_s, self.tool_latency_sigma, self.tool_latency_max_s
+        )
 
 
 class ArithmeticTask(TaskDef[ArithmeticOptions]):

@@ -96,6 +96,14 @@ def group_cursor(group_id: str) -> int | None:
 Reward = Callable[[str | None, list[ToolRecord], "EpisodeContext"], float | Awaitable[float]]
 
 
+def lognormal_s(rng: random.Random, median_s: float, sigma: float, cap_s: float) -> float:
+    """A latency in seconds: lognormal with this median and log-std, at most cap_s (the
+    synthetic task's steps and the arithmetic task's slow calculator draw alike)."""
+    if median_s == 0:
+        return 0.0
+    return min(cap_s, median_s * math.exp(sigma * rng.gauss()))
+
+
 @dataclass
 class EpisodeServices:
     """What a rollout worker shares among its episodes: the tool workers' client, the tool

@@ -15,7 +15,6 @@ least `turns`, or every episode ends truncated.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from typing import Any, Literal
@@ -25,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from streamrl.agents.base import Action, Environment, Reset, StepResult
 from streamrl.agents.envs import ToolRecord
 from streamrl.agents.tools import CallContext
-from streamrl.tasks.base import EpisodeContext, Prompt, TaskDef
+from streamrl.tasks.base import EpisodeContext, Prompt, TaskDef, lognormal_s
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 
@@ -80,9 +79,7 @@ class SyntheticOptions(BaseModel):
                 if u < acc:
                     return s
             return self.mixture[-1][1]
-        if self.latency_s == 0:
-            return 0.0
-        return min(self.max_latency_s, self.latency_s * math.exp(self.sigma * rng.gauss()))
+        return lognormal_s(rng, self.latency_s, self.sigma, self.max_latency_s)
 
 
 class SyntheticEnvironment(Environment):
