@@ -53,7 +53,7 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
         kv_reuse=r.kv_reuse,
     )
     mesh = make_mesh(r.mesh_data, r.mesh_tensor) if r.mesh_data * r.mesh_tensor > 1 else None
-    return chat, Engine(spec, params, engine_cfg, dtype=dtype, mesh=mesh)
+    return chat, Engine(spec, params, engine_cfg, mesh=mesh)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Decode throughput of the continuous-batching engine against transformers' generate.
 
     .venv/bin/python ops/bench/decode.py [--concurrency 1 8 32 64] [--threads 2]
-        [--rows all|decode|agentic] [--agentic-episodes 64] [--agentic-turns 8]
+        [--rows all | decode bf16 agentic] [--agentic-episodes 64] [--agentic-turns 8]
 
 A ~20 M parameter Qwen2-family model with random weights (built locally, no download);
 prompts of 128 random tokens, 128 sampled tokens each (temperature 1, no stop token, so
@@ -22,6 +22,11 @@ every sequence runs to its budget). For each concurrency C it measures, side by 
                  sustains over all the work it does.
 
 Tokens/s are medians over `--repeats` runs; ratios are engine over each baseline.
+
+The bf16 rows: the same checkpoint loaded in bfloat16 by both stacks (the engine as
+`model.dtype = "bfloat16"` serves it: bf16 matmuls with float32 results, a float32 KV pool
+on a CPU; transformers with `dtype=torch.bfloat16`), beside the float32 engine. On a CPU
+with bfloat16 matrix units (AMX) both take them.
 
 The agentic row (issue 18): `--agentic-episodes` concurrent episodes (64) of
 `--agentic-turns` model turns (8) of 48 sampled tokens each, a 128-token first prompt and,
@@ -183,11 +188,12 @@ def print_agentic(spec: ModelSpec, params: object, args: argparse.Namespace) -> 
         )
 
 
-def hf_rate(ckpt: Path, batch: int, repeats: int) -> float:
+def hf_rate(ckpt: Path, batch: int, repeats: int, bf16: bool = False) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True).eval()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=dtype).eval()
     ids = torch.tensor(prompts(batch, model.config.vocab_size))
     model.generation_config.eos_token_id = None  # run every sequence to its budget
     model.generation_config.pad_token_id = 0
@@ -206,7 +212,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", choices=("all", "decode", "agentic"), default="all")
+    parser.add_argument(
+        "--rows", nargs="+", choices=("all", "decode", "bf16", "agentic"), default=["all"]
+    )
     parser.add_argument("--agentic-episodes", type=int, default=64)
     parser.add_argument("--agentic-turns", type=int, default=8)
     parser.add_argument("--agentic-slots", type=int, default=0, help="0: one per episode")
@@ -227,31 +235,55 @@ def main() -> None:
             f" bound {bound:.0f} tokens/s; jax {jax.__version__} on {jax.default_backend()};"
             f" torch threads {args.threads}; cpus {os.cpu_count()}"
         )
-        if args.rows != "decode":
+        rows = {"decode", "bf16", "agentic"} if "all" in args.rows else set(args.rows)
+        if "agentic" in rows:
             print_agentic(spec, params, args)
-        if args.rows == "agentic":
-            return
-        single = engine_rate(spec, params, 1, 2, args.repeats)
-        hf_serial = hf_rate(Path(tmp), 1, args.repeats)
-        work = (PROMPT + RESPONSE) / RESPONSE  # FLOPs per generated token, prefill included
-        header = (f"{'C':>3} {'engine':>7} {'engine b=1':>10} {'hf serial':>9} "
-                  f"{'hf batched':>10} {'x b=1':>6} {'x hf ser':>8} {'x hf bat':>8} "
-                  f"{'of bound':>8} {'of work':>7} {'engine g4':>9} {'g4 x hf bat':>11} "
-                  f"{'g4 of bound':>11} {'full span':>9} {'x full':>6}")  # fmt: skip
-        print(header)
-        for c in args.concurrency:
-            ours = engine_rate(spec, params, c, c, args.repeats)
-            grouped = engine_rate(spec, params, c, c, args.repeats, group=min(4, c))
-            full = engine_rate(spec, params, c, c, args.repeats, live_span=False)
-            hf_batched = hf_rate(Path(tmp), c, max(1, args.repeats - 1))
-            print(
-                f"{c:>3} {ours:>7.0f} {single:>10.0f} {hf_serial:>9.0f} {hf_batched:>10.0f} "
-                f"{ours / single:>6.2f} {ours / hf_serial:>8.2f} {ours / hf_batched:>8.2f} "
-                f"{ours / bound:>8.2f} {ours * work / bound:>7.2f} {grouped:>9.0f} "
-                f"{grouped / hf_batched:>11.2f} {grouped / bound:>11.2f} {full:>9.0f} "
-                f"{ours / full:>6.2f}",
-                flush=True,
-            )
+        if "decode" in rows:
+            print_decode(spec, params, Path(tmp), args, bound)
+        if "bf16" in rows:
+            print_bf16(Path(tmp), args)
+
+
+def print_bf16(ckpt: Path, args: argparse.Namespace) -> None:
+    """The same checkpoint served in bfloat16 by both (model.dtype = "bfloat16"), against
+    the float32 engine: both stacks then run their matmuls on the CPU's bfloat16 units."""
+    spec, params = load_checkpoint(ckpt)
+    _, params16 = load_checkpoint(ckpt, dtype=jnp.bfloat16)
+    print("bfloat16: engine and transformers' batched generate both in bfloat16")
+    print(f"{'C':>3} {'engine bf16':>11} {'hf bf16':>7} {'x hf bf16':>9} {'engine f32':>10} "
+          f"{'bf16 x f32':>10}")  # fmt: skip
+    for c in args.concurrency:
+        ours = engine_rate(spec, params16, c, c, args.repeats)
+        f32 = engine_rate(spec, params, c, c, args.repeats)
+        hf = hf_rate(ckpt, c, max(1, args.repeats - 1), bf16=True)
+        print(f"{c:>3} {ours:>11.0f} {hf:>7.0f} {ours / hf:>9.2f} {f32:>10.0f} "
+              f"{ours / f32:>10.2f}", flush=True)  # fmt: skip
+
+
+def print_decode(
+    spec: ModelSpec, params: object, tmp: Path, args: argparse.Namespace, bound: float
+) -> None:
+    single = engine_rate(spec, params, 1, 2, args.repeats)
+    hf_serial = hf_rate(tmp, 1, args.repeats)
+    work = (PROMPT + RESPONSE) / RESPONSE  # FLOPs per generated token, prefill included
+    header = (f"{'C':>3} {'engine':>7} {'engine b=1':>10} {'hf serial':>9} "
+              f"{'hf batched':>10} {'x b=1':>6} {'x hf ser':>8} {'x hf bat':>8} "
+              f"{'of bound':>8} {'of work':>7} {'engine g4':>9} {'g4 x hf bat':>11} "
+              f"{'g4 of bound':>11} {'full span':>9} {'x full':>6}")  # fmt: skip
+    print(header)
+    for c in args.concurrency:
+        ours = engine_rate(spec, params, c, c, args.repeats)
+        grouped = engine_rate(spec, params, c, c, args.repeats, group=min(4, c))
+        full = engine_rate(spec, params, c, c, args.repeats, live_span=False)
+        hf_batched = hf_rate(tmp, c, max(1, args.repeats - 1))
+        print(
+            f"{c:>3} {ours:>7.0f} {single:>10.0f} {hf_serial:>9.0f} {hf_batched:>10.0f} "
+            f"{ours / single:>6.2f} {ours / hf_serial:>8.2f} {ours / hf_batched:>8.2f} "
+            f"{ours / bound:>8.2f} {ours * work / bound:>7.2f} {grouped:>9.0f} "
+            f"{grouped / hf_batched:>11.2f} {grouped / bound:>11.2f} {full:>9.0f} "
+            f"{ours / full:>6.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

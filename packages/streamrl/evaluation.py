@@ -353,7 +353,7 @@ async def run_pass(
         decode_chunk=r.decode_chunk,
         kv_reuse=r.kv_reuse,
     )
-    engine = Engine(policy.spec, policy.params, engine_cfg, dtype=_dtype(cfg))
+    engine = Engine(policy.spec, policy.params, engine_cfg)
     server = EngineServer(engine, policy.step or 0, log)
     runner = EpisodeRunner(server, policy.chat.dialogue, r, cfg.run.seed, WORKER, log)
     # As many episodes at once as a rollout worker runs (rollout.max_concurrency), each

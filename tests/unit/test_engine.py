@@ -1,5 +1,7 @@
 """The continuous-batching engine with a real (tiny, random) model."""
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,21 +33,26 @@ STOP = 5
 ENGINES: dict[SamplingParams, Engine] = {}
 
 
+def config(**changes: object) -> EngineConfig:
+    """The module's engine config (8 slots of 160, 24 new tokens, decode chunks of 4)."""
+    fields: dict[str, object] = {
+        "num_slots": 8,
+        "kv_cache_size": 160,
+        "max_prompt_length": 96,
+        "max_new_tokens": 24,
+        "sampling": SAMPLING,
+        "stop_ids": (STOP,),
+        "pad_id": 0,
+        "decode_chunk": 4,
+    }
+    return EngineConfig(**(fields | changes))  # type: ignore[arg-type]
+
+
 def engine(sampling: SamplingParams = SAMPLING) -> Engine:
     """One engine per sampling setting for the module: each compiles its own programs
     (seconds on a CPU), and an idle engine is as good as new."""
     if sampling not in ENGINES:
-        cfg = EngineConfig(
-            num_slots=8,
-            kv_cache_size=160,
-            max_prompt_length=96,
-            max_new_tokens=24,
-            sampling=sampling,
-            stop_ids=(STOP,),
-            pad_id=0,
-            decode_chunk=4,
-        )
-        ENGINES[sampling] = Engine(SPEC, PARAMS, cfg)
+        ENGINES[sampling] = Engine(SPEC, PARAMS, config(sampling=sampling))
     assert not ENGINES[sampling].has_work()
     return ENGINES[sampling]
 
@@ -228,18 +235,7 @@ def test_live_span_attention_samples_what_the_whole_cache_does() -> None:
     results = []
     counts = []
     for live in (True, False):
-        cfg = EngineConfig(
-            num_slots=8,
-            kv_cache_size=160,
-            max_prompt_length=96,
-            max_new_tokens=40,
-            sampling=SAMPLING,
-            stop_ids=(),
-            pad_id=0,
-            decode_chunk=4,
-            live_span=live,
-        )
-        e = Engine(SPEC, PARAMS, cfg)
+        e = Engine(SPEC, PARAMS, config(max_new_tokens=40, stop_ids=(), live_span=live))
         reqs = [GenRequest(prompt(200 + i, n), 40, seed=i) for i, n in enumerate((5, 50, 60, 90))]
         results.append(e.generate(reqs))
         counts.append(e.compile_counts["decode"])
@@ -249,3 +245,53 @@ def test_live_span_attention_samples_what_the_whole_cache_does() -> None:
     # Rows 4 (reach 96 -> 128 -> 160 with the 90-token prompt), spans 96, 128, 160: three
     # decode programs with the live span, one without.
     assert counts == [3, 1]
+
+
+def test_bf16_policy_decodes_from_a_float32_pool() -> None:
+    """On a CPU a bfloat16 policy's KV pool is float32 by default (`pool_dtype`: XLA:CPU
+    would convert a bf16 pool in full at every decode step). With either pool the
+    log-probs an engine reports are the bf16 model's, a plain forward of the sampled
+    sequence (the trainer's computation), to float32 rounding: the float32 pool holds the
+    bf16 keys/values exactly (without `llm._to_cache` XLA kept them unrounded and the
+    log-probs drifted by up to 0.11)."""
+    from streamrl.model.engine import pool_dtype
+
+    assert pool_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    assert pool_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+    cfg = config(num_slots=4, kv_cache_size=96, max_prompt_length=64, stop_ids=())
+    default = Engine(SPEC, params16, cfg)
+    assert default.pool.k[0].dtype == jnp.float32
+    bf16_pool = Engine(SPEC, params16, cfg, dtype=jnp.bfloat16)
+    assert bf16_pool.pool.k[0].dtype == jnp.bfloat16
+    reqs = [GenRequest(prompt(300 + i, 9 + 11 * i), 24, seed=i) for i in range(4)]
+    for engine16 in (default, bf16_pool):
+        for req, res in zip(reqs, engine16.generate(reqs), strict=True):
+            full = req.prompt + res.tokens
+            padded = jnp.zeros((1, 96), jnp.int32).at[0, : len(full)].set(jnp.asarray(full))
+            logits = _causal(params16, SPEC, padded)[0, : len(full)] / SAMPLING.temperature
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            ref = np.asarray(logp[jnp.arange(len(full) - 1), jnp.asarray(full[1:])])
+            np.testing.assert_allclose(res.logprobs, ref[len(req.prompt) - 1 :], atol=1e-5)
+
+
+def test_bf16_matmuls_round_a_float32_result_once() -> None:
+    """A bfloat16 layer's matmul is the float32 product rounded once to bfloat16 (what
+    torch's bfloat16 matmul gives), and logits come out of the tied head in float32."""
+    from streamrl.model.llm import Embed, Linear
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 40)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)
+    exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    y = cast(jax.Array, Linear(24, False, jnp.bfloat16).apply({"params": {"kernel": w}}, x))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32), np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float32)
+    )
+    table = jnp.asarray(rng.standard_normal((24, 40)), jnp.bfloat16)
+    head = Embed(24, 40, jnp.bfloat16)
+    logits = cast(jax.Array, head.apply({"params": {"embedding": table}}, x, method="attend"))
+    assert logits.dtype == jnp.float32
+    want = np.asarray(x, np.float32) @ np.asarray(table, np.float32).T
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-5)

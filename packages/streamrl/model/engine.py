@@ -114,6 +114,16 @@ def span_bucket(n: int, pool_len: int) -> int:
     return min(pool_len, round_up(half_pow2(n, SPAN_BUCKET), POOL_ALIGN))
 
 
+def pool_dtype(param_dtype: Any, backend: str | None = None) -> Any:
+    """The KV pool's dtype for a policy computing in `param_dtype`: float32 on a CPU, the
+    params' dtype elsewhere. XLA:CPU converts a bfloat16 pool to float32 in full at every
+    decode step (a bfloat16 policy decoded 2x slower with a bfloat16 pool than with a float32
+    one; ops/bench/decode.py). It costs twice the memory and changes no sample: the pool
+    holds the keys/values rounded to the params' dtype (`llm._to_cache`)."""
+    backend = backend or jax.default_backend()
+    return jnp.dtype(jnp.float32) if backend == "cpu" else jnp.dtype(param_dtype)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes of the pool and the decode loop.
@@ -180,9 +190,10 @@ class Engine:
         params: Any,
         cfg: EngineConfig,
         detokenize: Callable[[list[int]], str] | None = None,
-        dtype: Any = jnp.float32,
+        dtype: Any = None,
         mesh: Mesh | None = None,
     ) -> None:
+        """`dtype`: the KV pool's; None: `pool_dtype` of the params' dtype."""
         if cfg.stop_strings and detokenize is None:
             raise ValueError("stop strings need a detokenize function")
         self.spec = spec
@@ -205,6 +216,8 @@ class Engine:
         # Slots per row rounded up to a multiple of 8: a decode step's attention runs about
         # twice as fast over 256 or 264 positions as over 257 (vectorised rows on a CPU).
         self.pool_len = round_up(cfg.kv_cache_size, POOL_ALIGN)
+        if dtype is None:
+            dtype = pool_dtype(jax.tree.leaves(params)[0].dtype)
         self.pool: KVCache = init_cache(spec, cfg.num_slots, self.pool_len, dtype)
         if mesh is not None:
             self.pool = shard_cache(self.pool, mesh)
