@@ -38,7 +38,7 @@ for data, tensor in ((2, 2), (4, 1), (1, 2)):
     q = engine.params["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]
     o = engine.params["model"]["layers_0"]["self_attn"]["o_proj"]["kernel"]
     out[f"{data}x{tensor}-specs"] = [str(q.sharding.spec), str(o.sharding.spec),
-                                     str(engine.pool.k[0].sharding.spec)]
+                                     str(engine.pool.k[0][0].sharding.spec)]
 try:
     Engine(spec, params, cfg, mesh=make_mesh(1, 4))
 except MeshError as err:

@@ -211,7 +211,7 @@ def test_unaligned_cache_size_is_padded_not_widened() -> None:
         decode_chunk=4,
     )
     odd = Engine(SPEC, PARAMS, cfg)
-    assert odd.pool_len == 160 and odd.pool.k[0].shape[-1] == 160
+    assert odd.pool_len == 160 and odd.pool.length == 160
     reqs = [GenRequest(prompt(i, 20 + 9 * i), 24, seed=i) for i in range(4)]
     assert [r.tokens for r in odd.generate(reqs)] == [r.tokens for r in engine().generate(reqs)]
     with pytest.raises(ValueError, match=r"= 158 exceeds kv_cache_size \(157\)"):
@@ -222,29 +222,52 @@ def test_span_buckets() -> None:
     from streamrl.model.engine import span_bucket
 
     assert [span_bucket(n, 264) for n in (1, 64, 65, 96, 97, 129, 192, 193, 256, 257)] == [
-        64, 64, 96, 96, 128, 192, 192, 256, 256, 264,
+        64, 64, 128, 128, 128, 192, 192, 256, 256, 264,
+    ]  # fmt: skip
+    assert [span_bucket(n, 1408) for n in (257, 385, 513, 769, 1025)] == [
+        384, 512, 768, 1024, 1408,
     ]  # fmt: skip
     assert span_bucket(100, 72) == 72  # never past the pool
+
+
+def test_cache_blocks() -> None:
+    """The pool is kept in blocks of KV_BLOCK positions (the last one shorter), so a decode
+    call's live span is whole blocks; a mask that ends inside a block is refused."""
+    from streamrl.model.llm import block_sizes, forward, init_cache
+
+    assert block_sizes(160) == [64, 64, 32]
+    assert block_sizes(128) == [64, 64]
+    assert block_sizes(20) == [20]
+    cache = init_cache(SPEC, 2, 160)
+    assert cache.length == 160 and [b.shape[-1] for b in cache.k[1]] == [64, 64, 32]
+    assert [b.shape[-2] for b in cache.v[0]] == [64, 64, 32]
+    assert cache.prefix(2).length == 128
+    tokens = jnp.ones((2, 1), jnp.int32)
+    mask = jnp.ones((2, 1, 100), jnp.bool_)
+    with pytest.raises(ValueError, match="attn_mask width 100 is not at a cache block boundary"):
+        forward(PARAMS, SPEC, tokens, tokens, cache=cache, write_pos=tokens, attn_mask=mask)
 
 
 def test_live_span_attention_samples_what_the_whole_cache_does() -> None:
     """Decoding over the live span (the first span_bucket(reach) positions) instead of all
     kv_cache_size positions: the same tokens and, to rounding, the same log-probs, for rows
-    of mixed lengths whose reach crosses span buckets (64 -> 96 -> 128) mid-sample; each
-    span compiles once."""
+    of mixed lengths whose reach crosses span buckets (64, then 128 -> 160) mid-sample;
+    each span compiles once."""
     results = []
     counts = []
     for live in (True, False):
         e = Engine(SPEC, PARAMS, config(max_new_tokens=40, stop_ids=(), live_span=live))
+        short = [GenRequest(prompt(190 + i, n), 40, seed=i) for i, n in enumerate((5, 20))]
         reqs = [GenRequest(prompt(200 + i, n), 40, seed=i) for i, n in enumerate((5, 50, 60, 90))]
-        results.append(e.generate(reqs))
+        results.append(e.generate(short) + e.generate(reqs))
         counts.append(e.compile_counts["decode"])
     for on, off in zip(*results, strict=True):
         assert on.tokens == off.tokens
         np.testing.assert_allclose(on.logprobs, off.logprobs, atol=1e-5)
-    # Rows 4 (reach 96 -> 128 -> 160 with the 90-token prompt), spans 96, 128, 160: three
-    # decode programs with the live span, one without.
-    assert counts == [3, 1]
+    # The short pair reaches 60 (span 64); then the 90-token prompt reaches 94 -> 130
+    # (spans 128, 160): three decode programs with the live span; two without (one per
+    # row bucket, 2 and 4 rows).
+    assert counts == [3, 2]
 
 
 def test_bf16_policy_decodes_from_a_float32_pool() -> None:
@@ -261,9 +284,9 @@ def test_bf16_policy_decodes_from_a_float32_pool() -> None:
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
     cfg = config(num_slots=4, kv_cache_size=96, max_prompt_length=64, stop_ids=())
     default = Engine(SPEC, params16, cfg)
-    assert default.pool.k[0].dtype == jnp.float32
+    assert default.pool.k[0][0].dtype == jnp.float32
     bf16_pool = Engine(SPEC, params16, cfg, dtype=jnp.bfloat16)
-    assert bf16_pool.pool.k[0].dtype == jnp.bfloat16
+    assert bf16_pool.pool.k[0][0].dtype == jnp.bfloat16
     reqs = [GenRequest(prompt(300 + i, 9 + 11 * i), 24, seed=i) for i in range(4)]
     for engine16 in (default, bf16_pool):
         for req, res in zip(reqs, engine16.generate(reqs), strict=True):

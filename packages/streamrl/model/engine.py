@@ -9,9 +9,10 @@ Every concurrent sequence of a rollout worker owns one slot of the pool
 2. runs `decode_chunk` decode steps over the active slots in one device call; each slot
    feeds its own last token at its own position, so sequences of any lengths decode
    together, and a sequence admitted now joins the very next chunk. Attention reads only
-   the live span, the first `span_bucket(longest reach)` positions of each slot (64, 96,
-   128, 192, 256, ...; `live_span`), not all `kv_cache_size`: on a CPU a decode step's
-   attention is bound by reading the cache;
+   the live span, the first `span_bucket(longest reach)` positions of each slot (64, 128,
+   192, 256, 384, ...; `live_span`): the pool's first cache blocks (`llm.KVCache`), not
+   all `kv_cache_size` positions; on a CPU a decode step's attention is bound by reading
+   the cache;
 3. frees the slots of finished sequences at once (stop token, stop string or token budget),
    or parks them (below).
 
@@ -62,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from streamrl.model.llm import KVCache, forward, init_cache
+from streamrl.model.llm import KV_BLOCK, KVCache, forward, init_cache
 from streamrl.model.sampling import (
     GenRequest,
     GenResult,
@@ -109,9 +110,9 @@ def suffix_bucket(n: int) -> int:
 
 def span_bucket(n: int, pool_len: int) -> int:
     """The cache positions a decode call attends over when its rows need the first n:
-    64, 96, 128, 192, 256, ... (`half_pow2` from `SPAN_BUCKET`), rounded up to a multiple
-    of `POOL_ALIGN`, at most the pool's length."""
-    return min(pool_len, round_up(half_pow2(n, SPAN_BUCKET), POOL_ALIGN))
+    64, 128, 192, 256, 384, 512, 768, ... (`half_pow2` from `SPAN_BUCKET`, rounded up to
+    whole cache blocks), at most the pool's length."""
+    return min(pool_len, round_up(half_pow2(n, SPAN_BUCKET), KV_BLOCK))
 
 
 def pool_dtype(param_dtype: Any, backend: str | None = None) -> Any:
@@ -583,7 +584,9 @@ class Engine:
         stop_ids = jnp.asarray(self.cfg.stop_ids, jnp.int32).reshape(-1)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         k_slots = jnp.arange(span, dtype=jnp.int32)
-        view = jax.tree.map(lambda x: x[:n], pool)
+        # The live span's blocks of the first n rows: the rest of the pool is not touched.
+        live = pool.prefix(-(-span // KV_BLOCK))
+        view = jax.tree.map(lambda x: x[:n], live)
 
         def body(carry: tuple[Any, ...], i: jax.Array) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             cache, tok, length, done, count = carry
@@ -606,7 +609,8 @@ class Engine:
         (view, _, _, _, counts), (toks, lps, actives, hits) = jax.lax.scan(
             body, init, jnp.arange(chunk, dtype=jnp.int32)
         )
-        pool = self._constrain(jax.tree.map(lambda full, part: full.at[:n].set(part), pool, view))
+        live = jax.tree.map(lambda full, part: full.at[:n].set(part), live, view)
+        pool = self._constrain(pool.with_prefix(live))
         stopped = (hits & actives).any(axis=0)
         return pool, toks.T, lps.T, counts, stopped
 

@@ -18,16 +18,18 @@ parameters' dtype (the value torch's bfloat16 matmul gives; on a CPU with bfloat
 units XLA then takes them, several times faster than its bfloat16-output dot). Logits are
 computed and returned in float32.
 
-Decoding uses a `KVCache` of S slots per row. Each call writes its T new keys and values at
-per-row slots `write_pos[b, t]` and then attends over the first S' <= S slots (the mask's
-width) under the caller's mask, so every row of a batch (a continuous-batching pool of
-sequences) can sit at its own length while all shapes stay static under jit.
+Decoding uses a `KVCache` of S slots per row, kept in blocks of `KV_BLOCK`. Each call writes
+its T new keys and values at per-row slots `write_pos[b, t]` and then attends over the first
+S' <= S slots (the mask's width, whole blocks) under the caller's mask, so every row of a
+batch (a continuous-batching pool of sequences) can sit at its own length while all shapes
+stay static under jit.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from typing import Any, cast
 
 import flax.linen as nn
@@ -59,29 +61,63 @@ DType = Any
 _MASKED = float(np.finfo(np.float32).min)
 
 
+KV_BLOCK = 64  # cache positions per block (see `KVCache`)
+
+
 class KVCache(flax.struct.PyTreeNode):
-    """Keys and values of every layer: k[i] is [B, num_kv_heads, head_dim, S] and v[i] is
-    [B, num_kv_heads, S, head_dim].
+    """Keys and values of every layer, in blocks of `KV_BLOCK` positions (the last block of
+    a row may be shorter): k[i][j] is [B, num_kv_heads, head_dim, n_j] and v[i][j] is
+    [B, num_kv_heads, n_j, head_dim], positions sum(n_0..n_{j-1}) onwards.
 
     The layouts are the ones a decode step reads fastest: q @ k and p @ v then contract
     without transposing the cache (on XLA:CPU, the [B, S, H, D] layout made attention ten
-    times slower than the rest of a decode step at batch 64). Keys are stored after RoPE
-    (and Qwen3's k_norm), so a slot never needs re-rotating.
+    times slower than the rest of a decode step at batch 64). The blocks are arrays of
+    their own so that attending over the first positions of every row (a decode step's
+    live span) reads the first blocks as they lie: a slice of one [.., S] array is copied
+    out in full first, which cost more than attending over all S. Keys are stored after
+    RoPE (and Qwen3's k_norm), so a slot never needs re-rotating.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[tuple[jax.Array, ...], ...]
+    v: tuple[tuple[jax.Array, ...], ...]
+
+    @property
+    def length(self) -> int:
+        """Positions per row."""
+        return sum(block.shape[-1] for block in self.k[0])
+
+    def prefix(self, blocks: int) -> KVCache:
+        """The first `blocks` blocks of every layer (no copy)."""
+        return KVCache(
+            k=tuple(layer[:blocks] for layer in self.k), v=tuple(layer[:blocks] for layer in self.v)
+        )
+
+    def with_prefix(self, part: KVCache) -> KVCache:
+        """This cache with its first blocks replaced by `part`'s."""
+        n = len(part.k[0])
+        return KVCache(
+            k=tuple(p + full[n:] for p, full in zip(part.k, self.k, strict=True)),
+            v=tuple(p + full[n:] for p, full in zip(part.v, self.v, strict=True)),
+        )
+
+
+def block_sizes(length: int) -> list[int]:
+    """Positions of each block of a `length`-position cache row: KV_BLOCK each, the last
+    one shorter when length is not a multiple."""
+    sizes = [KV_BLOCK] * (length // KV_BLOCK)
+    return [*sizes, length % KV_BLOCK] if length % KV_BLOCK else sizes
 
 
 def init_cache(spec: ModelSpec, batch: int, length: int, dtype: DType = jnp.float32) -> KVCache:
-    """An all-zero cache of `length` slots for each of `batch` rows."""
+    """An all-zero cache of `length` positions for each of `batch` rows."""
     heads, dim = spec.num_key_value_heads, spec.head_dim
     layers = range(spec.num_hidden_layers)
-    # A buffer of its own for each layer: a program that donates the cache (updates it in
+    sizes = block_sizes(length)
+    # A buffer of its own for each block: a program that donates the cache (updates it in
     # place) cannot take one buffer twice.
     return KVCache(
-        k=tuple(jnp.zeros((batch, heads, dim, length), dtype) for _ in layers),
-        v=tuple(jnp.zeros((batch, heads, length, dim), dtype) for _ in layers),
+        k=tuple(tuple(jnp.zeros((batch, heads, dim, n), dtype) for n in sizes) for _ in layers),
+        v=tuple(tuple(jnp.zeros((batch, heads, n, dim), dtype) for n in sizes) for _ in layers),
     )
 
 
@@ -244,7 +280,7 @@ class Embed(nn.Module):
         return jnp.dot(x, self.embedding.T, preferred_element_type=jnp.float32)
 
 
-LayerKV = tuple[jax.Array, jax.Array]
+LayerKV = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # a layer's key and value blocks
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -263,34 +299,43 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return out.reshape(b, t, heads * dim)
 
 
-def _attend_cached(q: jax.Array, kt: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """`_attend` over a cache: q [B, T, Hq, D], kt [B, Hkv, D, S], v [B, Hkv, S, D].
+def _attend_cached(
+    q: jax.Array, kt: Sequence[jax.Array], v: Sequence[jax.Array], mask: jax.Array
+) -> jax.Array:
+    """`_attend` over cache blocks: q [B, T, Hq, D], kt[j] [B, Hkv, D, n_j], v[j]
+    [B, Hkv, n_j, D], mask [B, T, sum n_j].
 
-    One query (a decode step) attends by broadcast multiply-and-sum: XLA:CPU fuses each into
-    one pass over the cache, where a batched matmul of B x Hkv tiny [G, D] x [D, S] products
-    costs about twice as much. Several queries (prefill, T > 1) form one [T*G, D] matrix per
-    (batch, kv head) for a batched matmul.
+    Scores are computed block by block (a batched matmul of one [T*G, D] matrix per batch
+    row and kv head against the block) and joined for one softmax; the output sums each
+    block's share. (A broadcast multiply-and-sum, faster over one whole-cache array, made
+    XLA:CPU materialize the query's broadcast once for all blocks: 30x slower.)
     """
     b, t, heads, dim = q.shape
-    kv_heads = kt.shape[1]
+    kv_heads = kt[0].shape[1]
     g = heads // kv_heads
     grouped = q.reshape(b, t, kv_heads, g, dim).transpose(0, 2, 1, 3, 4)
     grouped = grouped.reshape(b, kv_heads, t * g, dim)
     rows_mask = jnp.repeat(mask, g, axis=1)[:, None]  # [B, 1, T*G, S]
-    if t == 1:
-        prod = grouped.astype(jnp.float32)[..., None] * kt.astype(jnp.float32)[:, :, None]
-        scores = prod.sum(axis=3)  # [B, Hkv, G, S]
-    else:
-        scores = jnp.einsum("bkqd,bkds->bkqs", grouped, kt, preferred_element_type=jnp.float32)
+    # [B, Hkv, T*G, n] per block, batched over (batch, kv head).
+    parts = [
+        jnp.einsum("bkqd,bkds->bkqs", grouped, block, preferred_element_type=jnp.float32)
+        for block in kt
+    ]
+    scores = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     scores = jnp.where(rows_mask, scores * dim**-0.5, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    if t == 1:
-        prod = probs.astype(jnp.float32)[..., None] * v.astype(jnp.float32)[:, :, None]
-        out = prod.sum(axis=3).astype(v.dtype)  # [B, Hkv, G, D]
-    else:
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
-        out = out.astype(v.dtype)  # [B, Hkv, T*G, D]
-    out = out.reshape(b, kv_heads, t, g, dim).transpose(0, 2, 1, 3, 4)
+    # Probabilities in the compute dtype, as `_attend` has them (the plain forward).
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = None
+    start = 0
+    for block in v:
+        n = block.shape[2]
+        p = probs[..., start : start + n]
+        start += n
+        # [B, Hkv, T*G, D] (T = 1: [B, Hkv, G, D]), batched over (batch, kv head).
+        part = jnp.einsum("bkqs,bksd->bkqd", p, block, preferred_element_type=jnp.float32)
+        out = part if out is None else out + part
+    assert out is not None
+    out = out.astype(q.dtype).reshape(b, kv_heads, t, g, dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, heads * dim)
 
 
@@ -305,12 +350,49 @@ def _to_cache(x: jax.Array, dtype: DType) -> jax.Array:
     return x.astype(dtype)
 
 
+def _write_blocks(
+    kv: LayerKV, k: jax.Array, v: jax.Array, write_pos: jax.Array, in_bounds: bool
+) -> LayerKV:
+    """Write k, v [B, T, Hkv, D] at positions write_pos [B, T] of a layer's cache blocks.
+
+    A position outside a block (or past the cache) writes nothing there. With `in_bounds`
+    and one token per row (a decode step), each block takes an in-place update of every
+    row at a position clamped into the block, of the new key/value where it lies there and
+    of what the block held otherwise: no bounds checks, no copy. Otherwise a scatter drops
+    the writes that fall outside each block.
+    """
+    b, t = write_pos.shape
+    rows = jnp.arange(b)[:, None]
+    new_k, new_v = [], []
+    start = 0
+    for kb, vb in zip(*kv, strict=True):
+        n = kb.shape[-1]
+        local = write_pos - start
+        inside = (local >= 0) & (local < n)
+        start += n
+        ck, cv = _to_cache(k, kb.dtype), _to_cache(v, vb.dtype)
+        if in_bounds and t == 1:
+            at = jnp.clip(local, 0, n - 1)
+            ck = jnp.where(inside[..., None, None], ck, kb[rows, :, :, at])
+            cv = jnp.where(inside[..., None, None], cv, vb[rows, :, at])
+            how: dict[str, Any] = {"mode": "promise_in_bounds", "unique_indices": True}
+        else:
+            at = jnp.where(inside, local, n)  # n: out of range, dropped
+            how = {"mode": "drop"}
+        # Index arrays on the batch and slot axes, slices between: the update's shape is
+        # [B, T, H, D] for both layouts.
+        new_k.append(kb.at[rows, :, :, at].set(ck, **how))
+        new_v.append(vb.at[rows, :, at].set(cv, **how))
+    return tuple(new_k), tuple(new_v)
+
+
 class Attention(nn.Module):
     """Self-attention; with a cache, new keys/values are scattered in before attending.
 
-    `in_bounds`: the caller promises every write position is inside the cache (and unique
-    per row), which lets XLA update the cache in place; otherwise writes at slots >= S are
-    dropped, at about four times the cost per decode step on a CPU.
+    `in_bounds`: the caller promises no two writes of a row share a slot, which lets a
+    decode step update the cache blocks in place (`_write_blocks`); otherwise each block
+    takes a scatter that drops the writes outside it, at about four times the cost per
+    decode step on a CPU. Writes at slots >= S are dropped either way.
     """
 
     spec: ModelSpec
@@ -346,23 +428,15 @@ class Attention(nn.Module):
             out = _attend(q, k, v, mask)
         else:
             assert write_pos is not None
-            rows = jnp.arange(b)[:, None]
-            # Index arrays on the batch and slot axes, slices between: the update's shape is
-            # [B, T, H, D] for both layouts. mode="drop": a write at slot >= S is discarded,
-            # a cheap way to park padding.
-            how: dict[str, Any] = (
-                {"mode": "promise_in_bounds", "unique_indices": True}
-                if self.in_bounds
-                else {"mode": "drop"}
-            )
-            k_all = kv[0].at[rows, :, :, write_pos].set(_to_cache(k, kv[0].dtype), **how)
-            v_all = kv[1].at[rows, :, write_pos].set(_to_cache(v, kv[1].dtype), **how)
-            new_kv = (k_all, v_all)
-            # A mask narrower than the cache attends over its first mask.shape[-1] slots
-            # only: a decode step reads no more of the cache than its rows hold.
-            span = mask.shape[-1]
-            k_read, v_read = k_all[..., :span], v_all[:, :, :span]
-            out = _attend_cached(q, k_read.astype(dt), v_read.astype(dt), mask)
+            new_kv = _write_blocks(kv, k, v, write_pos, self.in_bounds)
+            # A mask narrower than the cache attends over its first blocks only: a decode
+            # step reads no more of the cache than its rows hold.
+            span, read = mask.shape[-1], 0
+            while sum(blk.shape[-1] for blk in new_kv[0][:read]) < span:
+                read += 1
+            if sum(blk.shape[-1] for blk in new_kv[0][:read]) != span:
+                raise ValueError(f"attn_mask width {span} is not at a cache block boundary")
+            out = _attend_cached(q, new_kv[0][:read], new_kv[1][:read], mask)
         return Linear(s.hidden_size, s.o_proj_bias, dt, name="o_proj")(out), new_kv
 
 
@@ -523,12 +597,13 @@ def forward(
     Without a cache the T tokens attend among themselves under attn_mask [B, T, T] bool
     (default: causal). With a cache (S slots per row), each token's key and value are
     first written at slot write_pos[b, t] of row b ([B, T] int32; a slot >= S drops the
-    write, unless `in_bounds` promises there is none, and no two writes of a row share a
-    slot: then the cache is updated in place, much faster), then every query attends over
-    the first S' <= S slots under attn_mask [B, T, S'] bool, which is then required and
-    must admit the slots just written (S' < S: the live span of a decode step; the slots
-    past it are written but not read). Returns the updated cache, or None. Under jit pass
-    `spec` as a static argument; the cache keeps its own dtype.
+    write; `in_bounds` promises no two writes of a row share a slot, which lets a decode
+    step (T = 1) update each block in place, much faster), then every query attends over
+    the first S' <= S slots under attn_mask [B, T, S'] bool, which is then required, must
+    end at a cache block boundary (`block_sizes`) and must admit the slots just written
+    (S' < S: the live span of a decode step; the slots past it are written but not read).
+    Returns the updated cache, or None. Under jit pass `spec` as a static argument; the
+    cache keeps its own dtype.
     """
     b, t = tokens.shape
     kv: tuple[LayerKV, ...] | None = None

@@ -74,8 +74,8 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
-    """Pool k [slots, kv_heads, head_dim, S] and v [slots, kv_heads, S, head_dim]: slots
-    over data, heads over tensor."""
+    """Each pool block, k [slots, kv_heads, head_dim, n] and v [slots, kv_heads, n,
+    head_dim]: slots over data, heads over tensor."""
     return NamedSharding(mesh, PartitionSpec(DATA, TENSOR))
 
 
