@@ -25,10 +25,8 @@ if TYPE_CHECKING:
 
 def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
     # The model stack loads here: the stub policy needs no tokenizer and no checkpoint.
-    import jax.numpy as jnp
-
     from streamrl.hfchat import HFChat
-    from streamrl.model.checkpoint import load_checkpoint
+    from streamrl.model.checkpoint import load_checkpoint, policy_dtype
     from streamrl.model.engine import Engine, EngineConfig
     from streamrl.model.sampling import SamplingParams
     from streamrl.model.sharding import make_mesh
@@ -37,10 +35,9 @@ def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     ckpt = ensure_checkpoint(cfg)
     chat = HFChat.for_model(ckpt, cfg.model)
-    dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
     # The checkpoint gives the structure published weights decode into; the values the
     # engine serves come from the trainer (version 0 onwards).
-    spec, params = load_checkpoint(ckpt, dtype)
+    spec, params = load_checkpoint(ckpt, policy_dtype(cfg.model.dtype))
     engine_cfg = EngineConfig(
         num_slots=r.max_batch_size,
         kv_cache_size=r.kv_cache_size,

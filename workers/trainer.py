@@ -68,10 +68,8 @@ def stub_policy(ctx: WorkerContext) -> Policy:
 
 def transformer_policy(ctx: WorkerContext) -> Policy:
     """The JAX policy from its checkpoint (or warm start) and its jitted step."""
-    import jax.numpy as jnp
-
     from streamrl.hfchat import HFChat
-    from streamrl.model.checkpoint import load_checkpoint
+    from streamrl.model.checkpoint import load_checkpoint, policy_dtype
     from streamrl.model.spec import ModelSpec
     from streamrl.model.tiny import ensure_checkpoint
     from streamrl.trainer.step import init_state, make_optimizer, make_train_mesh, make_train_step
@@ -83,8 +81,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
     if cfg.model.init == "warmstart":
         spec, params = ModelSpec.from_dir(ckpt), warmstart_params(cfg, ctx.log.info)
     else:
-        dtype = jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
-        spec, params = load_checkpoint(ckpt, dtype)
+        spec, params = load_checkpoint(ckpt, policy_dtype(cfg.model.dtype))
     optimizer = make_optimizer(cfg.trainer)
     tcfg = cfg.trainer
     mesh = None

@@ -230,9 +230,9 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
 
 
 def _dtype(cfg: Config) -> Any:
-    import jax.numpy as jnp
+    from streamrl.model.checkpoint import policy_dtype
 
-    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+    return policy_dtype(cfg.model.dtype)
 
 
 def _trained_params(cfg: Config, state_dir: Path, base: Any) -> Any:

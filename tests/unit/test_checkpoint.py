@@ -366,3 +366,22 @@ def test_forward_with_cache_requires_mask() -> None:
     tokens = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(ValueError, match="write_pos"):
         forward(params, QWEN2, tokens, tokens, cache=init_cache(QWEN2, 1, 4))
+
+
+def test_the_policy_dtype_rule_is_stated_once() -> None:
+    """code review 86b402d ("Other literals repeated", 3): `model.dtype`'s JAX dtype was
+    spelled in workers/rollout.py, workers/trainer.py, evaluation.py and warmstart.py."""
+    import re
+
+    from streamrl.model import checkpoint
+
+    assert checkpoint.policy_dtype("bfloat16") == jnp.bfloat16
+    assert checkpoint.policy_dtype("float32") == jnp.float32
+    with pytest.raises(checkpoint.CheckpointError, match=r"model\.dtype 'float16'"):
+        checkpoint.policy_dtype("float16")
+    root = Path(__file__).parents[2]
+    sources = [*root.glob("packages/streamrl/**/*.py"), *root.glob("workers/*.py")]
+    rule = re.compile(r'jnp\.bfloat16 if .*"bfloat16"|"bfloat16": jnp\.bfloat16')
+    assert [p.relative_to(root) for p in sources if rule.search(p.read_text())] == [
+        Path("packages/streamrl/model/checkpoint.py")
+    ]

@@ -59,6 +59,17 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded or written; the message names why."""
 
 
+# `model.dtype` (config) -> the JAX dtype of the policy's params and compute.
+_POLICY_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def policy_dtype(name: str) -> Any:
+    """The JAX dtype a `model.dtype` of `name` loads and runs the policy in."""
+    if name not in _POLICY_DTYPES:
+        raise CheckpointError(f"model.dtype {name!r}: expected one of {', '.join(_POLICY_DTYPES)}")
+    return _POLICY_DTYPES[name]
+
+
 @dataclass(frozen=True)
 class _Slot:
     """Where an HF tensor goes: the parameter path, the HF shape, and whether to transpose."""

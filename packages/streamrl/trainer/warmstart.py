@@ -35,7 +35,12 @@ import optax
 from streamrl.chat import Transcript
 from streamrl.config import Config
 from streamrl.hfchat import HFChat
-from streamrl.model.checkpoint import CheckpointError, export_checkpoint, load_checkpoint
+from streamrl.model.checkpoint import (
+    CheckpointError,
+    export_checkpoint,
+    load_checkpoint,
+    policy_dtype,
+)
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import builtin_key, cache_root, ensure_checkpoint
@@ -59,7 +64,6 @@ _LOG_EVERY = 100  # steps between progress events
 _WARMUP_FRACTION = 0.05
 _FINAL_LR_FRACTION = 0.1
 _MAX_GRAD_NORM = 1.0
-_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 Log = Callable[..., Any]  # e.g. a structlog logger's `info`: log(event, **fields)
 
@@ -221,7 +225,7 @@ def warmstart_params(cfg: Config, log: Log | None = None) -> Params:
     trains while the others wait and then read its result.
     """
     ckpt = ensure_checkpoint(cfg)
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = policy_dtype(cfg.model.dtype)
     path = cache_path(cfg, ckpt)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
