@@ -241,13 +241,13 @@ def main() -> None:
         if "decode" in rows:
             print_decode(spec, params, Path(tmp), args, bound)
         if "bf16" in rows:
-            print_bf16(Path(tmp), args)
+            print_bf16(spec, params, Path(tmp), args)
 
 
-def print_bf16(ckpt: Path, args: argparse.Namespace) -> None:
+def print_bf16(spec: ModelSpec, params: object, ckpt: Path, args: argparse.Namespace) -> None:
     """The same checkpoint served in bfloat16 by both (model.dtype = "bfloat16"), against
-    the float32 engine: both stacks then run their matmuls on the CPU's bfloat16 units."""
-    spec, params = load_checkpoint(ckpt)
+    the float32 engine (`params`): both stacks then run their matmuls on the CPU's bfloat16
+    units."""
     _, params16 = load_checkpoint(ckpt, dtype=jnp.bfloat16)
     print("bfloat16: engine and transformers' batched generate both in bfloat16")
     print(f"{'C':>3} {'engine bf16':>11} {'hf bf16':>7} {'x hf bf16':>9} {'engine f32':>10} "

@@ -27,6 +27,7 @@ stay static under jit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Sequence
@@ -431,11 +432,11 @@ class Attention(nn.Module):
             new_kv = _write_blocks(kv, k, v, write_pos, self.in_bounds)
             # A mask narrower than the cache attends over its first blocks only: a decode
             # step reads no more of the cache than its rows hold.
-            span, read = mask.shape[-1], 0
-            while sum(blk.shape[-1] for blk in new_kv[0][:read]) < span:
-                read += 1
-            if sum(blk.shape[-1] for blk in new_kv[0][:read]) != span:
+            span = mask.shape[-1]
+            ends = list(itertools.accumulate(blk.shape[-1] for blk in new_kv[0]))
+            if span not in ends:
                 raise ValueError(f"attn_mask width {span} is not at a cache block boundary")
+            read = ends.index(span) + 1
             out = _attend_cached(q, new_kv[0][:read], new_kv[1][:read], mask)
         return Linear(s.hidden_size, s.o_proj_bias, dt, name="o_proj")(out), new_kv
 
