@@ -19,6 +19,7 @@ import threading
 import redis
 import structlog
 
+from streamrl import counters
 from streamrl.config import Config
 from streamrl.liveness import Liveness
 from streamrl.metrics import queue_depth, queue_lag
@@ -78,7 +79,7 @@ class Feeder:
             pipe = self.client.pipeline(transaction=True)
             publish(pipe, self.keys.tasks, task)
             pipe.set(self.keys.feeder_cursor, cursor + i + 1)
-            pipe.hincrby(self.keys.stats, "tasks", 1)
+            pipe.hincrby(self.keys.stats, counters.TASKS, 1)
             pipe.execute()
         return room
 

@@ -41,6 +41,7 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl import counters as c
 from streamrl import evalrun, rundir
 from streamrl.acl import private_dir, worker_role
 from streamrl.config import MAX_BACKOFF_S, Config
@@ -603,11 +604,11 @@ class Launcher:
             if p.name == "grouper"
         )
         line = (
-            f"[{now - self.started:6.1f}s] step {s.get('trainer_steps', 0)}"
-            f"/{self.steps or '-'} | policy v{s.get('policy_version', 0)} | "
+            f"[{now - self.started:6.1f}s] step {s.get(c.TRAINER_STEPS, 0)}"
+            f"/{self.steps or '-'} | policy v{s.get(c.POLICY_VERSION, 0)} | "
             f"{rate:5.1f} groups/min | reward {reward:.3f} | "
-            f"traj {s.get('trajectories', 0)} | tool calls {s.get('tool_calls', 0)} | "
-            f"dropped {s.get('groups_dropped', 0)} | dead {dead}"
+            f"traj {s.get(c.TRAJECTORIES, 0)} | tool calls {s.get(c.TOOL_CALLS, 0)} | "
+            f"dropped {s.get(c.GROUPS_DROPPED, 0)} | dead {dead}"
         )
         if self.evaluator is not None:
             r = evalrun.latest_result(evalrun.eval_dir(self.run_dir))
@@ -636,19 +637,19 @@ class Launcher:
             "exit_reason": reason,
             "elapsed_s": round(time.monotonic() - self.started, 2),  # this invocation's
             "redis_available": available,
-            "trainer_steps": s.get("trainer_steps", 0),
-            "policy_version": s.get("policy_version", 0),
-            "trajectories": s.get("trajectories", 0),
-            "groups": s.get("groups", 0),
-            "groups_trained": s.get("groups_trained", 0),
-            "groups_dropped": s.get("groups_dropped", 0),
-            "trajectories_dropped": s.get("trajectories_dropped", 0),
+            "trainer_steps": s.get(c.TRAINER_STEPS, 0),
+            "policy_version": s.get(c.POLICY_VERSION, 0),
+            "trajectories": s.get(c.TRAJECTORIES, 0),
+            "groups": s.get(c.GROUPS, 0),
+            "groups_trained": s.get(c.GROUPS_TRAINED, 0),
+            "groups_dropped": s.get(c.GROUPS_DROPPED, 0),
+            "trajectories_dropped": s.get(c.TRAJECTORIES_DROPPED, 0),
             "dead_letters": dead,  # waiting in the dead-letter stream now
-            "tool_calls": s.get("tool_calls", 0),
-            "tool_errors": s.get("tool_errors", 0),
-            "tool_infra_errors": s.get("tool_infra_errors", 0),
-            "episodes": {st: s.get(f"episodes_{st}", 0) for st in get_args(Status)},
-            "max_trajectory_policy_version": s.get("max_trajectory_policy_version", -1),
+            "tool_calls": s.get(c.TOOL_CALLS, 0),
+            "tool_errors": s.get(c.TOOL_ERRORS, 0),
+            "tool_infra_errors": s.get(c.TOOL_INFRA_ERRORS, 0),
+            "episodes": {st: s.get(c.episodes(st), 0) for st in get_args(Status)},
+            "max_trajectory_policy_version": s.get(c.MAX_TRAJECTORY_POLICY_VERSION, -1),
             "mean_reward_first": sum(rewards[:k]) / k if rewards else None,
             "mean_reward_last": sum(rewards[-k:]) / k if rewards else None,
             "rewards_per_step": rewards,

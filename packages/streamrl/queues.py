@@ -18,21 +18,12 @@ from typing import Any
 
 import redis
 
+from streamrl import counters
 from streamrl.names import Keys
 from streamrl.transport import as_str
 from streamrl.wire import DeadLetter, WireError, decode
 
 LAG_COUNT_CAP = 100_000  # entries counted at most when Redis does not report the lag
-
-# Stats counters of the group policies (grouper timeout, rollout backpressure), shown in
-# the table when present (the JSON holds every counter under `stats`).
-POLICY_COUNTERS = (
-    "groups_timed_out",
-    "groups_dropped",
-    "groups_rerun",
-    "groups_released",
-    "backpressure_pauses",
-)
 
 
 @dataclass
@@ -205,7 +196,7 @@ def format_report(r: QueueReport) -> str:
     dead = ", ".join(f"{k}: {v}" for k, v in sorted(r.dead_by_source.items())) or "none"
     lines.append(f"dead letters: {dead}")
     lines.append(f"half-filled groups: {r.partial_groups} (oldest {age(r.oldest_partial_group_s)})")
-    counters = [f"{k} {r.stats[k]}" for k in POLICY_COUNTERS if k in r.stats]
-    if counters:
-        lines.append("group policies: " + ", ".join(counters))
+    policy = [f"{k} {r.stats[k]}" for k in counters.POLICY_COUNTERS if k in r.stats]
+    if policy:
+        lines.append("group policies: " + ", ".join(policy))
     return "\n".join(lines)

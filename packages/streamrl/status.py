@@ -36,7 +36,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from streamrl import evalrun
+from streamrl import counters, evalrun
 from streamrl import metrics as m
 from streamrl.metrics import decode_sample
 from streamrl.names import Keys
@@ -280,8 +280,8 @@ def _pipeline_table(snap: Snapshot) -> Table:
             f"{_fmt(average(rollouts, m.TOOL_TIMEOUT_RATE), '.1%')}",
         ),
         ("held-out solve rate", _heldout(snap.heldout)),
-        ("trainer steps (run)", snap.stats.get("trainer_steps", "-")),
-        ("groups (run)", snap.stats.get("groups", "-")),
+        ("trainer steps (run)", snap.stats.get(counters.TRAINER_STEPS, "-")),
+        ("groups (run)", snap.stats.get(counters.GROUPS, "-")),
     ]
     t = Table(title="pipeline", title_justify="left", show_header=False)
     t.add_column("figure")

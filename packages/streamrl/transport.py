@@ -27,6 +27,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from streamrl import counters
 from streamrl.config import TransportConfig
 from streamrl.names import Keys
 from streamrl.wire import DeadLetter, Message, WireError, decode, encode, raw_fields
@@ -314,17 +315,11 @@ class RedisStreamConsumer(Generic[M]):
         self.log.error("dead_letter", entry_id=entry_id, reason=reason, deliveries=deliveries)
 
 
-DEAD_LETTERS = "dead_letters"  # stats counter: entries moved to the dead letters
-# stats counter: groups the trainer took without training them (dead-lettered or dropped
-# as stale): no longer waiting for it, like the trained ones (`groups_trained`)
-GROUPS_SET_ASIDE = "groups_set_aside"
-
-
 def stage_dead_letter(pipe: Pipeline, keys: Keys, letter: DeadLetter) -> None:
     """Queue on `pipe` what every dead letter writes: the letter in `<run>:dead` and the
     count. Acknowledging its entry is the caller's part (at once, or with a checkpoint)."""
     publish(pipe, keys.dead, letter)
-    pipe.hincrby(keys.stats, DEAD_LETTERS, 1)
+    pipe.hincrby(keys.stats, counters.DEAD_LETTERS, 1)
 
 
 def entry_id_key(entry_id: str) -> tuple[int, int]:

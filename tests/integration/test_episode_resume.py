@@ -24,8 +24,8 @@ import structlog
 
 from streamrl import failpoints
 from streamrl.config import load_config
+from streamrl.counters import EPISODES_RESUMED, EPISODES_RESUMED_SAVED_S
 from streamrl.names import Keys
-from streamrl.rollout.worker import EPISODES_RESUMED, RESUMED_SAVED_S
 from streamrl.tasks.registry import make_task
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.stub import stub_state
@@ -135,7 +135,7 @@ def test_episodes_resume_on_the_worker_that_claims_their_task(
     stats = {k.decode(): v.decode() for k, v in raw.items()}
     assert int(stats[EPISODES_RESUMED]) == len(saved)
     saved_s = sum(s.model_s + s.env_s for s in saved.values())
-    assert float(stats[RESUMED_SAVED_S]) == pytest.approx(saved_s, rel=1e-3)
+    assert float(stats[EPISODES_RESUMED_SAVED_S]) == pytest.approx(saved_s, rel=1e-3)
     assert saved_s > 0
 
     # (b) No completed turn is played again.

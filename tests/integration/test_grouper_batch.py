@@ -11,6 +11,7 @@ from redis.connection import Connection
 
 from streamrl.config import Config
 from streamrl.grouper import Grouper, Outcome
+from streamrl.grouper.scoring import OutcomeKind
 from streamrl.names import Keys
 from streamrl.transport import publish
 from streamrl.wire import Trajectory
@@ -107,7 +108,7 @@ def spread(group: int, member: int, version: int = TRAINER_VERSION) -> Trajector
 
 
 # Each scenario: the trajectories of one batch, in order, with the outcome each must get.
-MIXED = [
+MIXED: list[tuple[Trajectory, OutcomeKind]] = [
     # two groups interleaved, each completed inside the batch
     (spread(1, 0), "partial"),
     (spread(2, 0), "partial"),
@@ -166,7 +167,7 @@ def test_batch_matches_one_delivery_at_a_time(
     rclient: redis.Redis,
     redis_url: str,
     keys: Keys,
-    scenario: list[tuple[Trajectory, str]],
+    scenario: list[tuple[Trajectory, OutcomeKind]],
     cfg: Config,
 ) -> None:
     """The same trajectories in two runs: one step for the whole batch, and handle() for

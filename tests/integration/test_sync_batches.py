@@ -10,10 +10,11 @@ import structlog
 from structlog.testing import capture_logs
 
 from streamrl.config import parse_config
+from streamrl.counters import GROUPS_SET_ASIDE
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.rollout.worker import SyncBatches
-from streamrl.transport import GROUPS_SET_ASIDE, Delivery, publish
+from streamrl.transport import Delivery, publish
 from streamrl.wire import Task, Trajectory, pack_arrays
 
 CFG = parse_config(

@@ -20,11 +20,11 @@ import structlog
 
 from streamrl import checkpoints as ckpts
 from streamrl.config import load_config
+from streamrl.counters import GROUPS_SET_ASIDE, TRAINER_ROWS_MASKED
 from streamrl.launcher import Launcher, worker_command
 from streamrl.names import Keys
 from streamrl.runtime import make_context
-from streamrl.trainer.loop import ROWS_MASKED
-from streamrl.transport import GROUPS_SET_ASIDE, publish
+from streamrl.transport import publish
 from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
 from streamrl_workers.workerproc import wait_for_queues
 from tests.helpers import NO_EVALUATOR, REPO, TINY
@@ -107,7 +107,7 @@ def test_a_bad_group_is_dead_lettered_and_the_run_goes_on(
     assert "NaN" in letters[0][1] and "positive" in letters[1][1]
     assert rclient.hget(keys.stats, "dead_letters") == b"2"
     assert rclient.hget(keys.stats, GROUPS_SET_ASIDE) == b"2"  # no longer waiting: flow control
-    assert rclient.hget(keys.stats, ROWS_MASKED) == b"1"  # g2's all-zero row
+    assert rclient.hget(keys.stats, TRAINER_ROWS_MASKED) == b"1"  # g2's all-zero row
     # Everything consumed is acknowledged with a checkpoint: nothing left pending.
     pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
     assert pending["pending"] == 0

@@ -20,12 +20,11 @@ import structlog
 
 from streamrl import checkpoints as ckpts
 from streamrl.config import Config, parse_config
+from streamrl.counters import GROUPS_SET_ASIDE, TRAINER_GROUPS_STALE, TRAINER_NONFINITE_STEPS
 from streamrl.launcher import step_metrics
 from streamrl.names import Keys
 from streamrl.queues import replay_dead
 from streamrl.trainer.loop import (
-    GROUPS_STALE,
-    NONFINITE_STEPS,
     CheckpointHook,
     NonFiniteStepsError,
     PublishHook,
@@ -34,7 +33,7 @@ from streamrl.trainer.loop import (
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState
 from streamrl.trainer.stub import stub_state
-from streamrl.transport import GROUPS_SET_ASIDE, publish
+from streamrl.transport import publish
 from streamrl.weightsync import DirChannel
 from streamrl.wire import DeadLetter, Group, TrainMetrics, Trajectory, decode, pack_arrays
 
@@ -156,7 +155,7 @@ def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
     # The failed steps' groups are dead-lettered, counted; g0's was acknowledged with
     # checkpoint 1, the last three wait for the next checkpoint.
     assert dead_groups(rclient, keys) == ["g0", "g2", "g3", "g4"]
-    assert rclient.hget(keys.stats, NONFINITE_STEPS) == b"4"
+    assert rclient.hget(keys.stats, TRAINER_NONFINITE_STEPS) == b"4"
     meta = ckpts.verify(root / "step_00000001").meta()
     assert meta["lineage"] == [[1, ["g1"]]] and meta["set_aside"] == [[1, [entries[0]]]]
     pending: Any = rclient.xpending(keys.groups, keys.CG_TRAINER)
@@ -186,7 +185,7 @@ def test_a_group_too_stale_when_taken_is_dropped_not_trained(
     meta = ckpts.verify(root / "step_00000002").meta()
     assert meta["lineage"] == [[1, ["g0"]], [2, ["g2"]]]
     assert meta["set_aside"] == [[2, [stale]]]  # taken at version 6: dropped, counted
-    assert rclient.hget(keys.stats, GROUPS_STALE) == b"1"
+    assert rclient.hget(keys.stats, TRAINER_GROUPS_STALE) == b"1"
     assert rclient.hget(keys.stats, GROUPS_SET_ASIDE) == b"1"
     assert rclient.hget(keys.stats, "groups_dropped") == b"1"
     assert rclient.sismember(keys.groups_dropped, "g1")

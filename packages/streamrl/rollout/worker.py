@@ -48,6 +48,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from streamrl import counters
 from streamrl.config import Config
 from streamrl.failpoints import EPISODE_SAVED, afailpoint
 from streamrl.liveness import Liveness
@@ -68,19 +69,9 @@ from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
 from streamrl.tracing import Span, Tracer
-from streamrl.transport import (
-    GROUPS_SET_ASIDE,
-    Delivery,
-    RedisStreamConsumer,
-    as_str,
-    is_cluster,
-)
+from streamrl.transport import Delivery, RedisStreamConsumer, as_str, is_cluster
 from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_state, encode_state
 
-BACKPRESSURE_PAUSES = "backpressure_pauses"  # stats counter: times rollout entered a pause
-EPISODES_RESUMED = "episodes_resumed"  # stats counter: episodes resumed from a turn boundary
-RESUMED_SAVED_S = "episodes_resumed_saved_s"  # stats: their sampling and tool time not redone
-GROUPS_STALE = "trainer_groups_stale"  # stats: groups the trainer dropped as stale (its own)
 LOG_ROWS = 32  # trajectories per `trajectories_committed` log line (a line stays ~6 KB)
 # A read that brought tasks within this long did not wait for input (a round trip); one
 # that took longer, or brought none, is a `rollout.input_wait` span.
@@ -114,7 +105,9 @@ class Backpressure:
         pipe = self.aclient.pipeline(transaction=False)
         pipe.hlen(self.keys.groups_started)
         pipe.get(self.keys.groups_waiting)
-        pipe.hmget(self.keys.stats, ["groups", "groups_trained", GROUPS_SET_ASIDE])
+        pipe.hmget(
+            self.keys.stats, [counters.GROUPS, counters.GROUPS_TRAINED, counters.GROUPS_SET_ASIDE]
+        )
         partial, waiting, counted = await pipe.execute()
         if waiting is None:  # no grouper has counted lately: the counters, roughly
             waiting = int(counted[0] or 0) - int(counted[1] or 0) - int(counted[2] or 0)
@@ -132,7 +125,7 @@ class Backpressure:
         why = await self.reason(ending)
         if why is not None and self.paused_since is None:
             self.paused_since = time.monotonic()
-            await self.aclient.hincrby(self.keys.stats, BACKPRESSURE_PAUSES, 1)
+            await self.aclient.hincrby(self.keys.stats, counters.BACKPRESSURE_PAUSES, 1)
             self.log.info("backpressure_paused", reason=why)
         elif why is None and self.paused_since is not None:
             paused_s = time.monotonic() - self.paused_since
@@ -176,7 +169,8 @@ class SyncBatches:
     async def _dropped(self) -> int:
         """Groups dropped or dead-lettered in the run so far (stats)."""
         raw: Any = await self.aclient.hmget(
-            self.keys.stats, ["groups_dropped", GROUPS_SET_ASIDE, GROUPS_STALE]
+            self.keys.stats,
+            [counters.GROUPS_DROPPED, counters.GROUPS_SET_ASIDE, counters.TRAINER_GROUPS_STALE],
         )
         dropped, aside, stale = (int(v or 0) for v in raw)
         return dropped + aside - stale
@@ -553,28 +547,31 @@ class RolloutWorker:
         acks = [d.entry_id for d in acked]
         resumed = [t for _, t, _ in batch if "resumed_turn" in t.timings]
         statuses = Counter(t.status for _, t, _ in batch)
-        # The feeder's backlog counts its own tasks done; a re-run task is not one of them.
-        done = Counter("tasks_done" if d.msg.members is None else "rerun_tasks_done" for d in acked)
+        # Tasks done: the feeder's own, and re-runs of a timed-out group's missing members.
+        done = Counter(
+            counters.TASKS_DONE if d.msg.members is None else counters.RERUN_TASKS_DONE
+            for d in acked
+        )
 
-        def counters(p: Any) -> None:
+        def count(p: Any) -> None:
             if batch:
-                p.hincrby(stats, "trajectories", len(batch))
+                p.hincrby(stats, counters.TRAJECTORIES, len(batch))
             for status, k in statuses.items():
-                p.hincrby(stats, f"episodes_{status}", k)
+                p.hincrby(stats, counters.episodes(status), k)
             for field, k in done.items():
                 p.hincrby(stats, field, k)
             if resumed:
-                p.hincrby(stats, EPISODES_RESUMED, len(resumed))
+                p.hincrby(stats, counters.EPISODES_RESUMED, len(resumed))
                 saved_s = sum(t.timings["saved_s"] for t in resumed)
-                p.hincrbyfloat(stats, RESUMED_SAVED_S, round(saved_s, 6))
+                p.hincrbyfloat(stats, counters.EPISODES_RESUMED_SAVED_S, round(saved_s, 6))
             if self._resuming:
                 self._stage_episode_states(p, states, batch, acked)
 
         outputs = [(self.keys.trajectories, t) for _, t, _ in batch]
         if self._on_cluster:
-            await self.threads.redis_call(self.input.commit, acks, outputs, counters)
+            await self.threads.redis_call(self.input.commit, acks, outputs, count)
         else:
-            await self.input.acommit(self.aclient, acks, outputs, counters)
+            await self.input.acommit(self.aclient, acks, outputs, count)
         for entry_id in acks:
             self._tasks.pop(entry_id, None)  # a bare ack's task was never running
         if states:

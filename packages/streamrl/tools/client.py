@@ -33,6 +33,7 @@ import structlog
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from streamrl import counters
 from streamrl.config import ToolsConfig
 from streamrl.metrics import TOOL_ERROR, TOOL_LATENCY_S, TOOL_TIMEOUT, Metrics
 from streamrl.names import Keys
@@ -97,11 +98,11 @@ class ToolClient:
         self.tracer.span(track, Span.TOOL_WAIT, start_ns, time.time_ns())
         self._count(result, time.monotonic() - start)
         pipe = self.aclient.pipeline(transaction=False)
-        pipe.hincrby(self.keys.stats, "tool_calls", 1)
+        pipe.hincrby(self.keys.stats, counters.TOOL_CALLS, 1)
         if not result.ok:
-            pipe.hincrby(self.keys.stats, "tool_errors", 1)
+            pipe.hincrby(self.keys.stats, counters.TOOL_ERRORS, 1)
         if result.infra:
-            pipe.hincrby(self.keys.stats, "tool_infra_errors", 1)
+            pipe.hincrby(self.keys.stats, counters.TOOL_INFRA_ERRORS, 1)
         await pipe.execute()
         return result
 

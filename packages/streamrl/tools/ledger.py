@@ -35,15 +35,15 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from streamrl import counters
 from streamrl.names import Keys
 from streamrl.wire import ToolResult, decode_body, encode_body
 
-HIT_COUNTER = "tool_ledger_hits"
 POLL_S = 0.05  # how often a waiting execution looks for the holder's record
 
 # KEYS: ledger hash, claim key, stats hash. ARGV: ledger key, claim token, claim TTL (ms),
-# hit counter. -> {1, record} (recorded: a hit, counted), {2, ''} (claimed: run it),
-# {0, ''} (claimed by another execution).
+# hit counter (counters.TOOL_LEDGER_HITS). -> {1, record} (recorded: a hit, counted),
+# {2, ''} (claimed: run it), {0, ''} (claimed by another execution).
 # One script, so no execution can record between our look at the hash and our claim.
 _CLAIM = """
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
@@ -128,7 +128,7 @@ class _Ledger:
 
     def _claim_args(self, key: str, token: str) -> tuple[list[str], list[str | int]]:
         keys = [self.keys.tool_ledger, self.keys.tool_ledger_claim(key), self.keys.stats]
-        return keys, [key, token, max(1, round(self.claim_ttl_s * 1000)), HIT_COUNTER]
+        return keys, [key, token, max(1, round(self.claim_ttl_s * 1000)), counters.TOOL_LEDGER_HITS]
 
     def _finish_args(
         self, key: str, token: str, body: bytes

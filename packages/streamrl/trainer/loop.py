@@ -44,7 +44,7 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
-from streamrl import evalrun
+from streamrl import counters, evalrun
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
@@ -59,23 +59,10 @@ from streamrl.tracing import GROUP_FLOW, Span, Tracer, flow_id
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState, build_batch
-from streamrl.transport import (
-    GROUPS_SET_ASIDE,
-    Delivery,
-    RedisStreamConsumer,
-    publish,
-    stage_dead_letter,
-)
+from streamrl.transport import Delivery, RedisStreamConsumer, publish, stage_dead_letter
 from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
 
 TRAINER_CONSUMER = "trainer"
-
-# Stats counters of what the trainer sets aside (its dead letters count under the
-# transport's DEAD_LETTERS, its drops under the grouper's GROUPS_DROPPED too).
-ROWS_MASKED = "trainer_rows_masked"  # rows trained without their (missing) rollout log-probs
-GROUPS_STALE = "trainer_groups_stale"  # groups too far off policy when the trainer took them
-NONFINITE_STEPS = "trainer_nonfinite_steps"  # steps skipped: loss or gradient norm not finite
-GROUPS_DROPPED = "groups_dropped"
 
 # The loss's behaviour-policy metrics that go into TrainMetrics (`streamrl.rl.losses`).
 MISMATCH_METRICS = ("mismatch_logp_abs", "mismatch_kl", "mismatch_kl_seq", "correction_fraction")
@@ -243,7 +230,7 @@ class TrainerLoop:
         checkpoint (a crash before it delivers them again, and sets them aside again)."""
         step = self.step + 1
         pipe = self.client.pipeline(transaction=True)
-        pipe.hincrby(self.keys.stats, GROUPS_SET_ASIDE, len(groups))
+        pipe.hincrby(self.keys.stats, counters.GROUPS_SET_ASIDE, len(groups))
         for d in groups:
             if dead:
                 letter = DeadLetter(
@@ -257,8 +244,8 @@ class TrainerLoop:
                 stage_dead_letter(pipe, self.keys, letter)
             else:
                 pipe.sadd(self.keys.groups_dropped, d.msg.group_id)
-                pipe.hincrby(self.keys.stats, GROUPS_DROPPED, 1)
-                pipe.hincrby(self.keys.stats, GROUPS_STALE, 1)
+                pipe.hincrby(self.keys.stats, counters.GROUPS_DROPPED, 1)
+                pipe.hincrby(self.keys.stats, counters.TRAINER_GROUPS_STALE, 1)
         pipe.execute()
         for d in groups:
             self.aside[d.entry_id] = step
@@ -280,7 +267,7 @@ class TrainerLoop:
             rewards += [t.reward for t in d.msg.members]
             min_versions += [t.min_version for t in d.msg.members]
         if masked:
-            self.client.hincrby(self.keys.stats, ROWS_MASKED, masked)
+            self.client.hincrby(self.keys.stats, counters.TRAINER_ROWS_MASKED, masked)
             self.log.warning("rows_masked", rows=masked, reason="rollout log-probs all 0.0")
         row_multiple = int(getattr(self.train_step, "row_multiple", 1))
         return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
@@ -373,7 +360,7 @@ class TrainerLoop:
         ids = [] if groups is None else [d.msg.group_id for d in groups]
         self.nonfinite.append(ids)
         if groups is not None:
-            self.client.hincrby(self.keys.stats, NONFINITE_STEPS, 1)
+            self.client.hincrby(self.keys.stats, counters.TRAINER_NONFINITE_STEPS, 1)
             self._set_aside(groups, reason, dead=True)
             self.log.error("train_step_skipped", step=step, reason=reason, group_ids=ids)
         if len(self.nonfinite) >= limit:
@@ -386,9 +373,9 @@ class TrainerLoop:
     def record(self, metrics: TrainMetrics) -> None:
         pipe = self.client.pipeline(transaction=True)
         publish(pipe, self.keys.metrics, metrics)
-        pipe.hset(self.keys.stats, "trainer_steps", metrics.step)
+        pipe.hset(self.keys.stats, counters.TRAINER_STEPS, metrics.step)
         self.groups_trained += metrics.num_groups
-        pipe.hset(self.keys.stats, "groups_trained", self.groups_trained)
+        pipe.hset(self.keys.stats, counters.GROUPS_TRAINED, self.groups_trained)
         pipe.execute()
         self.log.info(
             "train_step",

@@ -19,6 +19,7 @@ from typing import Any
 import redis
 import structlog
 
+from streamrl import counters
 from streamrl.failpoints import WEIGHTS_PUBLISH, failpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import lora_info, params_to_pieces
@@ -71,7 +72,7 @@ class WeightPublisher:
         pipe = self.client.pipeline(transaction=True)
         publish(pipe, self.keys.weights, msg)
         pipe.set(self.keys.policy_version, version)
-        pipe.hset(self.keys.stats, "policy_version", version)
+        pipe.hset(self.keys.stats, counters.POLICY_VERSION, version)
         entry_id = as_str(pipe.execute()[0])
         if lora is None:
             self.base_version = version
