@@ -144,3 +144,29 @@ def committed_trajectories(log: Path) -> list[dict[str, Any]]:
         if event.get("event") == "trajectories_committed":
             out.extend({**t, "timestamp": event.get("timestamp")} for t in event["trajectories"])
     return out
+
+
+def devices_env(devices: int) -> dict[str, str]:
+    """This environment with `devices` forced host CPU devices (JAX reads the flag once, at
+    start: a mesh test runs its script in a process of its own)."""
+    return {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+
+
+def run_on_devices(script: str, devices: int, *args: str, timeout_s: float = 600) -> Any:
+    """Run `script` (python -c, from the repo root, with `args`) on `devices` forced host
+    devices; the JSON of its last stdout line. Its stderr's tail when it fails."""
+    r = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=REPO,
+        env=devices_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

@@ -337,15 +337,7 @@ class Launcher:
     # -- workers ---------------------------------------------------------------------------
 
     def _plan(self) -> list[tuple[str, int]]:
-        c = self.cfg
-        plan = [("tools", i) for i in range(c.tools.num_workers)]
-        plan += [("grouper", i) for i in range(c.grouper.num_workers)]
-        if c.run.colocated:  # rollout and training in one process, alternating
-            plan += [("colocated", 0)]
-        else:
-            plan += [("trainer", i) for i in range(c.trainer.num_processes)]
-            plan += [("rollout", i) for i in range(c.rollout.num_workers)]
-        return [*plan, ("feeder", 0)]
+        return plan(self.cfg)
 
     def _spawn_all(self) -> None:
         # Each worker writes its JSON log itself, rolling over by size (streamrl.logs).
@@ -666,6 +658,19 @@ class Launcher:
         path.write_text(json.dumps(summary, indent=2) + "\n")
         shown = {k: summary[k] for k in SUMMARY_SHOWN}
         print(f"\n{reason}; summary in {path}\n{json.dumps(shown)}", file=self.out, flush=True)
+
+
+def plan(cfg: Config) -> list[tuple[str, int]]:
+    """The workers `streamrl up` runs for `cfg`, (name, index) in launch order: tools,
+    grouper, trainer or colocated, rollout, feeder."""
+    out = [("tools", i) for i in range(cfg.tools.num_workers)]
+    out += [("grouper", i) for i in range(cfg.grouper.num_workers)]
+    if cfg.run.colocated:  # rollout and training in one process, alternating
+        out += [("colocated", 0)]
+    else:
+        out += [("trainer", i) for i in range(cfg.trainer.num_processes)]
+        out += [("rollout", i) for i in range(cfg.rollout.num_workers)]
+    return [*out, ("feeder", 0)]
 
 
 def step_metrics(

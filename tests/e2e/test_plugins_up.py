@@ -47,7 +47,7 @@ def test_example_task_trains_with_its_own_tool(tmp_path: Path, warm_cache: str) 
     assert s["trainer_steps"] == 2 and s["groups"] >= 8
     assert s["tool_calls"] > 0  # convert calls answered by the tool workers
     assert s["dead_letters"] == 0
-    assert_nothing_left(s)
+    assert_nothing_left(s, config=EXAMPLE)
     logs = run_dir / "logs"
     for name in ("tools-0", "tools-1"):
         assert "convert" in events(logs / f"{name}.log", "tools_start")[0]["tools"]

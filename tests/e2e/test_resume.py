@@ -154,4 +154,4 @@ def test_trainer_of_two_processes_trains_and_restarts_as_one(
     assert len(resumed) == 1 and resumed[0]["step"] >= 2
     joined = events(run_dir, "trainer-1", "trainer_process")
     assert [e["index"] for e in joined] == [1, 1] and joined[0]["count"] == 2
-    assert_nothing_left(s, workers=7)
+    assert_nothing_left(s, "trainer.num_processes=2", "trainer.mesh_data=2")

@@ -67,7 +67,7 @@ def test_stub_up_runs_a_thousand_groups(tmp_path: Path) -> None:
     assert s["groups_dropped"] == s["trajectories_dropped"] == s["dead_letters"] == 0
     assert s["tool_calls"] == 0
     assert all(code == 0 for code in s["worker_exit_codes"].values()), s["worker_exit_codes"]
-    assert_nothing_left(s)
+    assert_nothing_left(s, config=STUB)
     assert not cache.exists()  # no tiny checkpoint built, no warm start
     assert wall_s < 120  # about 15 s on 2 cores; the bound only catches a stall
 

@@ -5,7 +5,6 @@ itself, and the same policy read from a run directory's Orbax checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from streamrl.config import load_config
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.trainer.step import init_state, make_optimizer
-from tests.helpers import REPO, TINY
+from tests.helpers import REPO, TINY, devices_env
 
 N, SAMPLES = 6, 2
 
@@ -157,7 +156,7 @@ def test_a_run_directory_is_evaluated_from_its_newest_complete_checkpoint(
         "save(Path(sys.argv[3]), 8, {'params': s.params, 'opt_state': s.opt_state, "
         "'step': s.step}, snapshot())"
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = devices_env(2)
     w = subprocess.run([sys.executable, "-c", script, str(TINY), str(ckpt),
                         str(tmp_path / "checkpoints")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300, check=False)  # fmt: skip

@@ -164,7 +164,10 @@ def test_waiting_for_a_running_call_is_bounded(redis_url: str, keys: Keys, tmp_p
 
     async def both() -> list[list[str]]:
         slow = asyncio.create_task(step(redis_url, keys, tool))
-        await asyncio.sleep(0.3)  # the first holds the claim
+        deadline = time.monotonic() + 30
+        while not effects.exists():  # until the first holds the claim and runs the tool
+            assert time.monotonic() < deadline and not slow.done()
+            await asyncio.sleep(0.01)
         impatient = await step(redis_url, keys, tool, wait_s=0.2)
         return [await slow, impatient]
 

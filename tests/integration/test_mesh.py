@@ -1,12 +1,7 @@
 """The engine on a device mesh: 4 forced host devices, in a subprocess (the device count is
 fixed when JAX starts)."""
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.helpers import REPO
+from tests.helpers import run_on_devices
 
 SCRIPT = r"""
 import json
@@ -48,22 +43,7 @@ print(json.dumps(out))
 
 
 def test_engine_on_a_mesh_matches_one_device() -> None:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_on_devices(SCRIPT, 4)
     plain = out["plain"]
     for mesh in ("2x2", "4x1", "1x2"):
         for (toks, lps), (ref_toks, ref_lps) in zip(out[mesh], plain, strict=True):

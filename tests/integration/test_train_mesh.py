@@ -1,12 +1,7 @@
 """The trainer on a (data, fsdp) mesh of 4 forced host devices, in a subprocess (the device
 count is fixed when JAX starts): the same step as on one device, parameters sharded."""
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.helpers import REPO
+from tests.helpers import run_on_devices
 
 SCRIPT = r"""
 import json
@@ -62,17 +57,7 @@ print(json.dumps(out))
 
 
 def test_trainer_on_a_mesh_matches_one_device() -> None:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=600, check=False,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_on_devices(SCRIPT, 4)
     plain = out["plain"]
     for mesh in ("2x2", "1x4", "4x1"):
         assert abs(out[mesh]["loss"] - plain["loss"]) < 1e-5, mesh

@@ -3,7 +3,6 @@ two host devices each, one (data, fsdp) = (2, 2) mesh over all four: the same lo
 update as one process on one device."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from streamrl.redis_server import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, devices_env
 
 SCRIPT = r"""
 import json, sys
@@ -71,11 +70,7 @@ print(json.dumps(out))
 
 def test_train_step_across_two_processes_matches_one(tmp_path: Path) -> None:
     port = free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = devices_env(2)
     # Output to files, not pipes: a process blocked on a full pipe would stall the other
     # inside a collective.
     procs = []

@@ -64,10 +64,12 @@ def _lua_sources() -> list[tuple[str, str]]:
     """(where, text) of every Lua script: the .lua files, and scripts held in Python strings."""
     out = [(str(p.relative_to(REPO)), p.read_text()) for p in LUA]
     for p in SOURCES:
-        for node in ast.walk(ast.parse(p.read_text())):
-            text = node.value if isinstance(node, ast.Constant) else None
-            if isinstance(text, str) and "redis.call(" in text:
-                out.append((f"{p.relative_to(REPO)}:{node.lineno}", text))
+        strings = (
+            (node.lineno, node.value)
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        )
+        out += [(f"{p.relative_to(REPO)}:{n}", t) for n, t in strings if "redis.call(" in t]
     return out
 
 
