@@ -1,4 +1,5 @@
-"""Shared fixtures: a private real Redis server per test session, JAX in strict dtype mode."""
+"""Shared fixtures: a private real Redis server per test session, JAX in strict dtype mode,
+and one persistent JAX compilation cache for every test process and the workers they start."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Set before JAX loads (it reads these once), and inherited by every subprocess a test
+    # starts (`streamrl up` passes its environment on to its workers): the same engine and
+    # train-step programs, compiled by dozens of processes, are compiled once per checkout.
+    # STREAMRL_TEST_JAX_CACHE= (empty) turns it off.
+    cache = os.environ.get("STREAMRL_TEST_JAX_CACHE", str(REPO / "build" / "jax-cache"))
+    if cache:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.abspath(cache))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     import jax
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
