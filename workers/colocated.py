@@ -17,23 +17,35 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.runtime import WorkerContext
 from streamrl_workers import rollout, trainer
 
+if TYPE_CHECKING:
+    from streamrl.trainer.step import Batch, StepFn, TrainState
+
 
 class _Phased:
     """The train step, run with the engine held: the phases alternate on the devices."""
 
-    def __init__(self, step: Any) -> None:
-        self.step = step
+    def __init__(self) -> None:
+        self.step: StepFn | None = None
         self.server: EngineServer | None = None
-        self.row_multiple = getattr(step, "row_multiple", 1)
         self.phases = 0
 
-    def __call__(self, state: Any, batch: Any) -> Any:
+    def wrap(self, step: StepFn) -> _Phased:
+        self.step = step
+        return self
+
+    @property
+    def row_multiple(self) -> int:
+        assert self.step is not None
+        return self.step.row_multiple
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        assert self.step is not None
         server = self.server
         if server is not None:
             server.hold()
@@ -46,9 +58,8 @@ class _Phased:
 
 
 def run(ctx: WorkerContext) -> int:
-    loop, manager = trainer.build_loop(ctx)
-    phased = _Phased(loop.train_step)
-    loop.train_step = phased
+    phased = _Phased()
+    loop, manager = trainer.build_loop(ctx, wrap_step=phased.wrap)
     failure: list[BaseException] = []
 
     def train() -> None:

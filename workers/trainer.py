@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import orbax.checkpoint as ocp
 
 from streamrl import evalrun
 from streamrl.runtime import WorkerContext
 from streamrl.trainer.cluster import init_distributed
-from streamrl.trainer.loop import (
-    CheckpointHook,
-    EvalSnapshotHook,
-    ExportHook,
-    Hook,
-    PublishHook,
-    TrainerLoop,
-)
+from streamrl.trainer.hooks import CheckpointHook, EvalSnapshotHook, ExportHook, Hook, PublishHook
+from streamrl.trainer.loop import TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
-from streamrl.trainer.step import TrainState, lora_config
+from streamrl.trainer.step import StepFn, TrainState, lora_config
 from streamrl.weightsync import WEIGHTS_DIR, DirChannel, RedisChannel, WeightsChannel
 
 
@@ -54,7 +47,7 @@ class Policy:
     hooks only a real model has (export)."""
 
     state: TrainState
-    step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+    step: StepFn
     pad_id: int
     hooks: list[Hook]
 
@@ -72,7 +65,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
     from streamrl.model.checkpoint import load_checkpoint, policy_dtype
     from streamrl.model.spec import ModelSpec
     from streamrl.model.tiny import ensure_checkpoint
-    from streamrl.trainer.step import init_state, make_optimizer, make_train_mesh, make_train_step
+    from streamrl.trainer.step import TrainStep, init_state, make_optimizer, make_train_mesh
     from streamrl.trainer.warmstart import warmstart_params
 
     cfg = ctx.cfg
@@ -87,7 +80,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
     mesh = None
     if tcfg.mesh_data * tcfg.mesh_fsdp > 1:
         mesh = make_train_mesh(tcfg.mesh_data, tcfg.mesh_fsdp)
-    step_fn = make_train_step(
+    step_fn = TrainStep(
         spec, tcfg, cfg.rollout.temperature, optimizer, mesh, cfg.rollout.max_response_length
     )
     state = init_state(
@@ -113,9 +106,12 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
     return Policy(state, step_fn, chat.pad_id, hooks)
 
 
-def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointer]:
+def build_loop(
+    ctx: WorkerContext, wrap_step: Callable[[StepFn], StepFn] | None = None
+) -> tuple[TrainerLoop, ocp.StandardCheckpointer]:
     """The trainer's loop with its hooks, resumed from the run's newest complete checkpoint
-    when there is one, and the checkpointer to close after it."""
+    when there is one, and the checkpointer to close after it. `wrap_step`: what the loop
+    calls instead of the policy's step (the colocated worker holds the engine around it)."""
     cfg = ctx.cfg
     init_distributed(cfg.trainer.num_processes, ctx.index)  # before JAX touches a device
     if cfg.trainer.num_processes > 1:
@@ -129,7 +125,7 @@ def build_loop(ctx: WorkerContext) -> tuple[TrainerLoop, ocp.StandardCheckpointe
         keys=ctx.keys,
         cfg=cfg,
         state=policy.state,
-        train_step=policy.step,
+        train_step=policy.step if wrap_step is None else wrap_step(policy.step),
         log=ctx.log,
         stop=ctx.stop.is_set,
         pad_id=policy.pad_id,

@@ -33,10 +33,10 @@ from streamrl.config import TrainerConfig
 from streamrl.model.llm import init_params
 from streamrl.model.spec import ModelSpec
 from streamrl.trainer.step import (
+    TrainStep,
     build_batch,
     init_state,
     make_optimizer,
-    make_train_step,
     standard_promotion,
     token_logprobs,
 )
@@ -110,7 +110,7 @@ def main() -> None:
     ]
     for name, cfg in variants:
         opt = make_optimizer(cfg)
-        step = make_train_step(spec, cfg, 1.0, opt, max_tokens=n // 2)
+        step = TrainStep(spec, cfg, 1.0, opt, max_tokens=n // 2)
         state = init_state(params, opt, with_reference=cfg.kl_beta > 0)
         b = build_batch(items, advantages, 0, step.row_multiple)
         t = median_time(functools.partial(step, state, b), args.repeats)

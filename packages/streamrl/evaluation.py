@@ -243,17 +243,17 @@ def _trained_params(cfg: Config, state_dir: Path, base: Any) -> Any:
     import orbax.checkpoint as ocp
 
     from streamrl.model.lora import apply_lora, init_lora
-    from streamrl.trainer.step import lora_config, make_optimizer
+    from streamrl.trainer.step import checkpoint_tree, lora_config, make_optimizer
 
     lora = lora_config(cfg.trainer)
     # The state's layout as the trainer builds it (shapes only), on this process's first
     # device: a checkpoint a trainer mesh wrote in shards restores here whole.
     trained = base if lora is None else jax.eval_shape(lambda b: init_lora(b, lora, 0), base)
-    target = {
-        "params": trained,
-        "opt_state": jax.eval_shape(make_optimizer(cfg.trainer).init, trained),
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-    }
+    target = checkpoint_tree(
+        trained,
+        jax.eval_shape(make_optimizer(cfg.trainer).init, trained),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), target)
     checkpointer = ocp.StandardCheckpointer()

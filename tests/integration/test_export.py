@@ -22,12 +22,13 @@ from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.names import Keys
 from streamrl.tools.registry import CALCULATOR
-from streamrl.trainer.loop import EvalSnapshotHook, ExportHook, TrainerLoop
+from streamrl.trainer.hooks import EvalSnapshotHook, ExportHook
+from streamrl.trainer.loop import TrainerLoop
 from streamrl.trainer.step import (
+    TrainStep,
     build_batch,
     init_state,
     make_optimizer,
-    make_train_step,
     token_logprobs,
 )
 from streamrl.transport import publish
@@ -98,7 +99,7 @@ def test_export_loads_in_transformers_as_the_trained_policy(
         keys=keys,
         cfg=cfg,
         state=init_state(params, optimizer),
-        train_step=make_train_step(spec, cfg.trainer, 1.0, optimizer),
+        train_step=TrainStep(spec, cfg.trainer, 1.0, optimizer),
         log=structlog.get_logger(),
         stop=lambda: False,
         pad_id=chat.pad_id,

@@ -9,7 +9,7 @@ from streamrl.model.llm import init_params
 from streamrl.model.sampling import GenRequest, SamplingParams
 from streamrl.model.spec import ModelSpec
 from streamrl.rl.advantages import ADVANTAGES
-from streamrl.trainer.step import build_batch, init_state, make_optimizer, make_train_step
+from streamrl.trainer.step import TrainStep, build_batch, init_state, make_optimizer
 
 SPEC = ModelSpec.from_config(
     {
@@ -36,7 +36,7 @@ def test_a_few_hundred_steps_raise_a_synthetic_reward() -> None:
     ))  # fmt: skip
     cfg = TrainerConfig(learning_rate=3e-3, loss="dapo", clip_epsilon_high=0.28)
     optimizer = make_optimizer(cfg)
-    step = make_train_step(SPEC, cfg, 1.0, optimizer)
+    step = TrainStep(SPEC, cfg, 1.0, optimizer)
     state = init_state(params, optimizer)
     history = []
     for it in range(300):

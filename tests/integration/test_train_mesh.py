@@ -11,7 +11,7 @@ from streamrl.config import TrainerConfig
 from streamrl.model.llm import init_params
 from streamrl.model.spec import ModelSpec
 import optax
-from streamrl.trainer.step import (build_batch, init_state, make_train_mesh, make_train_step,
+from streamrl.trainer.step import (build_batch, init_state, make_train_mesh, TrainStep,
                                    standard_promotion)
 
 assert len(jax.devices()) == 4, jax.devices()
@@ -34,7 +34,7 @@ for name, (data, fsdp) in {"plain": (1, 1), "2x2": (2, 2), "1x4": (1, 4), "4x1":
     # SGD with momentum (optimizer state to shard, and params that compare gradients: Adam's
     # first steps are lr x sign(g), which turns float noise on tiny gradients into steps).
     opt = standard_promotion(optax.sgd(0.1, momentum=0.9))
-    step = make_train_step(spec, cfg, 1.0, opt, mesh)
+    step = TrainStep(spec, cfg, 1.0, opt, mesh)
     state = init_state(params, opt, with_reference=True, mesh=mesh)
     batch = build_batch(items, adv, 0, step.row_multiple)
     for _ in range(2):

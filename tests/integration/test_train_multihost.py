@@ -23,7 +23,7 @@ import optax
 from streamrl.config import TrainerConfig
 from streamrl.model.llm import init_params
 from streamrl.model.spec import ModelSpec
-from streamrl.trainer.step import (build_batch, init_state, make_train_mesh, make_train_step,
+from streamrl.trainer.step import (build_batch, init_state, make_train_mesh, TrainStep,
                                    standard_promotion)
 
 assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
@@ -43,7 +43,7 @@ cfg = TrainerConfig(loss="dapo", micro_batch_size=4)
 out = {}
 for name, mesh in (("local", None), ("global", make_train_mesh(2, 2))):
     opt = standard_promotion(optax.sgd(0.1, momentum=0.9))
-    step = make_train_step(spec, cfg, 1.0, opt, mesh)
+    step = TrainStep(spec, cfg, 1.0, opt, mesh)
     if mesh is None:  # one process, one device: the reference
         with jax.default_device(jax.local_devices()[0]):
             state = init_state(params, opt)

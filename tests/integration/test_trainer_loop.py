@@ -24,12 +24,8 @@ from streamrl.counters import GROUPS_SET_ASIDE, TRAINER_GROUPS_STALE, TRAINER_NO
 from streamrl.launcher import step_metrics
 from streamrl.names import Keys
 from streamrl.queues import replay_dead
-from streamrl.trainer.loop import (
-    CheckpointHook,
-    NonFiniteStepsError,
-    PublishHook,
-    TrainerLoop,
-)
+from streamrl.trainer.hooks import CheckpointHook, PublishHook
+from streamrl.trainer.loop import NonFiniteStepsError, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState
 from streamrl.trainer.stub import stub_state

@@ -40,7 +40,7 @@ from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower, WeightLoader
 from streamrl.trainer.cluster import Cluster
-from streamrl.trainer.loop import PublishHook
+from streamrl.trainer.hooks import PublishHook
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel, read_published
 from streamrl.wire import Trajectory, Weights, decode

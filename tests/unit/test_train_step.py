@@ -15,12 +15,12 @@ from streamrl.model.llm import Params, init_params
 from streamrl.model.spec import ModelSpec
 from streamrl.trainer.step import (
     Batch,
+    TrainStep,
     build_batch,
     init_state,
     learning_rate_schedule,
     lora_config,
     make_optimizer,
-    make_train_step,
     round_batch,
     round_length,
     standard_promotion,
@@ -119,7 +119,7 @@ def test_token_logprobs_are_the_shifted_log_softmax(params: Params) -> None:
 def test_grpo_step_moves_logprobs_and_does_not_recompile(params: Params) -> None:
     trainer_cfg = TrainerConfig(learning_rate=1e-2)
     optimizer = make_optimizer(trainer_cfg)
-    step = make_train_step(SPEC, trainer_cfg, TEMPERATURE, optimizer)
+    step = TrainStep(SPEC, trainer_cfg, TEMPERATURE, optimizer)
     batch = build_batch(_items(params, [20, 24, 30], seed=0), [1.0, -1.0, 0.0], PAD)
     state = init_state(params, optimizer)
 
@@ -150,7 +150,7 @@ def _run(
     # SGD moves params by lr x gradient, so params compare gradients; Adam's first step is
     # lr x sign(g), which turns float noise on near-zero gradient entries into full steps.
     optimizer = standard_promotion(optax.sgd(1.0)) if sgd else make_optimizer(cfg)
-    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer, max_tokens=40)
+    step = TrainStep(SPEC, cfg, TEMPERATURE, optimizer, max_tokens=40)
     return step(init_state(params, optimizer, with_reference=ref), batch)
 
 
@@ -192,7 +192,7 @@ def test_kl_to_the_reference_and_recomputed_logps(params: Params) -> None:
     state, m = _run(params, cfg, batch, ref=True)
     assert float(m["kl"]) == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
     optimizer = make_optimizer(cfg)
-    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    step = TrainStep(SPEC, cfg, TEMPERATURE, optimizer)
     state = state.replace(ref_params=params)
     _, m2 = step(state, batch)
     assert float(m2["kl"]) > 0.0  # one update later, the policy has moved off it
@@ -235,7 +235,7 @@ def test_batch_rows_round_to_the_micro_batch_size(params: Params) -> None:
 def test_lora_trains_adapters_on_a_frozen_base(params: Params) -> None:
     cfg = TrainerConfig(learning_rate=1e-2, lora_rank=4, lora_targets=["q_proj", "up_proj"])
     optimizer = make_optimizer(cfg)
-    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    step = TrainStep(SPEC, cfg, TEMPERATURE, optimizer)
     lora = lora_config(cfg)
     state = init_state(params, optimizer, lora=lora, seed=3)
     assert state.base_params is params and state.ref_params is None
@@ -260,7 +260,7 @@ def test_lora_trains_adapters_on_a_frozen_base(params: Params) -> None:
     assert _masked_mean_logp(merged, batch, 1) < _masked_mean_logp(params, batch, 1)
     # KL with LoRA uses the base as the reference (no copy kept).
     kl_cfg = cfg.model_copy(update={"kl_beta": 0.1})
-    kl_step = make_train_step(SPEC, kl_cfg, TEMPERATURE, make_optimizer(kl_cfg))
+    kl_step = TrainStep(SPEC, kl_cfg, TEMPERATURE, make_optimizer(kl_cfg))
     _, m = kl_step(init_state(params, make_optimizer(kl_cfg), lora=lora), batch)
     assert float(m["kl"]) == pytest.approx(0.0, abs=1e-6)
 
@@ -283,14 +283,14 @@ def test_a_non_finite_step_keeps_the_old_state(params: Params) -> None:
     batch = build_batch(_items(params, [20, 24], seed=7), [1.0, -1.0], PAD)
     # A finite loss whose update is not finite (review M1): the weights must not take it.
     optimizer = _nan_updates()
-    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    step = TrainStep(SPEC, cfg, TEMPERATURE, optimizer)
     state = init_state(params, optimizer)
     new_state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
     assert int(new_state.step) == 0 and _same(new_state.params, params)
     # A NaN in the rollout log-probs: the loss and gradient are NaN; the state is kept too.
     optimizer = make_optimizer(cfg)
-    step = make_train_step(SPEC, cfg, TEMPERATURE, optimizer)
+    step = TrainStep(SPEC, cfg, TEMPERATURE, optimizer)
     state = init_state(params, optimizer)
     bad = batch.old_logp.copy()
     bad[0, 15] = np.nan

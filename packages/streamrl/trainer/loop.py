@@ -1,22 +1,21 @@
 """The trainer's loop: groups in, `train_step(state, batch) -> (state, metrics)`, hooks out.
 
 Publishing weights, writing checkpoints and exporting the policy as a Hugging Face
-checkpoint hang off the loop as hooks that run every N steps (and once more at the end).
-Groups are acknowledged only by the checkpoint hook, once the checkpoint that holds the
-update made from them is durable (DESIGN.md, "Delivery"); until then they stay pending on
-the trainer's fixed consumer name, and the ids already trained are skipped if delivered
-again. A group is judged on its own before it joins a batch: one too stale is dropped, one
-the trainer cannot use is dead-lettered; either is acknowledged with the next checkpoint
-like a trained one. A step whose loss or gradient is not finite changes nothing (the
-state is kept, no hook runs) and dead-letters its groups; a few in a row stop the run.
+checkpoint hang off the loop as hooks (`streamrl.trainer.hooks`) that run every N steps (and
+once more at the end) and return what they did. Groups are acknowledged by the loop only
+once a checkpoint hook has committed the checkpoint that holds the update made from them
+(DESIGN.md, "Delivery": `checkpointed`); until then they stay pending on the trainer's fixed
+consumer name, and the ids already trained are skipped if delivered again. A group is
+judged on its own before it joins a batch: one too stale is dropped, one the trainer cannot
+use is dead-lettered; either is acknowledged with the next checkpoint like a trained one. A
+step whose loss or gradient is not finite changes nothing (the state is kept, no hook runs)
+and dead-letters its groups; a few in a row stop the run.
 
-A trainer that starts where a run already went on (`resume`) restores the newest complete
-checkpoint (`streamrl.checkpoints`) that Orbax can restore: its state, the window of the
+A trainer that starts where a run already went on (`resume`, `streamrl.trainer.resume`)
+restores the newest complete checkpoint that Orbax can restore: its state, the window of the
 lineage of group ids it trained, the queues from its snapshot when Redis lost the run,
 and the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
-restored policy as a new version above every version published before, and sets the
-policy floor to it, so that no rollout worker serves the discarded lineage's weights to a
-new episode once it has synced.
+restored policy as a new version above every version published before.
 
 Traced (`tracer`) on track ("trainer", "loop"): `trainer.batch_wait` (until a step's groups
 are in), `train.step` (ending the flows of the groups it trains), `weights.publish`, and a
@@ -26,39 +25,32 @@ checkpoint's `checkpoint.snapshot`, `checkpoint.save` (Orbax) and `checkpoint.co
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
-from streamrl import counters, evalrun
+from streamrl import counters
 from streamrl.config import Config
 from streamrl.errors import FatalError
-from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
 from streamrl.liveness import Liveness
 from streamrl.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
-from streamrl.model.checkpoint import export_checkpoint
-from streamrl.model.lora import LoraConfig
-from streamrl.model.spec import ModelSpec
 from streamrl.names import Keys
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.tracing import GROUP_FLOW, Span, Tracer, flow_id
+from streamrl.trainer import resume as resumption
 from streamrl.trainer.cluster import Cluster, scalar
-from streamrl.trainer.publish import WeightPublisher
-from streamrl.trainer.step import Batch, TrainState, build_batch
+from streamrl.trainer.hooks import Committed, Hook, Published
+from streamrl.trainer.resume import CheckpointMeta, Restored
+from streamrl.trainer.step import Batch, StepFn, TrainState, build_batch
 from streamrl.transport import Delivery, RedisStreamConsumer, publish, stage_dead_letter
 from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
 
@@ -72,20 +64,6 @@ Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # one member's tokens, mask, ro
 
 class NonFiniteStepsError(FatalError):
     pass
-
-
-class Hook(Protocol):
-    """Runs after every `every`-th step, and at the end of the run unless the last step
-    was such a step (`final=True`); `every` 0: at the end only. Never after a skipped
-    (non-finite) step. `at_start`: also before the first step (`final=True`), as the
-    publication of version 0 and the evaluator's step-0 snapshot do."""
-
-    every: int
-
-    @property
-    def at_start(self) -> bool: ...
-
-    def __call__(self, loop: TrainerLoop, final: bool) -> None: ...
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,17 +80,6 @@ def _busy(method: F) -> F:
     return cast(F, run)
 
 
-def _busy_hook(call: F) -> F:
-    """A hook's call, one busy step of its loop's liveness (a checkpoint, a publication)."""
-
-    @functools.wraps(call)
-    def run(hook: Any, loop: TrainerLoop, final: bool) -> Any:
-        with loop.liveness.busy():
-            return call(hook, loop, final)
-
-    return cast(F, run)
-
-
 @dataclass
 class TrainerLoop:
     """State the hooks see: the train state, the step's groups, what is not yet acked."""
@@ -121,7 +88,7 @@ class TrainerLoop:
     keys: Keys
     cfg: Config
     state: TrainState
-    train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+    train_step: StepFn
     log: structlog.stdlib.BoundLogger
     stop: Callable[[], bool]
     pad_id: int
@@ -269,8 +236,8 @@ class TrainerLoop:
         if masked:
             self.client.hincrby(self.keys.stats, counters.TRAINER_ROWS_MASKED, masked)
             self.log.warning("rows_masked", rows=masked, reason="rollout log-probs all 0.0")
-        row_multiple = int(getattr(self.train_step, "row_multiple", 1))
-        return build_batch(items, advantages, self.pad_id, row_multiple), rewards, min_versions
+        batch = build_batch(items, advantages, self.pad_id, self.train_step.row_multiple)
+        return batch, rewards, min_versions
 
     def trace(self, name: str, start_ns: int, **kw: Any) -> None:
         """A span `name` of the loop, from `start_ns` to now (this host's clock)."""
@@ -383,19 +350,19 @@ class TrainerLoop:
             **{k: getattr(metrics, k) for k in metrics.__struct_fields__},
         )
 
-    def checkpoint_meta(self) -> dict[str, Any]:
+    def checkpoint_meta(self) -> CheckpointMeta:
         """meta.json: the lineage (and set_aside) of the window the loop holds, and
         `lineage_from`, the oldest step a resume from this checkpoint needs: that of the
         oldest group pending at its cut (those after the cut are delivered again)."""
-        return {
-            "step": self.step,
-            "version": self.version,
-            "seed": self.cfg.run.seed,
-            "lineage": [[step, ids] for step, ids in self.lineage],
-            "set_aside": [[step, ids] for step, ids in self.set_aside],
-            "lineage_from": min(self.unacked.values(), default=self.step + 1),
-            "groups_trained": self.groups_trained,
-        }
+        return CheckpointMeta(
+            step=self.step,
+            version=self.version,
+            seed=self.cfg.run.seed,
+            lineage=list(self.lineage),
+            set_aside=list(self.set_aside),
+            lineage_from=min(self.unacked.values(), default=self.step + 1),
+            groups_trained=self.groups_trained,
+        )
 
     def forget_before(self, step: int) -> None:
         """Keep the records (lineage, set_aside and their ids) of `step` on only.
@@ -413,97 +380,42 @@ class TrainerLoop:
 
     def resume(self, root: Path, checkpointer: ocp.AbstractCheckpointer) -> int | None:
         """Continue a run that already went on: restore the newest usable checkpoint under
-        `root` (None: there is none, the state stays fresh), rewind the trainer's consumer
-        group to its cut, and take a policy version above every one published before.
-        A fresh run (nothing published, no checkpoint) is left as it is. Every process
-        restores the same checkpoint; the leader alone does the Redis part."""
-        c = self.cluster
-        if c.leader:
-            ckpts.remove_incomplete(root, self.log)
-        c.barrier("resume-clean")
-        restored = None
-        for step, path in ckpts.step_dirs(root):
-            try:
-                ck = ckpts.verify(path)
-                meta, snap = ck.meta(), ck.snapshot()
-                target = {
-                    "params": self.state.params,
-                    "opt_state": self.state.opt_state,
-                    "step": self.state.step,
-                }
-                abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-                tree = checkpointer.restore(ck.state_dir.resolve(), abstract)
-                ok = True
-            except Exception as err:  # any unreadable part: the next older one
-                self.log.error("checkpoint_unusable", path=str(path), step=step, error=str(err))
-                ok = False
-            if all(np.asarray(c.gather(np.array([ok]))).ravel()):
-                restored = (ck, meta, snap, tree)
-                break
-        if restored is not None:
-            ck, meta, snap, tree = restored
-            self.state = self.state.replace(
-                params=tree["params"], opt_state=tree["opt_state"], step=tree["step"]
-            )
-            self.lineage = [(int(s), [str(g) for g in ids]) for s, ids in meta["lineage"]]
-            # checkpoints written before the trainer set groups aside have no record of it
-            aside = meta.get("set_aside", [])
-            self.set_aside = [(int(s), [str(e) for e in ids]) for s, ids in aside]
-            self.consumed = {g: s for s, ids in self.lineage for g in ids}
-            # checkpoints written before the count was kept: the window's groups
-            self.groups_trained = int(
-                meta.get("groups_trained", sum(len(ids) for _, ids in self.lineage))
-            )
-            self.aside = {e: s for s, ids in self.set_aside for e in ids}
-        if not c.leader:
-            return self.step if restored is not None else None
-        self._restore_queues(root, restored)
-        published = self.client.get(self.keys.policy_version)
-        if restored is None and published is None:
-            return None  # a fresh run
-        groups = ckpts.StreamSnapshot(self.keys.groups, self.keys.CG_TRAINER, "", [], [])
-        meta_version = -1
-        if restored is not None:
-            meta_version = int(restored[1]["version"])
-            groups = restored[2].stream(self.keys.groups) or groups
-        start = ckpts.rewind_group(self.client, groups)
-        floor = self.client.get(self.keys.policy_floor)
-        version = max(
-            int(published) + 1 if published is not None else 0,
-            meta_version + 1,
-            int(floor) if floor is not None else 0,
+        `root` (`resume.find_restorable`; None: there is none, the state stays fresh),
+        rewind the trainer's consumer group to its cut, and take a policy version above
+        every one published before. A fresh run (nothing published, no checkpoint) is left
+        as it is. Every process restores the same checkpoint; the leader alone does the
+        Redis part. Returns the step the loop resumes from."""
+        restored = resumption.find_restorable(
+            root, self.state, checkpointer, self.cluster, self.log
         )
-        self.client.set(self.keys.policy_floor, version)
-        self.version = version
+        if restored is not None:
+            self._take(restored)
+        if not self.cluster.leader:
+            return self.step if restored is not None else None
+        resumption.restore_queues(self.client, self.keys, root, restored, self.log)
+        if restored is None and self.client.get(self.keys.policy_version) is None:
+            return None  # a fresh run
+        self.version, start = resumption.rewind(self.client, self.keys, restored)
         self.unacked.clear()
         self.log.info(
             "trainer_resumed",
             step=self.step,
-            checkpoint=None if restored is None else str(restored[0].path),
-            version=version,
+            checkpoint=None if restored is None else str(restored.checkpoint.path),
+            version=self.version,
             groups_rewound_to=start,
             trained_groups=sum(len(ids) for _, ids in self.lineage),
         )
         return self.step
 
-    def _restore_queues(self, root: Path, restored: tuple[Any, ...] | None) -> None:
-        """When `streamrl up --resume` found that Redis lost the run (`RESTORE_PENDING`),
-        write back the queue snapshot of the checkpoint the state came from (none: the run
-        starts afresh), so that queues and state are one cut; then let the workers start."""
-        pending = root / ckpts.RESTORE_PENDING
-        if not pending.exists():
-            return
-        if not self.client.xlen(self.keys.groups):  # made empty by this trainer's consumer
-            self.client.delete(self.keys.groups)
-        if ckpts.namespace_present(self.client, self.keys):
-            self.log.warning("queues_already_present", path=str(pending))
-        elif restored is None:
-            self.log.error("queues_not_restored", reason="no checkpoint could be restored")
-        else:
-            counts = ckpts.restore_queues(self.client, self.keys, restored[2])
-            self.log.info("queues_restored", step=self.step, path=str(restored[0].path),
-                          entries=counts)  # fmt: skip
-        pending.unlink()
+    def _take(self, restored: Restored) -> None:
+        """The restored checkpoint's state and records become the loop's."""
+        self.state = self.state.from_checkpoint_tree(restored.tree)
+        meta = restored.meta
+        self.lineage = [(s, list(ids)) for s, ids in meta.lineage]
+        self.set_aside = [(s, list(ids)) for s, ids in meta.set_aside]
+        self.consumed = {g: s for s, ids in self.lineage for g in ids}
+        self.aside = {e: s for s, ids in self.set_aside for e in ids}
+        self.groups_trained = meta.trained
 
     def _next_groups(self) -> list[Delivery[Group]] | None:
         """The leader's groups for the next step; None when the run stops there. Every
@@ -523,7 +435,7 @@ class TrainerLoop:
     def run(self) -> None:
         for hook in self.hooks:  # e.g. version 0: what rollout starts from
             if hook.at_start:
-                hook(self, final=True)
+                self._run_hook(hook, final=True)
         while True:
             wait_ns = time.time_ns()
             groups = self._next_groups()
@@ -538,24 +450,57 @@ class TrainerLoop:
                 continue  # a skipped step: nothing new to publish, checkpoint or export
             for hook in self.hooks:
                 if hook.every and self.step % hook.every == 0:
-                    hook(self, final=False)
+                    self._run_hook(hook, final=False)
         for hook in self.hooks:
             if not hook.every or self.step % hook.every != 0:
-                hook(self, final=True)
+                self._run_hook(hook, final=True)
         self.log.info("trainer_done", step=self.step, version=self.version)
 
+    def _run_hook(self, hook: Hook, final: bool) -> None:
+        """Run `hook` and act on what it did: a version published is the loop's version; a
+        checkpoint committed acknowledges the groups it holds (`checkpointed`)."""
+        done = hook(self, final)
+        if isinstance(done, Published):
+            self.version = done.version
+        elif isinstance(done, Committed):
+            self.checkpointed(done)
 
-def window_start(root: Path) -> int:
-    """The oldest `lineage_from` of the checkpoints under `root`: the first step whose
-    records a resume from any of them may need (0, all, for a checkpoint without it)."""
-    starts = []
-    for _step, path in ckpts.step_dirs(root):
-        try:
-            meta = json.loads((path / ckpts.META).read_text())
-            starts.append(int(meta["lineage_from"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0  # unreadable or older: keep everything
-    return min(starts, default=0)
+    def checkpointed(self, done: Committed) -> None:
+        """The delivery contract (DESIGN.md, "Delivery"): the groups consumed since the last
+        checkpoint are acknowledged now that `done` holds the update made from them (or
+        their setting aside) durably; then old checkpoints are pruned, the records of groups
+        no checkpoint kept can deliver again are forgotten and, with `trim`, the streams
+        and what grows with the run are trimmed to that window."""
+        if self.unacked:
+            self.client.xack(self.keys.groups, self.keys.CG_TRAINER, *self.unacked)
+        ck, snapshot = done.checkpoint, done.snapshot
+        self.log.info(
+            "checkpoint_written",
+            step=self.step,
+            path=str(ck.path),
+            acked=len(self.unacked),
+            # unfinished at the cut: entries pending or not yet delivered, per stream
+            in_flight={x.stream.rsplit(":", 1)[-1]: len(x.entries) for x in snapshot.streams},
+            snapshot_bytes=(ck.path / ckpts.QUEUES).stat().st_size,
+            snapshot_s=round(done.snapshot_s, 4),
+            write_s=round(time.monotonic() - done.started, 4),
+        )
+        self.unacked.clear()
+        root = ck.path.parent
+        ckpts.prune(root, done.keep, self.log)
+        self.forget_before(resumption.window_start(root))
+        if done.trim:
+            floor = ckpts.oldest_snapshot(root)
+            trimmed = ckpts.trim_streams(self.client, self.keys, floor)
+            trimmed |= ckpts.trim_history(
+                self.client,
+                self.keys,
+                floor,
+                keep_dead_letters=self.cfg.trainer.keep_dead_letters,
+                keep_metrics=self.cfg.trainer.keep_metrics,
+            )
+            if trimmed:
+                self.log.info("streams_trimmed", step=self.step, deleted=trimmed)
 
 
 def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
@@ -589,246 +534,3 @@ def group_rows(group: Group, rollout_logps: bool) -> tuple[list[Row], int]:
             raise ValueError(f"member {t.member}: {err}") from None
         rows.append((tokens, mask, logps))
     return rows, masked
-
-
-@dataclass
-class PublishHook:
-    """Publishes the policy as a new version through `publisher` (its channel, signal and
-    clean-up): the full params, or, with `adapters` set, the LoRA adapters it picks out
-    of the train state (the first version is full all the same: their base)."""
-
-    every: int
-    publisher: WeightPublisher
-    adapters: Callable[[TrainState], tuple[Any, LoraConfig]] | None = None
-    published: int = 0
-    at_start: ClassVar[bool] = True  # version 0: what rollout starts from
-
-    @_busy_hook
-    def __call__(self, loop: TrainerLoop, final: bool) -> None:
-        version = loop.version + 1 if self.published else loop.version
-        lora: LoraConfig | None = None
-        if self.adapters is None:
-            tree = loop.state.params
-        elif not self.published:
-            # Under LoRA training the full version is the frozen base the adapters apply to.
-            tree = loop.state.base_params
-        else:
-            tree, lora = self.adapters(loop.state)
-        start_ns = time.time_ns()
-        tree = loop.cluster.gather(tree)  # every process takes part; the leader publishes
-        if loop.cluster.leader:
-            self.publisher.publish(tree, version, loop.step, lora)
-        loop.version = version
-        self.published += 1
-        loop.trace(Span.WEIGHTS_PUBLISH, start_ns, args={"version": version})
-
-
-@dataclass
-class CheckpointHook:
-    """Writes checkpoint N (`streamrl.checkpoints`: the Orbax state, the queue snapshot,
-    the commit marker), then acknowledges the groups it holds, prunes old ones and trims
-    the streams of entries no one can need again and what grows with the run to its window
-    (`trim`)."""
-
-    every: int
-    root: Path
-    keep: int
-    checkpointer: ocp.AbstractCheckpointer
-    trim: bool = True  # after each checkpoint (ckpts.trim_streams, ckpts.trim_history)
-    at_start: ClassVar[bool] = False
-
-    @_busy_hook
-    def __call__(self, loop: TrainerLoop, final: bool) -> None:
-        if loop.step == 0:
-            return  # nothing trained: the starting point needs no checkpoint
-        start = time.monotonic()
-        c = loop.cluster
-        if c.leader:  # the cut: the trainer is between steps, its state is that of step N
-            # The groups not yet acked are trained (in the lineage): ids only, no bodies.
-            span_ns = time.time_ns()
-            snapshot = ckpts.take_snapshot(loop.client, loop.keys, trained=loop.unacked)
-            snapshot_s = time.monotonic() - start
-            loop.trace(Span.CHECKPOINT_SNAPSHOT, span_ns, args={"step": loop.step})
-            ckpts.prepare_dir(self.root, loop.step)
-        c.barrier(f"checkpoint-{loop.step}-dir")
-        path = ckpts.step_dir(self.root, loop.step)
-        state = {
-            "params": loop.state.params,
-            "opt_state": loop.state.opt_state,
-            "step": loop.state.step,
-        }
-        span_ns = time.time_ns()
-        self.checkpointer.save((path / ckpts.STATE).resolve(), state)  # each its own shards
-        self.checkpointer.wait_until_finished()
-        loop.trace(Span.CHECKPOINT_SAVE, span_ns, args={"step": loop.step})
-        c.barrier(f"checkpoint-{loop.step}-state")
-        if not c.leader:
-            return
-        span_ns = time.time_ns()
-        ck = ckpts.commit(
-            path,
-            loop.step,
-            loop.checkpoint_meta(),
-            snapshot,
-            before_commit=lambda: failpoint(CHECKPOINT_COMMIT, loop.log),
-        )
-        if loop.unacked:
-            loop.client.xack(loop.keys.groups, loop.keys.CG_TRAINER, *loop.unacked)
-        loop.trace(Span.CHECKPOINT_COMMIT, span_ns, args={"step": loop.step})
-        loop.log.info(
-            "checkpoint_written",
-            step=loop.step,
-            path=str(ck.path),
-            acked=len(loop.unacked),
-            # unfinished at the cut: entries pending or not yet delivered, per stream
-            in_flight={x.stream.rsplit(":", 1)[-1]: len(x.entries) for x in snapshot.streams},
-            snapshot_bytes=(ck.path / ckpts.QUEUES).stat().st_size,
-            snapshot_s=round(snapshot_s, 4),
-            write_s=round(time.monotonic() - start, 4),
-        )
-        loop.unacked.clear()
-        ckpts.prune(self.root, self.keep, loop.log)
-        loop.forget_before(window_start(self.root))
-        if self.trim:
-            floor = ckpts.oldest_snapshot(self.root)
-            trimmed = ckpts.trim_streams(loop.client, loop.keys, floor)
-            trimmed |= ckpts.trim_history(
-                loop.client,
-                loop.keys,
-                floor,
-                keep_dead_letters=loop.cfg.trainer.keep_dead_letters,
-                keep_metrics=loop.cfg.trainer.keep_metrics,
-            )
-            if trimmed:
-                loop.log.info("streams_trimmed", step=loop.step, deleted=trimmed)
-
-
-# Files of a checkpoint directory that are not weights: the tokenizer (fast or slow), its
-# chat template and the generation defaults. Copied as they are into an export.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-# Where transformers looks for a chat template besides tokenizer_config.json; a template
-# file wins over the config's key when it loads the export.
-TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-
-
-@dataclass
-class ExportHook:
-    """Writes the policy as a Hugging Face checkpoint directory at `export_dir`.
-
-    The trained weights and their config.json (`export_checkpoint`), plus the tokenizer,
-    chat template and generation config copied from `source_dir`, the checkpoint the run
-    started from: `AutoModelForCausalLM.from_pretrained(export_dir)` and
-    `AutoTokenizer.from_pretrained(export_dir)` load the trained policy. When the run's
-    `model.chat_template` names a template, the export carries that one as
-    chat_template.jinja (a base model trained with it chats as it was trained). `every` 0: only at
-    the end of the run. Each export replaces the last as a whole (written beside it, then
-    renamed into place), so a reader never finds a half-written one.
-    """
-
-    every: int
-    export_dir: Path
-    spec: ModelSpec
-    source_dir: Path
-    max_shard_bytes: int | None = None
-    lora: LoraConfig | None = None  # LoRA training: the adapters are merged into the export
-    at_start: ClassVar[bool] = False
-
-    @_busy_hook
-    def __call__(self, loop: TrainerLoop, final: bool) -> None:
-        start = time.monotonic()
-        params = loop.cluster.gather(loop.state.policy_params(self.lora))
-        if not loop.cluster.leader:
-            return
-        write_export(
-            self.export_dir, self.spec, params, self.source_dir, loop.cfg, self.max_shard_bytes
-        )
-        loop.log.info(
-            "export_written",
-            step=loop.step,
-            path=str(self.export_dir),
-            write_s=round(time.monotonic() - start, 4),
-        )
-
-
-def write_export(
-    export_dir: Path,
-    spec: ModelSpec,
-    params: Any,
-    source_dir: Path,
-    cfg: Config,
-    max_shard_bytes: int | None = None,
-    stamp: bool = False,
-) -> None:
-    """`params` as a Hugging Face checkpoint directory at `export_dir` (ExportHook's doc),
-    written beside it and renamed into place; `stamp`: with the time it was written
-    (`evalrun.SNAPSHOT_WRITTEN`)."""
-    parent = export_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}-", dir=parent))
-    old = parent / f"{tmp.name}-old"
-    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
-    try:
-        export_checkpoint(tmp, spec, params, max_shard_bytes)
-        from streamrl.hfchat import chat_template_text  # transformers: not for a stub
-
-        template = chat_template_text(cfg.model.chat_template)
-        for name in TOKENIZER_FILES:
-            if template is not None and name in TEMPLATE_FILES:
-                continue
-            if (source_dir / name).is_file():
-                shutil.copyfile(source_dir / name, tmp / name)
-        if template is not None:
-            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
-        if stamp:
-            (tmp / evalrun.SNAPSHOT_WRITTEN).write_text(repr(time.time()))
-        if export_dir.exists():
-            os.rename(export_dir, old)
-        os.rename(tmp, export_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@dataclass
-class EvalSnapshotHook:
-    """Writes the policy for the evaluator (`streamrl.evalrun`): a Hugging Face checkpoint
-    directory at RUN_DIR/eval/pending/step-N at the start of the run (step 0, as
-    PublishHook), every `every` steps and at the end, unless step N was written before (a
-    resumed run); removes the older pending snapshots (the evaluator takes the newest)
-    unless `keep_all`."""
-
-    every: int
-    root: Path  # RUN_DIR/eval
-    spec: ModelSpec
-    source_dir: Path
-    lora: LoraConfig | None = None
-    keep_all: bool = False  # trainer.eval_all: never prune
-    at_start: ClassVar[bool] = True  # the step-0 snapshot: the policy before RL
-
-    @_busy_hook
-    def __call__(self, loop: TrainerLoop, final: bool) -> None:
-        start = time.monotonic()
-        params = loop.cluster.gather(loop.state.policy_params(self.lora))
-        if not loop.cluster.leader or evalrun.has_step(self.root, loop.step):
-            return
-        path = self.root / evalrun.PENDING / f"step-{loop.step}"
-        write_export(path, self.spec, params, self.source_dir, loop.cfg, stamp=True)
-        pruned = [] if self.keep_all else evalrun.prune_pending(self.root, loop.step)
-        loop.log.info(
-            "eval_snapshot_written",
-            step=loop.step,
-            path=str(path),
-            pruned=pruned,
-            write_s=round(time.monotonic() - start, 4),
-        )

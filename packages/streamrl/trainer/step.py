@@ -20,7 +20,7 @@ parameters for the forward and reduce-scatters gradients.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import flax.struct
 import jax
@@ -38,10 +38,12 @@ from streamrl.rl.losses import LOSS_AGGREGATION, LOSSES, LossConfig
 
 __all__ = [
     "Batch",
+    "StepFn",
     "TrainState",
     "TrainStep",
     "batch_sharding",
     "build_batch",
+    "checkpoint_tree",
     "fsdp_spec",
     "init_state",
     "learning_rate_schedule",
@@ -49,7 +51,6 @@ __all__ = [
     "loss_config",
     "make_optimizer",
     "make_train_mesh",
-    "make_train_step",
     "round_batch",
     "round_length",
     "shard_fsdp",
@@ -89,6 +90,32 @@ class TrainState(flax.struct.PyTreeNode):
         if lora is None or self.base_params is None:
             return self.params
         return apply_lora(self.base_params, self.params, lora)
+
+    def checkpoint_tree(self) -> dict[str, Any]:
+        """What a checkpoint holds of the state (`checkpoint_tree`)."""
+        return checkpoint_tree(self.params, self.opt_state, self.step)
+
+    def from_checkpoint_tree(self, tree: dict[str, Any]) -> TrainState:
+        """This state with a checkpoint's tree (`checkpoint_tree`) restored into it."""
+        return self.replace(params=tree["params"], opt_state=tree["opt_state"], step=tree["step"])
+
+
+def checkpoint_tree(params: Any, opt_state: Any, step: Any) -> dict[str, Any]:
+    """The Orbax tree of a trainer checkpoint: the trained params (LoRA: the adapters), the
+    optimizer state and the step. The reference policy and a LoRA base are the starting
+    params, rebuilt from the starting checkpoint, never saved. Values or their abstract
+    shapes (`jax.ShapeDtypeStruct`) alike."""
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+class StepFn(Protocol):
+    """A train step as the loop calls it: `(state, batch) -> (state, metrics)`, with the
+    multiple its batch rows must be padded to (`build_batch`)."""
+
+    @property
+    def row_multiple(self) -> int: ...
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]: ...
 
 
 @flax.struct.dataclass
@@ -300,6 +327,10 @@ class TrainStep:
     (the behaviour-policy mismatch against the batch's rollout log-probs among them).
     When the loss, the gradient or the update is not finite, the returned state is the
     old one (its step not advanced).
+
+    One per model, loss (`trainer_cfg.loss`), temperature and (optionally) trainer mesh.
+    `max_tokens`: the constant length normaliser of dr_grpo (the rollout's response budget;
+    required for that loss).
     """
 
     def __init__(
@@ -453,17 +484,3 @@ class TrainStep:
             "num_tokens": jnp.sum(jnp.asarray(batch.mask)),
         }
         return new_state, metrics
-
-
-def make_train_step(
-    spec: ModelSpec,
-    trainer_cfg: TrainerConfig,
-    temperature: float,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh | None = None,
-    max_tokens: int = 0,
-) -> TrainStep:
-    """The compiled train step for this model, loss (`trainer_cfg.loss`), temperature and
-    (optionally) trainer mesh. `max_tokens`: the constant length normaliser of dr_grpo
-    (the rollout's response budget; required for that loss)."""
-    return TrainStep(spec, trainer_cfg, temperature, optimizer, mesh, max_tokens)
