@@ -24,7 +24,6 @@ workers wait for the trainer's restored policy before any episode.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -35,22 +34,36 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO, get_args
+from typing import Any, TextIO
 
 import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
-from streamrl import counters as c
 from streamrl import evalrun, rundir
 from streamrl.acl import private_dir, worker_role
-from streamrl.config import MAX_BACKOFF_S, Config
+from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
 from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
 from streamrl.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
 from streamrl.names import Keys
 from streamrl.redis_server import EmbeddedRedis, free_port
+from streamrl.run.summary import (
+    SUMMARY_SHOWN,
+    ProcRecord,
+    progress_line,
+    read_stats,
+    step_metrics,
+    summarize,
+)
+from streamrl.run.supervise import (
+    Popen,
+    Supervised,
+    kill,
+    restart_decision,
+    terminate,
+)
 from streamrl.runtime import (
     COORDINATOR_ENV,
     PASSWORD_FILE_ENV,
@@ -60,48 +73,40 @@ from streamrl.runtime import (
     run_log,
 )
 from streamrl.transport import make_client, waits_out
-from streamrl.wire import Status, TrainMetrics, WireError, decode
+from streamrl.wire import TrainMetrics, WireError, decode
 
 STOP_TIMEOUT_S = 20.0
-SUMMARY_SHOWN = (
-    "trainer_steps",
-    "policy_version",
-    "groups",
-    "groups_dropped",
-    "dead_letters",
-    "tool_calls",
-    "max_trajectory_policy_version",
-    "mean_reward_first",
-    "mean_reward_last",
-    "eval_solve_rate_first",
-    "eval_solve_rate_last",
-)
 
 
 class RunDirError(RuntimeError):
     pass
 
 
-@dataclass
-class WorkerProc:
+@dataclass(kw_only=True)
+class WorkerProc(Supervised):
+    """A worker `name-index` the launcher runs (`Supervised`: restarts and hangs), its log
+    and the file its output goes to, and its liveness beat as last read."""
+
     name: str
     index: int
-    popen: subprocess.Popen[bytes]
+    popen: Popen
     log_path: Path
     stderr_path: Path
-    restarts: list[float] = field(default_factory=list)  # monotonic times of restarts
-    restart_at: float | None = None  # a restart is due then (the process has exited)
     beat: str | None = None  # its liveness beat as last read
     beat_at: float = field(default_factory=time.monotonic)  # when it last changed (or spawn)
-    hangs: int = 0  # times it was killed for a beat that stopped
 
     @property
     def worker_id(self) -> str:
         return f"{self.name}-{self.index}"
 
+    def record(self) -> ProcRecord:
+        """What the summary says of it."""
+        p = self.popen
+        return ProcRecord(self.worker_id, p.pid, p.returncode, len(self.restarts), self.hangs)
 
-@dataclass
-class EvalProc:
+
+@dataclass(kw_only=True)
+class EvalProc(Supervised):
     """The run's evaluator (`streamrl eval --watch`, trainer.eval_every): its own process
     and session, outside the Redis workers (it shares only the run directory). Restarted
     when it exits before the run drains it, up to run.max_restarts in run.restart_window_s;
@@ -110,9 +115,6 @@ class EvalProc:
     cmd: list[str]
     env: dict[str, str]
     err_path: Path
-    popen: subprocess.Popen[bytes] | None = None
-    restarts: list[float] = field(default_factory=list)
-    restart_at: float | None = None
     gave_up: bool = False
 
     def start(self) -> EvalProc:
@@ -125,22 +127,19 @@ class EvalProc:
             return
         now = time.monotonic()
         if self.restart_at is not None:
-            if now >= self.restart_at:
-                self.restart_at = None
-                self.restarts.append(now)
-                self.start()
+            if self.restart_due(now):
+                self.restarted(_start_session(self.cmd, self.env, self.err_path), now)
                 log.info("evaluator_restarted", pid=self.popen.pid, n=len(self.restarts))
             return
         rc = self.popen.poll()
         if rc is None:
             return
-        nth = restart_decision(self.restarts, now, cfg.run.max_restarts, cfg.run.restart_window_s)
-        if nth is None:
+        delay = self.schedule_restart(now, cfg.run)
+        if delay is None:
             self.gave_up = True
             log.error("evaluator_failed", exit_code=rc, stderr=str(self.err_path))
             return
-        self.restart_at = now + backoff_s(nth, cfg.run.restart_backoff_s)
-        log.warning("evaluator_exited", exit_code=rc, restart_in_s=self.restart_at - now)
+        log.warning("evaluator_exited", exit_code=rc, restart_in_s=delay)
 
     def drain(self, cfg: Config, root: Path, stopping: Callable[[], bool], log: Any) -> bool:
         """Ask it to evaluate what is pending and exit; wait up to trainer.eval_timeout_s
@@ -158,13 +157,8 @@ class EvalProc:
         return False
 
     def stop(self) -> None:
-        if self.popen is None:
-            return
-        _signal_group(self.popen, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=STOP_TIMEOUT_S)
-        _signal_group(self.popen, signal.SIGKILL)
-        self.popen.wait()
+        if self.popen is not None:
+            terminate([(self.popen, STOP_TIMEOUT_S)])
 
 
 class Launcher:
@@ -353,11 +347,11 @@ class Launcher:
         if self.cfg.trainer.eval_every:
             evalrun.clear_drain(evalrun.eval_dir(self.run_dir))
             self.evaluator = EvalProc(
-                evaluator_command(
+                cmd=evaluator_command(
                     self.config_path, self.run_dir, self.overrides, self.cfg.trainer.eval_tasks
                 ),
-                {**os.environ, "PYTHONUNBUFFERED": "1"},
-                self.run_dir / "logs" / "evaluator.stderr",
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                err_path=self.run_dir / "logs" / "evaluator.stderr",
             ).start()
 
     def _new_coordinator(self) -> None:
@@ -385,7 +379,9 @@ class Launcher:
         log_path = self.run_dir / "logs" / f"{name}-{index}.log"
         err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
         popen = _start_session(cmd, env, err_path)
-        return WorkerProc(name, index, popen, log_path, err_path)
+        return WorkerProc(
+            name=name, index=index, popen=popen, log_path=log_path, stderr_path=err_path
+        )
 
     def _monitor(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> tuple[str, int]:
         next_progress = 0.0
@@ -421,7 +417,7 @@ class Launcher:
         failed for good."""
         for p in self.procs:
             if p.restart_at is not None:
-                if time.monotonic() >= p.restart_at:
+                if p.restart_due(time.monotonic()):
                     self._restart(p, log)
                 continue
             rc = p.popen.poll()
@@ -468,8 +464,7 @@ class Launcher:
                 f"(run.liveness_timeout_s = {limit:g}): killing it",
                 file=sys.stderr,
             )
-            _signal_group(p.popen, signal.SIGKILL)
-            p.popen.wait()
+            kill(p.popen)
 
     def _supervise(self, p: WorkerProc, rc: int, log: structlog.stdlib.BoundLogger) -> str | None:
         """A worker exited: schedule its restart, or say why the run must stop."""
@@ -477,25 +472,21 @@ class Launcher:
         if rc == FATAL_EXIT_CODE:
             log.error("worker_fatal", worker=p.worker_id, code=rc)
             return f"worker {p.worker_id} stopped with a fatal error; see {p.stderr_path}"
-        now = time.monotonic()
-        decision = restart_decision(p.restarts, now, run.max_restarts, run.restart_window_s)
-        if decision is None:
+        delay = p.schedule_restart(time.monotonic(), run)
+        if delay is None:
             log.error("worker_failed", worker=p.worker_id, code=rc, restarts=len(p.restarts))
             return (
                 f"worker {p.worker_id} exited with code {rc} after {len(p.restarts)} restarts "
                 f"within {run.restart_window_s:g}s (run.max_restarts = {run.max_restarts}); "
                 f"see {p.stderr_path}"
             )
-        delay = backoff_s(decision, run.restart_backoff_s)
-        p.restart_at = now + delay
         log.warning("worker_crashed", worker=p.worker_id, code=rc, restart_in_s=round(delay, 2))
         if p.name == "trainer" and self.cfg.trainer.num_processes > 1:
             # One logical trainer: the others would wait in a collective for ever. All of
             # its processes restart together (and resume from the checkpoint).
             for q in self.procs:
                 if q.name == "trainer" and q is not p and q.restart_at is None:
-                    _signal_group(q.popen, signal.SIGKILL)
-                    q.popen.wait()
+                    kill(q.popen)
                     q.restart_at = p.restart_at
                     log.warning("worker_stopped_with_group", worker=q.worker_id)
             self._new_coordinator()
@@ -533,9 +524,8 @@ class Launcher:
 
     def _restart(self, p: WorkerProc, log: structlog.stdlib.BoundLogger) -> None:
         fresh = self._spawn(p.name, p.index, self._env)
-        p.popen, p.restart_at = fresh.popen, None
+        p.restarted(fresh.popen, time.monotonic())
         p.beat, p.beat_at = None, fresh.beat_at
-        p.restarts.append(time.monotonic())
         self._record()
         log.info("worker_restarted", worker=p.worker_id, pid=p.popen.pid, n=len(p.restarts))
 
@@ -558,25 +548,24 @@ class Launcher:
                 self.evaluator.stop()
 
     def _stop_workers(self, log: structlog.stdlib.BoundLogger) -> None:
-        for p in self.procs:
-            _signal_group(p.popen, signal.SIGTERM)
-        start = time.monotonic()
-        for p in self.procs:
-            limit = self.cfg.run.trainer_stop_timeout_s if p.name in TRAINS else STOP_TIMEOUT_S
-            try:
-                p.popen.wait(timeout=max(0.1, start + limit - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("worker_kill", worker=p.worker_id, after_s=limit)
-        for p in self.procs:
-            _signal_group(p.popen, signal.SIGKILL)
-            p.popen.wait()
+        """Every worker's process group stopped: the trainer gets its final checkpoint's
+        time (`run.trainer_stop_timeout_s`), the others STOP_TIMEOUT_S."""
+        limits = [
+            self.cfg.run.trainer_stop_timeout_s if p.name in TRAINS else STOP_TIMEOUT_S
+            for p in self.procs
+        ]
+
+        def killed(i: int) -> None:
+            log.warning("worker_kill", worker=self.procs[i].worker_id, after_s=limits[i])
+
+        terminate(
+            [(p.popen, lim) for p, lim in zip(self.procs, limits, strict=True)], on_kill=killed
+        )
 
     # -- reporting -------------------------------------------------------------------------
 
     def _stats(self, client: redis.Redis) -> dict[str, int | float]:
-        """The run's counters: whole ones, and sums of seconds (HINCRBYFLOAT)."""
-        raw: Any = client.hgetall(self.keys.stats)
-        self._last_stats = {k.decode(): _number(v) for k, v in raw.items()}
+        self._last_stats = read_stats(client, self.keys)
         return self._last_stats
 
     def _progress(self, client: redis.Redis) -> None:
@@ -587,7 +576,6 @@ class Launcher:
             reward = decode(last[0][1], TrainMetrics).reward_mean if last else float("nan")
         except WireError:
             reward = float("nan")
-        now = time.monotonic()
         # The groupers' own rate over metrics.rate_window_s: not the run's count over the
         # time since this launcher started, which a --resume inflates.
         rate = sum(
@@ -595,17 +583,11 @@ class Launcher:
             for p in self.procs
             if p.name == "grouper"
         )
-        line = (
-            f"[{now - self.started:6.1f}s] step {s.get(c.TRAINER_STEPS, 0)}"
-            f"/{self.steps or '-'} | policy v{s.get(c.POLICY_VERSION, 0)} | "
-            f"{rate:5.1f} groups/min | reward {reward:.3f} | "
-            f"traj {s.get(c.TRAJECTORIES, 0)} | tool calls {s.get(c.TOOL_CALLS, 0)} | "
-            f"dropped {s.get(c.GROUPS_DROPPED, 0)} | dead {dead}"
-        )
+        heldout = None
         if self.evaluator is not None:
-            r = evalrun.latest_result(evalrun.eval_dir(self.run_dir))
-            if r is not None:
-                line += f" | held-out {r['solve_rate']:.2f} @ step {r['step']}"
+            heldout = evalrun.latest_result(evalrun.eval_dir(self.run_dir))
+        elapsed = time.monotonic() - self.started
+        line = progress_line(elapsed, s, self.steps, rate, reward, dead, heldout)
         end = "\r" if self.out.isatty() else "\n"
         print(line, end=end, file=self.out, flush=True)
 
@@ -623,37 +605,19 @@ class Launcher:
         except redis.RedisError as err:
             log.error("summary_without_redis", error=str(err))
             s, rewards, dead, available = self._last_stats, [], None, False
-        k = max(1, min(5, len(rewards) // 2))
-        summary = {
-            "run": self.cfg.run.name,
-            "exit_reason": reason,
-            "elapsed_s": round(time.monotonic() - self.started, 2),  # this invocation's
-            "redis_available": available,
-            "trainer_steps": s.get(c.TRAINER_STEPS, 0),
-            "policy_version": s.get(c.POLICY_VERSION, 0),
-            "trajectories": s.get(c.TRAJECTORIES, 0),
-            "groups": s.get(c.GROUPS, 0),
-            "groups_trained": s.get(c.GROUPS_TRAINED, 0),
-            "groups_dropped": s.get(c.GROUPS_DROPPED, 0),
-            "trajectories_dropped": s.get(c.TRAJECTORIES_DROPPED, 0),
-            "dead_letters": dead,  # waiting in the dead-letter stream now
-            "tool_calls": s.get(c.TOOL_CALLS, 0),
-            "tool_errors": s.get(c.TOOL_ERRORS, 0),
-            "tool_infra_errors": s.get(c.TOOL_INFRA_ERRORS, 0),
-            "episodes": {st: s.get(c.episodes(st), 0) for st in get_args(Status)},
-            "max_trajectory_policy_version": s.get(c.MAX_TRAJECTORY_POLICY_VERSION, -1),
-            "mean_reward_first": sum(rewards[:k]) / k if rewards else None,
-            "mean_reward_last": sum(rewards[-k:]) / k if rewards else None,
-            "rewards_per_step": rewards,
-            # held-out greedy solve rates (trainer.eval_every; None when off)
-            **evalrun.eval_summary(evalrun.eval_dir(self.run_dir)),
-            "worker_pids": {p.worker_id: p.popen.pid for p in self.procs},
-            "worker_exit_codes": {p.worker_id: p.popen.returncode for p in self.procs},
-            "worker_restarts": {p.worker_id: len(p.restarts) for p in self.procs},
-            "worker_hangs": {p.worker_id: p.hangs for p in self.procs if p.hangs},
-            "redis_restarts": len(self.redis_restarts),
-            "resumed": self.resume,
-        }
+        summary = summarize(
+            run=self.cfg.run.name,
+            reason=reason,
+            elapsed_s=time.monotonic() - self.started,
+            stats=s,
+            rewards=rewards,
+            dead=dead,
+            evals=evalrun.eval_summary(evalrun.eval_dir(self.run_dir)),
+            procs=[p.record() for p in self.procs],
+            redis_restarts=len(self.redis_restarts),
+            resumed=self.resume,
+            available=available,
+        )
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
         shown = {k: summary[k] for k in SUMMARY_SHOWN}
@@ -673,52 +637,8 @@ def plan(cfg: Config) -> list[tuple[str, int]]:
     return [*out, ("feeder", 0)]
 
 
-def step_metrics(
-    client: redis.Redis, keys: Keys, log: structlog.stdlib.BoundLogger
-) -> list[TrainMetrics]:
-    """Each step's metrics once, by step: the last entry of a step that a restarted trainer
-    trained again (the stream keeps the entries of the steps it discarded too)."""
-    by_step: dict[int, TrainMetrics] = {}
-    unreadable = 0
-    raw: Any = client.xrange(keys.metrics)
-    for _id, fields in raw:
-        try:
-            m = decode(fields, TrainMetrics)
-        except WireError:
-            unreadable += 1
-            continue
-        by_step[m.step] = m
-    if unreadable:
-        log.warning("metrics_unreadable", entries=unreadable, stream=keys.metrics)
-    return [by_step[k] for k in sorted(by_step)]
-
-
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
-
-
-def _number(raw: bytes) -> int | float:
-    """A counter's value: an int, or a float for a sum kept by HINCRBYFLOAT."""
-    try:
-        return int(raw)
-    except ValueError:
-        return float(raw)
-
-
-def restart_decision(
-    restarts: list[float], now: float, max_restarts: int, window_s: float
-) -> int | None:
-    """The number of this restart within the window (1, 2, ...), or None when the worker
-    has used up `max_restarts` in the last `window_s` seconds (or may never restart)."""
-    recent = [t for t in restarts if now - t <= window_s]
-    if len(recent) >= max_restarts:
-        return None
-    return len(recent) + 1
-
-
-def backoff_s(nth: int, base_s: float) -> float:
-    """Wait before the nth restart in a window: base, 2 x base, 4 x base, ... capped."""
-    return min(MAX_BACKOFF_S, base_s * 2 ** (nth - 1))
 
 
 def worker_command(
@@ -751,8 +671,3 @@ def _start_session(cmd: list[str], env: dict[str, str], err_path: Path) -> subpr
         return subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, start_new_session=True
         )
-
-
-def _signal_group(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, sig)

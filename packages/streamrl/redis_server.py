@@ -24,6 +24,7 @@ import redis
 
 from streamrl import acl
 from streamrl.names import Keys
+from streamrl.run.supervise import terminate
 
 SECRETS_DIR = "secrets"  # under the data directory: one password file per ACL user
 
@@ -199,12 +200,7 @@ class EmbeddedRedis:
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate([(self.proc, timeout_s)], group=False)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -21,9 +21,9 @@ import structlog
 from streamrl import checkpoints as ckpts
 from streamrl.config import Config, parse_config
 from streamrl.counters import GROUPS_SET_ASIDE, TRAINER_GROUPS_STALE, TRAINER_NONFINITE_STEPS
-from streamrl.launcher import step_metrics
 from streamrl.names import Keys
 from streamrl.queues import replay_dead
+from streamrl.run.summary import step_metrics
 from streamrl.trainer.hooks import CheckpointHook, PublishHook
 from streamrl.trainer.loop import NonFiniteStepsError, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher

@@ -170,10 +170,11 @@ def test_each_value_set_is_defined_once_in_the_schema() -> None:
 def test_the_run_name_rule_and_the_backoff_cap_are_stated_once() -> None:
     """code review 86b402d: the run-name pattern (config and names.py) and the 60 s restart
     backoff cap (config's description and the launcher) were written twice."""
-    from streamrl import config, launcher, names
+    from streamrl import config, names
+    from streamrl.run import supervise
 
     assert names.NAME_PATTERN is config.NAME_PATTERN
-    assert launcher.MAX_BACKOFF_S is config.MAX_BACKOFF_S
+    assert supervise.MAX_BACKOFF_S is config.MAX_BACKOFF_S
     backoff = config.RunConfig.model_fields["restart_backoff_s"].description or ""
     assert f"max {config.MAX_BACKOFF_S:g} s" in backoff
-    assert launcher.backoff_s(100, 1.0) == config.MAX_BACKOFF_S
+    assert supervise.backoff_s(100, 1.0) == config.MAX_BACKOFF_S

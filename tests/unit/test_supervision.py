@@ -1,6 +1,7 @@
 """`streamrl up`'s restart policy: how many restarts a window allows, and the backoff."""
 
-from streamrl.launcher import MAX_BACKOFF_S, backoff_s, restart_decision
+from streamrl.config import MAX_BACKOFF_S
+from streamrl.run.supervise import backoff_s, restart_decision
 
 
 def test_restarts_within_the_window_are_counted() -> None:
