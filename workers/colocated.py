@@ -19,11 +19,11 @@ import asyncio
 import threading
 from typing import TYPE_CHECKING, Any
 
-from streamrl.rollout.engine_server import EngineServer
 from streamrl.runtime import WorkerContext
 from streamrl_workers import rollout, trainer
 
 if TYPE_CHECKING:
+    from streamrl.rollout.episode import ModelServer
     from streamrl.trainer.step import Batch, StepFn, TrainState
 
 
@@ -32,7 +32,7 @@ class _Phased:
 
     def __init__(self) -> None:
         self.step: StepFn | None = None
-        self.server: EngineServer | None = None
+        self.server: ModelServer | None = None
         self.phases = 0
 
     def wrap(self, step: StepFn) -> _Phased:
@@ -71,7 +71,7 @@ def run(ctx: WorkerContext) -> int:
             manager.close()
             ctx.stop.set()  # the rollout side stops with the trainer
 
-    def attach(server: EngineServer) -> None:
+    def attach(server: ModelServer) -> None:
         phased.server = server
 
     thread = threading.Thread(target=train, name="trainer", daemon=True)

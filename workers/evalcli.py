@@ -173,11 +173,12 @@ def watch(cfg: Config, run_dir: Path, n: int, solve_threshold: float) -> int:
     from streamrl.logs import configure_logging
     from streamrl.model.checkpoint import CheckpointError
     from streamrl.model.spec import SpecError
+    from streamrl.names import RunPaths
     from streamrl.runtime import run_log
     from streamrl.tools.sandbox import SandboxUnavailableError
 
     os.nice(cfg.trainer.eval_niceness)
-    logs = run_dir / "logs"
+    logs = RunPaths(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     log = configure_logging("evaluator", file=run_log(logs, "evaluator", cfg), run=cfg.run.name)
 

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from streamrl.config import Config
+from streamrl.names import RunPaths
 from streamrl_workers.args import config_arguments
 
 
@@ -43,7 +44,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     from streamrl.transport import make_client
 
     try:
-        url = resolve_redis_url(cfg) or url_from_conf(run_dir / "redis")
+        url = resolve_redis_url(cfg) or url_from_conf(RunPaths(run_dir).redis)
     except (NoRedisError, OSError, ValueError) as err:
         print(f"streamrl queues: {err}", file=sys.stderr)
         return 2

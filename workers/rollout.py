@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from streamrl.metrics import ENGINE_BATCH_OCCUPANCY, TOKENS
 from streamrl.rollout.episode import EpisodeRunner, NewDialogue
@@ -20,37 +20,23 @@ from streamrl.weightsync import WEIGHTS_DIR
 if TYPE_CHECKING:
     from streamrl.hfchat import HFChat
     from streamrl.model.engine import Engine
-    from streamrl.rollout.engine_server import EngineServer
+    from streamrl.rollout.episode import ModelServer
 
 
 def build_engine(ctx: WorkerContext) -> tuple[HFChat, Engine]:
     # The model stack loads here: the stub policy needs no tokenizer and no checkpoint.
-    from streamrl.hfchat import HFChat
-    from streamrl.model.checkpoint import load_checkpoint, policy_dtype
-    from streamrl.model.engine import Engine, EngineConfig
-    from streamrl.model.sampling import SamplingParams
+    from streamrl.model.engine import Engine
+    from streamrl.model.policy import starting_policy
     from streamrl.model.sharding import make_mesh
-    from streamrl.model.tiny import ensure_checkpoint
+    from streamrl.rollout.engine_server import engine_config
 
-    cfg, r = ctx.cfg, ctx.cfg.rollout
-    ckpt = ensure_checkpoint(cfg)
-    chat = HFChat.for_model(ckpt, cfg.model)
+    r = ctx.cfg.rollout
     # The checkpoint gives the structure published weights decode into; the values the
     # engine serves come from the trainer (version 0 onwards).
-    spec, params = load_checkpoint(ckpt, policy_dtype(cfg.model.dtype))
-    engine_cfg = EngineConfig(
-        num_slots=r.max_batch_size,
-        kv_cache_size=r.kv_cache_size,
-        max_prompt_length=r.kv_cache_size - 1,  # later turns: the whole conversation so far
-        max_new_tokens=r.max_turn_tokens,
-        sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
-        stop_ids=tuple(chat.stop_ids),
-        pad_id=chat.pad_id,
-        decode_chunk=r.decode_chunk,
-        kv_reuse=r.kv_reuse,
-    )
+    p = starting_policy(ctx.cfg, warm=False)
+    engine_cfg = engine_config(r, tuple(p.chat.stop_ids), p.chat.pad_id)
     mesh = make_mesh(r.mesh_data, r.mesh_tensor) if r.mesh_data * r.mesh_tensor > 1 else None
-    return chat, Engine(spec, params, engine_cfg, mesh=mesh)
+    return p.chat, Engine(p.spec, p.params, engine_cfg, mesh=mesh)
 
 
 @dataclass(frozen=True)
@@ -58,7 +44,7 @@ class Policy:
     """What serves the episodes' model calls: the server, how a published version loads
     into it, each episode's dialogue, and the tokens it has answered so far."""
 
-    server: EngineServer
+    server: ModelServer
     load: Load
     dialogue: NewDialogue
     tokens: Callable[[], int]
@@ -99,13 +85,10 @@ def stub_policy(ctx: WorkerContext) -> Policy:
 
     m = ctx.cfg.model
     stub = StubServer(m.stub_latency_s, m.stub_turn_tokens)
-    # The stub has the interface the worker, runner and follower use (generate, serve,
-    # hold, release, swap, steps, stall_s); they are annotated with the engine server.
-    server = cast("EngineServer", stub)
     loader = StubLoader(ctx.client(), ctx.keys, ctx.run_dir / WEIGHTS_DIR)
     slots = ctx.cfg.rollout.max_batch_size
     return Policy(
-        server,
+        stub,
         loader,
         StubDialogue,
         lambda: stub.tokens_generated,
@@ -118,9 +101,7 @@ async def _main(ctx: WorkerContext) -> None:
     await serve(ctx)
 
 
-async def serve(
-    ctx: WorkerContext, on_server: Callable[[EngineServer], None] | None = None
-) -> None:
+async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | None = None) -> None:
     """Build the rollout worker and run it until stopped; `on_server` sees the engine
     server first (the colocated worker pauses it while it trains)."""
     cfg = ctx.cfg

@@ -21,7 +21,7 @@ import redis
 
 from streamrl import evalrun
 from streamrl.config import ConfigError, load_config
-from streamrl.names import Keys
+from streamrl.names import Keys, RunPaths
 from streamrl.redis_server import url_from_conf
 from streamrl.rundir import recorded_run
 from streamrl.runtime import NoRedisError, resolve_redis_url
@@ -53,7 +53,7 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
         )
     url = args.redis_url or ""
     if not url and run_dir is not None:
-        url = url_from_conf(run_dir / "redis") or ""  # the embedded Redis, as its operator
+        url = url_from_conf(RunPaths(run_dir).redis) or ""  # the embedded Redis, as its operator
     if not url and cfg is not None:
         url = resolve_redis_url(cfg)
     url = url or os.environ.get("REDIS_URL", "")

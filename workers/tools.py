@@ -10,13 +10,7 @@ from rq.serializers import JSONSerializer
 
 from streamrl.metrics import queue_depth
 from streamrl.runtime import WorkerContext
-from streamrl.tools.jobs import (
-    close_sandbox,
-    install_sandbox,
-    install_tools,
-    install_tracer,
-    open_sandbox,
-)
+from streamrl.tools.jobs import ToolRuntime, install, open_sandbox, uninstall
 from streamrl.tools.registry import load_tools
 from streamrl.tools.rqguard import ToolCallJob, ToolCallWorker
 
@@ -27,8 +21,6 @@ MAINTENANCE_INTERVAL_S = 15
 
 def run(ctx: WorkerContext) -> int:
     tools = load_tools(ctx.cfg.tools)  # the user's tools (tools.extra): a bad one stops here
-    install_tools(tools)
-    install_tracer(ctx.tracer)
     conn = ctx.client()
     queue = Queue(
         ctx.keys.tool_queue, connection=conn, serializer=JSONSerializer, job_class=ToolCallJob
@@ -49,11 +41,12 @@ def run(ctx: WorkerContext) -> int:
     )
     ctx.metrics.probe(lambda: {queue_depth("tools"): queue.count})  # jobs not yet taken
     worker.take_over_name()  # a restarted container's predecessor: gone, name still held
-    install_sandbox(open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log))
+    sandbox = open_sandbox(ctx.cfg.tools, ctx.keys.ns, ctx.consumer, ctx.log)
+    install(ToolRuntime(sandbox, tools, ctx.tracer))
     ctx.log.info("tools_start", queue=queue.name, tools=sorted(tools))
     try:
         worker.work(burst=ctx.burst, logging_level="WARNING", with_scheduler=False)
     finally:
-        close_sandbox()
+        uninstall()
     ctx.log.info("tools_stop")
     return 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import orbax.checkpoint as ocp
 
 from streamrl import evalrun
+from streamrl.names import RunPaths
 from streamrl.runtime import WorkerContext
 from streamrl.trainer.cluster import init_distributed
 from streamrl.trainer.hooks import CheckpointHook, EvalSnapshotHook, ExportHook, Hook, PublishHook
@@ -61,20 +62,12 @@ def stub_policy(ctx: WorkerContext) -> Policy:
 
 def transformer_policy(ctx: WorkerContext) -> Policy:
     """The JAX policy from its checkpoint (or warm start) and its jitted step."""
-    from streamrl.hfchat import HFChat
-    from streamrl.model.checkpoint import load_checkpoint, policy_dtype
-    from streamrl.model.spec import ModelSpec
-    from streamrl.model.tiny import ensure_checkpoint
+    from streamrl.model.policy import starting_policy
     from streamrl.trainer.step import TrainStep, init_state, make_optimizer, make_train_mesh
-    from streamrl.trainer.warmstart import warmstart_params
 
     cfg = ctx.cfg
-    ckpt = ensure_checkpoint(cfg)
-    chat = HFChat.for_model(ckpt, cfg.model)
-    if cfg.model.init == "warmstart":
-        spec, params = ModelSpec.from_dir(ckpt), warmstart_params(cfg, ctx.log.info)
-    else:
-        spec, params = load_checkpoint(ckpt, policy_dtype(cfg.model.dtype))
+    start = starting_policy(cfg, warm=True, info=ctx.log.info)
+    ckpt, spec, params = start.source_dir, start.spec, start.params
     optimizer = make_optimizer(cfg.trainer)
     tcfg = cfg.trainer
     mesh = None
@@ -93,7 +86,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
     )
     export = ExportHook(
         cfg.trainer.export_every,
-        ctx.run_dir / "export",
+        RunPaths(ctx.run_dir).export,
         spec,
         ckpt,
         lora=step_fn.lora,
@@ -103,7 +96,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
         root = evalrun.eval_dir(ctx.run_dir)
         t = cfg.trainer
         hooks.append(EvalSnapshotHook(t.eval_every, root, spec, ckpt, step_fn.lora, t.eval_all))
-    return Policy(state, step_fn, chat.pad_id, hooks)
+    return Policy(state, step_fn, start.chat.pad_id, hooks)
 
 
 def build_loop(
@@ -119,7 +112,7 @@ def build_loop(
     publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
     checkpointer = ocp.StandardCheckpointer()
-    root = (ctx.run_dir / "checkpoints").resolve()
+    root = RunPaths(ctx.run_dir).checkpoints.resolve()
     loop = TrainerLoop(
         client=ctx.client(),
         keys=ctx.keys,

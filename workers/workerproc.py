@@ -25,6 +25,7 @@ from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.identity import Heartbeat, claim_index, default_holder
 from streamrl.logs import redact_url
+from streamrl.names import RunPaths
 from streamrl.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
 from streamrl.tracing import Span
 from streamrl_workers.args import config_arguments
@@ -134,7 +135,7 @@ def wait_for_queues(ctx: WorkerContext) -> None:
     the trainer writes back the queues of the checkpoint it restores
     (`checkpoints.RESTORE_PENDING`): a worker that started on empty queues would begin the
     run's data again."""
-    pending = ctx.run_dir / "checkpoints" / ckpts.RESTORE_PENDING
+    pending = RunPaths(ctx.run_dir).checkpoints / ckpts.RESTORE_PENDING
     if pending.exists():
         ctx.log.info("waiting_for_queues", path=str(pending))
     while pending.exists() and not ctx.stop.wait(0.2):

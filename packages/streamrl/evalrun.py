@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from streamrl.names import RunPaths
+
 PENDING = "pending"
 RUNNING = "running"
 FAILED = "failed"
@@ -38,7 +40,7 @@ _RESULT = re.compile(r"^step-(\d+)\.json$")
 
 
 def eval_dir(run_dir: Path) -> Path:
-    return run_dir / "eval"
+    return RunPaths(run_dir).eval
 
 
 def _steps(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:

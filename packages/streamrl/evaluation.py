@@ -41,6 +41,7 @@ from streamrl.agents.base import Action, Agent, Reset, StepResult
 from streamrl.agents.tools import ToolArgumentError, parse_arguments
 from streamrl.chat import ToolCall
 from streamrl.config import Config
+from streamrl.names import RunPaths
 from streamrl.tasks.heldout import HELDOUT_CURSOR, heldout_tasks
 from streamrl.wire import Task, ToolResult, Trajectory
 
@@ -199,34 +200,26 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
     `model.init` says so)."""
     from streamrl.hfchat import HFChat
     from streamrl.model.checkpoint import load_checkpoint
-    from streamrl.model.tiny import ensure_checkpoint
+    from streamrl.model.policy import starting_policy
 
-    dtype = _dtype(cfg)
     if checkpoint is not None:
         if not checkpoint.is_dir():
             raise EvalError(f"--checkpoint {checkpoint} does not exist")
-        spec, params = load_checkpoint(checkpoint, dtype)
+        spec, params = load_checkpoint(checkpoint, _dtype(cfg))
         return LoadedPolicy(
             HFChat.for_model(checkpoint, cfg.model), spec, params, str(checkpoint), None
         )
-    base_dir = ensure_checkpoint(cfg)
-    chat = HFChat.for_model(base_dir, cfg.model)
-    spec, params = load_checkpoint(base_dir, dtype)
+    start = starting_policy(cfg, warm=run_dir is None)
     if run_dir is None:
-        if cfg.model.init == "warmstart":
-            from streamrl.trainer.warmstart import warmstart_params
-
-            params = warmstart_params(cfg)
-        what = f"{base_dir} ({'warm-started' if cfg.model.init == 'warmstart' else 'as built'})"
-        return LoadedPolicy(chat, spec, params, what, 0)
+        how = "warm-started" if cfg.model.init == "warmstart" else "as built"
+        return LoadedPolicy(start.chat, start.spec, start.params, f"{start.source_dir} ({how})", 0)
     from streamrl import checkpoints as ckpts
 
-    ck = ckpts.latest_complete(run_dir / "checkpoints")
+    ck = ckpts.latest_complete(RunPaths(run_dir).checkpoints)
     if ck is None:
         raise EvalError(f"--run-dir {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
-    return LoadedPolicy(
-        chat, spec, _trained_params(cfg, ck.state_dir, params), str(ck.path), ck.step
-    )
+    params = _trained_params(cfg, ck.state_dir, start.params)
+    return LoadedPolicy(start.chat, start.spec, params, str(ck.path), ck.step)
 
 
 def _dtype(cfg: Config) -> Any:
@@ -295,7 +288,7 @@ def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 class LocalCaller:
     """Tool calls of the episodes, run by the tool workers' job code in the sandbox
-    `install_sandbox` set up (no Redis, no ledger), on `threads` threads of their own."""
+    runtime `evaluate` installs (no Redis, no ledger), on `threads` threads of their own."""
 
     def __init__(self, cfg: Config, threads: int) -> None:
         self.time_limit_s = cfg.tools.time_limit_s
@@ -330,28 +323,18 @@ async def run_pass(
 ) -> list[Outcome]:
     """Every task's `members` episodes on a fresh engine (greedy: top-k 1)."""
 
-    from streamrl.model.engine import Engine, EngineConfig
-    from streamrl.model.sampling import SamplingParams
-    from streamrl.rollout.engine_server import EngineServer
+    from streamrl.model.engine import Engine
+    from streamrl.rollout.engine_server import EngineServer, engine_config
     from streamrl.rollout.episode import EpisodeRunner
     from streamrl.tasks.registry import load_episodes
 
     r = cfg.rollout
-    sampling = (
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
-        if greedy
-        else SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    )
-    engine_cfg = EngineConfig(
+    engine_cfg = engine_config(
+        r,
+        tuple(policy.chat.stop_ids),
+        policy.chat.pad_id,
+        greedy=greedy,
         num_slots=min(r.max_batch_size, r.max_concurrency, len(tasks) * members),
-        kv_cache_size=r.kv_cache_size,
-        max_prompt_length=r.kv_cache_size - 1,
-        max_new_tokens=r.max_turn_tokens,
-        sampling=sampling,
-        stop_ids=tuple(policy.chat.stop_ids),
-        pad_id=policy.chat.pad_id,
-        decode_chunk=r.decode_chunk,
-        kv_reuse=r.kv_reuse,
     )
     engine = Engine(policy.spec, policy.params, engine_cfg)
     server = EngineServer(engine, policy.step or 0, log)
@@ -398,7 +381,7 @@ def evaluate(
     log: structlog.stdlib.BoundLogger,
 ) -> dict[str, Any]:
     """The result of evaluating `policy` on the first `n` held-out tasks (module doc)."""
-    from streamrl.tools.jobs import close_sandbox, install_sandbox, install_tools, open_sandbox
+    from streamrl.tools.jobs import ToolRuntime, install, open_sandbox, uninstall
     from streamrl.tools.registry import load_tools
 
     start = time.monotonic()
@@ -407,12 +390,12 @@ def evaluate(
     tasks = heldout_tasks(cfg.task, cfg.run.seed, n, max(samples, 1), warm)
     log.info("eval_start", policy=policy.source, tasks=n, samples=samples)
     # The tool workers' sandbox choice and tools, in this process (`LocalCaller`).
-    install_tools(load_tools(cfg.tools))
-    install_sandbox(open_sandbox(cfg.tools, cfg.run.name, WORKER, log))
+    tools = load_tools(cfg.tools)
+    install(ToolRuntime(open_sandbox(cfg.tools, cfg.run.name, WORKER, log), tools))
     try:
         return _evaluate(cfg, policy, tasks, samples, solve_threshold, log, start)
     finally:
-        close_sandbox()
+        uninstall()
 
 
 def _evaluate(

@@ -47,7 +47,7 @@ from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.identity import default_holder
 from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
 from streamrl.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
-from streamrl.names import Keys
+from streamrl.names import Keys, RunPaths
 from streamrl.redis_server import EmbeddedRedis, free_port
 from streamrl.run.summary import (
     SUMMARY_SHOWN,
@@ -176,6 +176,7 @@ class Launcher:
         self.config_path = str(Path(config_path).resolve())
         self.overrides = overrides
         self.run_dir = run_dir.resolve()
+        self.paths = RunPaths(self.run_dir)
         self.steps = steps or cfg.trainer.max_steps
         self.keys = Keys(cfg.run.name)
         self.out = out or sys.stderr
@@ -203,7 +204,7 @@ class Launcher:
             print(f"streamrl: {err}", file=sys.stderr)
             return 2
         try:
-            logs = self.run_dir / "logs"
+            logs = self.paths.logs
             logs.mkdir(parents=True, exist_ok=True)
             file = run_log(logs, "launcher", self.cfg)
             return self._run(configure_logging("launcher", file=file, run=self.cfg.run.name))
@@ -225,7 +226,7 @@ class Launcher:
             if not url:
                 # One ACL user per worker type; this process is the operator.
                 self.redis = EmbeddedRedis(
-                    self.run_dir / "redis",
+                    self.paths.redis,
                     keys=self.keys,
                     appendfsync=self.cfg.redis.appendfsync,
                     startup_timeout_s=self.cfg.redis.startup_timeout_s,
@@ -281,7 +282,7 @@ class Launcher:
     def _resume_queues(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
         """Before any worker starts: queues back from the snapshot if Redis lost them, and
         the policy floor above every version published so far."""
-        ck = ckpts.latest_complete(self.run_dir / "checkpoints", log)
+        ck = ckpts.latest_complete(self.paths.checkpoints, log)
         kept = ckpts.namespace_present(client, self.keys, checkpointed=ck is not None)
         if kept:
             how = "Redis kept the queues"
@@ -335,7 +336,7 @@ class Launcher:
 
     def _spawn_all(self) -> None:
         # Each worker writes its JSON log itself, rolling over by size (streamrl.logs).
-        logs = str(self.run_dir / "logs")
+        logs = str(self.paths.logs)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_DIR_ENV: logs}
         if self.redis is None:
             # An external Redis: every worker gets what this process was given (REDIS_URL
@@ -351,7 +352,7 @@ class Launcher:
                     self.config_path, self.run_dir, self.overrides, self.cfg.trainer.eval_tasks
                 ),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                err_path=self.run_dir / "logs" / "evaluator.stderr",
+                err_path=self.paths.stderr("evaluator"),
             ).start()
 
     def _new_coordinator(self) -> None:
@@ -376,8 +377,8 @@ class Launcher:
             cmd += ["--set", f"metrics.prometheus_port={port}"]  # after the run's overrides
         if name in TRAINS and self.steps:
             cmd += ["--steps", str(self.steps)]
-        log_path = self.run_dir / "logs" / f"{name}-{index}.log"
-        err_path = self.run_dir / "logs" / f"{name}-{index}.stderr"
+        log_path = self.paths.log(f"{name}-{index}")
+        err_path = self.paths.stderr(f"{name}-{index}")
         popen = _start_session(cmd, env, err_path)
         return WorkerProc(
             name=name, index=index, popen=popen, log_path=log_path, stderr_path=err_path
@@ -503,7 +504,7 @@ class Launcher:
             is None
         ):
             log.error("redis_failed", code=code, restarts=len(self.redis_restarts))
-            where = self.run_dir / "redis" / "redis.log"
+            where = self.paths.redis / "redis.log"
             return f"the embedded Redis exited with code {code} too often; see {where}"
         log.warning("redis_crashed", code=code)
         try:
@@ -618,7 +619,7 @@ class Launcher:
             resumed=self.resume,
             available=available,
         )
-        path = self.run_dir / "summary.json"
+        path = self.paths.summary
         path.write_text(json.dumps(summary, indent=2) + "\n")
         shown = {k: summary[k] for k in SUMMARY_SHOWN}
         print(f"\n{reason}; summary in {path}\n{json.dumps(shown)}", file=self.out, flush=True)

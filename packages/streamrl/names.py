@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from streamrl.config import NAME_PATTERN
 
@@ -227,3 +228,60 @@ class Keys:
         restarts a worker whose beat stops changing (`streamrl.liveness`). Under
         `worker_slots`, so each worker's ACL allows it."""
         return f"{self.worker_slot(worker, index)}:beat"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every directory and file of a run directory (RUN_DIR), named in one place, as `Keys`
+    names the run's Redis keys."""
+
+    root: Path
+
+    CHECKPOINTS = "checkpoints"  # the trainer's step directories (`streamrl.checkpoints`)
+    LOGS = "logs"  # one JSON log and one stderr file per worker, and the launcher's
+    EXPORT = "export"  # the trained policy as a Hugging Face checkpoint
+    EVAL = "eval"  # the evaluator's snapshots and results (`streamrl.evalrun`)
+    TRACES = "traces"  # one <worker>.pftrace per worker process (`streamrl.tracing`)
+    WEIGHTS = "weights"  # the `dir` weights channel's versions (`streamrl.weightsync`)
+    REDIS = "redis"  # the embedded Redis: its AOF, config, log and secrets
+    SUMMARY = "summary.json"  # what `streamrl up` reports at the end
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / self.CHECKPOINTS
+
+    @property
+    def logs(self) -> Path:
+        return self.root / self.LOGS
+
+    @property
+    def export(self) -> Path:
+        return self.root / self.EXPORT
+
+    @property
+    def eval(self) -> Path:
+        return self.root / self.EVAL
+
+    @property
+    def traces(self) -> Path:
+        return self.root / self.TRACES
+
+    @property
+    def weights(self) -> Path:
+        return self.root / self.WEIGHTS
+
+    @property
+    def redis(self) -> Path:
+        return self.root / self.REDIS
+
+    @property
+    def summary(self) -> Path:
+        return self.root / self.SUMMARY
+
+    def log(self, worker_id: str) -> Path:
+        """A worker's (or "launcher"'s) JSON log."""
+        return self.logs / f"{worker_id}.log"
+
+    def stderr(self, worker_id: str) -> Path:
+        """What a worker process printed (its log is the JSON one)."""
+        return self.logs / f"{worker_id}.stderr"

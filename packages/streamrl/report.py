@@ -30,7 +30,8 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 
 from streamrl import evalrun
 from streamrl.metrics import percentile
-from streamrl.tracing import merge, read_trace
+from streamrl.names import RunPaths
+from streamrl.tracing import merge, read_trace, trace_files
 
 # Counter names read here (the metrics sampler writes them; the issue-16 contract).
 REWARD_COUNTERS = ("reward_mean", "solve_rate")
@@ -330,10 +331,10 @@ def parse_trace(trace: Trace) -> RunData:
 
 def load_run(run_dir: Path) -> RunData:
     """The merged trace files of `run_dir` and its summary.json (either may be missing)."""
-    paths = sorted((run_dir / "traces").glob("*.pftrace"))
+    paths = trace_files(run_dir)
     data = parse_trace(read_trace(merge(paths))) if paths else RunData()
     data.trace_files = len(paths)
-    summary_path = run_dir / "summary.json"
+    summary_path = RunPaths(run_dir).summary
     if summary_path.exists():
         data.summary = json.loads(summary_path.read_text())
     data.evals = evalrun.read_results(evalrun.eval_dir(run_dir))

@@ -65,10 +65,11 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
 )
 
 from streamrl.config import TraceConfig
+from streamrl.names import RunPaths
 
 # TracePacket.sequence_flags: the first packet of a writer's sequence starts it afresh.
 _SEQ_INCREMENTAL_STATE_CLEARED = 1
-TRACES_DIR = "traces"  # under the run directory: one <worker>.pftrace per worker process
+TRACES_DIR = RunPaths.TRACES  # under the run directory: one <worker>.pftrace per worker
 TRACE_SUFFIX = ".pftrace"
 MAX_TRACKS = 1 << 16  # track descriptors remembered; a forgotten one is written again
 

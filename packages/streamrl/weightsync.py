@@ -43,7 +43,7 @@ import redis
 import xxhash
 
 from streamrl.config import ChannelName, Checksum
-from streamrl.names import Keys
+from streamrl.names import Keys, RunPaths
 from streamrl.wire import Weights
 
 __all__ = [
@@ -198,7 +198,7 @@ def write_bytes_atomic(path: str | Path, data: Buffer | list[Buffer]) -> None:
         os.close(dir_fd)
 
 
-WEIGHTS_DIR = "weights"  # the `dir` channel's directory in RUN_DIR, for writer and readers
+WEIGHTS_DIR = RunPaths.WEIGHTS  # the `dir` channel's directory in RUN_DIR, for all
 
 _VERSION_FILE = re.compile(r"^v(\d{6,})\.weights$")
 

@@ -70,7 +70,7 @@ def test_other_jobs_are_refused_and_the_worker_keeps_serving(
     system = hostile.enqueue_call("os.system", args=[f"touch {system_mark}"])
     # A name that is the tool call's module but another function, and callbacks by name.
     sneaky = hostile.enqueue_call(
-        "streamrl.tools.jobs.install_tools",
+        "streamrl.tools.jobs.install",
         args=[{}],
         on_failure=Callback(f"{__name__}.mark"),
         on_success=Callback(f"{__name__}.mark"),
@@ -82,7 +82,7 @@ def test_other_jobs_are_refused_and_the_worker_keeps_serving(
     try:
         wait_for_rq_worker(rclient, keys.tool_queue)
         for job, name in ((getpid, "os.getpid"), (system, "os.system"),
-                          (sneaky, "streamrl.tools.jobs.install_tools")):  # fmt: skip
+                          (sneaky, "streamrl.tools.jobs.install")):  # fmt: skip
             assert wait_done(job) == JobStatus.FAILED, name
             result = job.latest_result()
             assert result is not None and result.exc_string is not None
@@ -106,7 +106,7 @@ def test_other_jobs_are_refused_and_the_worker_keeps_serving(
     assert {(e["job_id"], e["func"]) for e in refused} == {
         (getpid.id, "os.getpid"),
         (system.id, "os.system"),
-        (sneaky.id, "streamrl.tools.jobs.install_tools"),
+        (sneaky.id, "streamrl.tools.jobs.install"),
     }
     assert all(e["level"] == "error" for e in refused)
 

@@ -112,6 +112,12 @@ def _follower(
     return WeightFollower(aclient, keys, server, loader, SyncLock(), LOG, mode)
 
 
+def _engine_of(follower: WeightFollower) -> Engine:
+    """The engine behind a follower's server (an EngineServer in these tests)."""
+    assert isinstance(follower.server, EngineServer)
+    return follower.server.engine
+
+
 async def _close(*followers: WeightFollower) -> None:
     for f in followers:
         await f.aclient.aclose()
@@ -179,7 +185,7 @@ def test_damaged_versions_are_refused_and_the_last_good_one_serves(
     good = _scaled(params, 1.5)
     pub = WeightPublisher(rclient, keys, _channel(kind, rclient, keys, tmp_path), LOG, keep=8)
     follower = _follower(model, rclient, redis_url, keys, weights_dir=tmp_path / "weights")
-    engine = follower.server.engine
+    engine = _engine_of(follower)
     expected = _outputs(_engine(model, good), chat)
 
     async def check() -> None:
@@ -342,11 +348,11 @@ def test_lora_publish_serves_exactly_the_merged_model(
             hook(loop, final=False)  # adapters only
             assert await follower.poll(block_ms=1000)
         assert follower.server.version == 2
-        assert _outputs(follower.server.engine, chat) == expected
+        assert _outputs(_engine_of(follower), chat) == expected
         # A worker that starts now finds adapters newest: it loads their base first.
         assert await late.wait_initial(lambda: False)
         assert late.loaded_version == 2
-        assert _outputs(late.server.engine, chat) == expected
+        assert _outputs(_engine_of(late), chat) == expected
 
     asyncio.run(go())
     full, *loras = _published(rclient, keys)
@@ -389,14 +395,14 @@ def test_attached_lora_serving_takes_adapter_bytes_only(
             await _close(follower)
 
     asyncio.run(go())
-    served = follower.server.engine.params
+    served = _engine_of(follower).params
     q = served["model"]["layers_0"]["self_attn"]["q_proj"]
     assert q["kernel"] is loader.base["model"]["layers_0"]["self_attn"]["q_proj"]["kernel"]
     np.testing.assert_allclose(
         q["lora_b"], adapters["model"]["layers_0"]["self_attn"]["q_proj"]["lora_b"] * 2.0
     )
     assert "lora_a" not in served["model"]["layers_0"]["self_attn"]["k_proj"]
-    got = _outputs(follower.server.engine, chat)
+    got = _outputs(_engine_of(follower), chat)
     assert [g.tokens for g in got] == [e.tokens for e in expected]
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g.logprobs, e.logprobs, atol=1e-4)
@@ -436,7 +442,7 @@ def test_a_starting_worker_loads_the_latest_version_first(
     async def check() -> None:
         assert await fresh.wait_initial(lambda: False)
         assert fresh.loaded_version == fresh.server.version == 2 and fresh.syncs == 1
-        assert _equal(fresh.server.engine.params, _scaled(params, 1.2))
+        assert _equal(_engine_of(fresh).params, _scaled(params, 1.2))
         # The newest damaged: the newest good one (version 1) serves instead.
         msg = pub.publish(_scaled(params, 1.3), 3, 3)
         _damage(kind, "flip", msg, rclient, keys)

@@ -37,3 +37,31 @@ def test_every_key_carries_the_run_tag() -> None:
 def test_namespace_holds_no_brace_or_glob(ns: str) -> None:
     with pytest.raises(ValueError, match="invalid run namespace"):
         Keys(ns)
+
+
+def test_run_directory_paths_are_named_once() -> None:
+    """RunPaths names the run directory's parts; no module joins their names again
+    (`"checkpoints"` was typed in four places)."""
+    import re
+    from pathlib import Path
+
+    from streamrl.names import RunPaths
+    from streamrl.tracing import TRACES_DIR
+    from streamrl.weightsync import WEIGHTS_DIR
+
+    paths = RunPaths(Path("/r"))
+    assert (paths.checkpoints, paths.summary) == (Path("/r/checkpoints"), Path("/r/summary.json"))
+    assert paths.stderr("tools-0") == Path("/r/logs/tools-0.stderr")
+    assert (TRACES_DIR, WEIGHTS_DIR) == (RunPaths.TRACES, RunPaths.WEIGHTS)
+    names = "|".join(
+        re.escape(n)
+        for n in ("checkpoints", "logs", "export", "eval", "traces", "weights", "summary.json")
+    )
+    joined = re.compile(rf'/ "({names})"')
+    repo = Path(__file__).resolve().parents[2]
+    found = [
+        f"{p.relative_to(repo)}: {m.group(0)}"
+        for p in [*(repo / "packages").rglob("*.py"), *(repo / "workers").rglob("*.py")]
+        for m in joined.finditer(p.read_text())
+    ]
+    assert not found, found

@@ -26,8 +26,39 @@ from typing import Any
 
 import structlog
 
-from streamrl.model.engine import Engine
-from streamrl.model.sampling import GenRequest, GenResult
+from streamrl.config import RolloutConfig
+from streamrl.model.engine import Engine, EngineConfig
+from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
+
+
+def engine_config(
+    r: RolloutConfig,
+    stop_ids: tuple[int, ...],
+    pad_id: int,
+    *,
+    greedy: bool = False,
+    num_slots: int | None = None,
+) -> EngineConfig:
+    """The engine a rollout worker (or the evaluator) runs for `rollout` settings: its
+    slots (`max_batch_size`, unless `num_slots`), each turn's budget, the sampling (greedy:
+    top-k 1 at temperature 1), and a prompt as long as a slot holds, for later turns carry
+    the whole conversation so far."""
+    sampling = (
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=1)
+        if greedy
+        else SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    )
+    return EngineConfig(
+        num_slots=r.max_batch_size if num_slots is None else num_slots,
+        kv_cache_size=r.kv_cache_size,
+        max_prompt_length=r.kv_cache_size - 1,
+        max_new_tokens=r.max_turn_tokens,
+        sampling=sampling,
+        stop_ids=stop_ids,
+        pad_id=pad_id,
+        decode_chunk=r.decode_chunk,
+        kv_reuse=r.kv_reuse,
+    )
 
 
 class EngineServerError(RuntimeError):

@@ -48,6 +48,25 @@ class ModelService(Protocol):
     def end_session(self, session: str) -> None: ...
 
 
+class ModelServer(ModelService, Protocol):
+    """What the rollout worker, its weight follower and the colocated trainer drive: the
+    engine server (`streamrl.rollout.engine_server`) or the stub (`streamrl.rollout.stub`).
+    `steps`: decode steps (stub: calls answered); `stall_s`: engine time lost to weight
+    syncs."""
+
+    version: int
+    steps: int
+    stall_s: float
+
+    async def serve(self) -> None: ...
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    async def swap(self, params: Any, version: int) -> None: ...
+
+
 if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never needs it
     from streamrl.hfchat import Dialogue
 

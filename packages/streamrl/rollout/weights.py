@@ -43,7 +43,7 @@ from streamrl.failpoints import WEIGHTS_LOAD, afailpoint
 from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
 from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
 from streamrl.names import Keys
-from streamrl.rollout.engine_server import EngineServer
+from streamrl.rollout.episode import ModelServer
 from streamrl.tracing import Span, Tracer
 from streamrl.weightsync import (
     WeightsError,
@@ -189,7 +189,7 @@ class WeightFollower:
         self,
         aclient: aioredis.Redis,
         keys: Keys,
-        server: EngineServer,
+        server: ModelServer,
         load: Load,
         lock: SyncLock,
         log: structlog.stdlib.BoundLogger,

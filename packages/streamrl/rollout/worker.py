@@ -63,8 +63,7 @@ from streamrl.metrics import (
     Metrics,
 )
 from streamrl.names import Keys
-from streamrl.rollout.engine_server import EngineServer
-from streamrl.rollout.episode import EpisodeRunner, traj_id
+from streamrl.rollout.episode import EpisodeRunner, ModelServer, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.tasks.registry import Episodes
@@ -238,7 +237,7 @@ class RolloutWorker:
         keys: Keys,
         cfg: Config,
         consumer: str,
-        server: EngineServer,
+        server: ModelServer,
         runner: EpisodeRunner,
         episodes: Episodes,
         follower: WeightFollower,

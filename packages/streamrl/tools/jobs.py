@@ -5,8 +5,10 @@ caller's nonce), where the rollout worker waits with
 BLPOP on its event loop; rq's own result store is not used for the answer, so waiting for a
 call costs no thread.
 
-A tool worker process holds one `WorkerSandbox` for all its jobs (`install_sandbox` at
-start, `close_sandbox` at exit): the container backend's warm pool lives across calls. A
+A tool worker process holds one `ToolRuntime` for all its jobs (`install` at start,
+`uninstall` at exit): its sandbox (the container backend's warm pool lives across calls),
+its tools and its tracer. A job run in a process where none is installed fails as an
+infrastructure error saying so; nothing is built behind the caller's back. A
 failure of the sandbox itself (engine down, image missing, an API error, no isolating
 sandbox for a tool that needs one) comes back as a ToolResult with `infra` set: the rollout
 side ends that episode with status error and counts it for its circuit breaker.
@@ -14,7 +16,7 @@ side ends that episode with status error and counts it for its circuit breaker.
 A call with a `ledger_key` (a tool in `tools.non_idempotent`) runs at most once per key: a
 replay gets the result recorded in the run's tool ledger (`streamrl.tools.ledger`).
 
-With the worker's tracer installed (`install_tracer`), each call adds two spans on its track
+With the worker's tracer installed, each call adds two spans on its track
 ("call", call_id): `tool.queue`, from its enqueue (the time the caller put in the job, on
 the Redis clock) to the job's start here, and `tool.exec`, the call run (ledger and
 sandbox) up to its result's publication.
@@ -22,10 +24,10 @@ sandbox) up to its result's publication.
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import time
+from dataclasses import dataclass, field
 
 import rq
 import structlog
@@ -48,11 +50,24 @@ CLAIM_MARGIN_S = 10
 
 JOB_PATH = "streamrl.tools.jobs.run_tool_call"
 
-# The worker process's sandbox and tools (rq calls jobs as plain functions: module state is
-# the place). Without installed tools, the built-in ones.
-_SANDBOX: dict[str, WorkerSandbox] = {}
-_TOOLS: dict[str, dict[str, Tool]] = {}
-_TRACER: dict[str, Tracer] = {}
+
+@dataclass
+class ToolRuntime:
+    """What a tool worker process runs its calls with: the sandbox, the tools
+    (`registry.load_tools`: built-in and tools.extra) and the tracer of its spans."""
+
+    sandbox: WorkerSandbox
+    tools: dict[str, Tool] = field(default_factory=lambda: dict(TOOLS))
+    tracer: Tracer = field(default_factory=Tracer.disabled)
+
+
+class NoToolRuntimeError(RuntimeError):
+    pass
+
+
+# rq calls a job as a plain function, so the process's runtime is its one piece of module
+# state: set by `install`, cleared by `uninstall`, read by the job.
+_installed: list[ToolRuntime] = []
 
 
 def open_sandbox(
@@ -74,39 +89,34 @@ def open_sandbox(
     return WorkerSandbox(cfg.sandbox, builder(container=container, bwrap=bwrap, log=log), log)
 
 
-def install_sandbox(sandbox: WorkerSandbox) -> None:
-    _SANDBOX["current"] = sandbox
+def install(runtime: ToolRuntime) -> None:
+    """Run this process's calls with `runtime` (one at a time: `uninstall` first)."""
+    if _installed:
+        raise RuntimeError("a tool runtime is installed already in this process")
+    _installed.append(runtime)
 
 
-def install_tools(tools: dict[str, Tool]) -> None:
-    """The tools this worker runs (`registry.load_tools`: built-in and tools.extra)."""
-    _TOOLS["current"] = tools
+def uninstall() -> None:
+    """Close the installed runtime's sandbox (its warm containers go) and forget it."""
+    if _installed:
+        _installed.pop().sandbox.close()
 
 
-def install_tracer(tracer: Tracer) -> None:
-    """The tracer of this worker process (its `tool.queue` and `tool.exec` spans)."""
-    _TRACER["current"] = tracer
-
-
-def close_sandbox() -> None:
-    sandbox = _SANDBOX.pop("current", None)
-    if sandbox is not None:
-        sandbox.close()
-
-
-def _current() -> WorkerSandbox:
-    if "current" not in _SANDBOX:  # a job run outside a tool worker (tests, rq's own workers)
-        log = structlog.get_logger()
-        _SANDBOX["current"] = WorkerSandbox("auto", builder(log=log), log)
-        atexit.register(close_sandbox)  # its containers go with the process
-    return _SANDBOX["current"]
+def installed() -> ToolRuntime:
+    """The installed runtime; NoToolRuntimeError in a process that installed none."""
+    if not _installed:
+        raise NoToolRuntimeError(
+            "no tool runtime in this process: tool calls run in a tool worker "
+            "(`streamrl worker tools`) or the evaluator, which install one"
+        )
+    return _installed[0]
 
 
 def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tuple[Outcome, bool]:
     """(outcome, infra): a sandbox failure is an infrastructure error, not a tool error."""
     try:
-        tools = _TOOLS.get("current", TOOLS)
-        return run_call(_current(), name, arguments, time_limit_s, output_cap, tools), False
+        rt = installed()
+        return run_call(rt.sandbox, name, arguments, time_limit_s, output_cap, rt.tools), False
     except SandboxUnavailableError as err:
         return Outcome(False, "", f"sandbox unavailable: {err}"), True
     except Exception as err:
@@ -117,8 +127,8 @@ def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tup
 def execute_call(
     call_id: str, name: str, arguments: str, time_limit_s: float, output_cap: int, worker: str
 ) -> ToolResult:
-    """One call in the installed sandbox with the installed tools, as a tool worker's job
-    runs it (no ledger, no result list): `streamrl eval` runs its tool calls so."""
+    """One call with the installed runtime, as a tool worker's job runs it (no ledger, no
+    result list): `streamrl eval` runs its tool calls so."""
     return _execute(call_id, name, arguments, time_limit_s, output_cap, worker)
 
 
@@ -156,7 +166,7 @@ def run_tool_call(
     With a `ledger_key` the call runs once per key (a job run outside a tool worker has no
     connection, so no ledger: it just runs). `enqueued_ns`: when the caller enqueued it,
     on the Redis clock (0: not said)."""
-    tracer = _TRACER.get("current")
+    tracer = _installed[0].tracer if _installed else None
     start_ns = time.time_ns()
     track = 0
     if tracer is not None and tracer.enabled:
