@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def main(args: argparse.Namespace) -> int:
     from streamrl.logs import configure_logging
-    from streamrl.tools.proxy import ProxyConfig, run
+    from streamrl.tools.proxy import run
+    from streamrl.tools.proxy_rules import ProxyConfig
 
     image = {"image": args.image} if args.image else {}
     try:

@@ -19,7 +19,7 @@ import docker
 import pytest
 
 from streamrl.tools.containers import ContainerConfig, ContainerSandbox, _Warm
-from streamrl.tools.proxy import (
+from streamrl.tools.proxy_rules import (
     ProxyConfig,
     Refused,
     Request,
