@@ -85,10 +85,6 @@ class Keys:
         return self._k("dead")
 
     @property
-    def control(self) -> str:
-        return self._k("control")
-
-    @property
     def metrics(self) -> str:
         """Trainer metrics, one entry per step."""
         return self._k("metrics")
@@ -100,7 +96,6 @@ class Keys:
             self.groups,
             self.weights,
             self.dead,
-            self.control,
             self.metrics,
         )
 

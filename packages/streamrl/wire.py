@@ -200,12 +200,6 @@ class DeadLetter(Message, frozen=True, kw_only=True):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
-class Control(Message, frozen=True, kw_only=True):
-    KIND: ClassVar[str] = "control"
-    command: Literal["pause", "resume", "stop"]
-    reason: str = ""
-
-
 class TrainMetrics(Message, frozen=True, kw_only=True):
     """One trainer step's figures."""
 
@@ -249,7 +243,7 @@ class ToolResult(Message, frozen=True, kw_only=True):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     t.KIND: t
-    for t in (Task, Trajectory, Group, Weights, DeadLetter, Control, TrainMetrics, ToolResult)
+    for t in (Task, Trajectory, Group, Weights, DeadLetter, TrainMetrics, ToolResult)
 }
 
 _encoder = msgspec.msgpack.Encoder()

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from streamrl.config import TransportConfig
 from streamrl.names import Keys
 from streamrl.transport import RedisStreamConsumer, publish
-from streamrl.wire import Control, DeadLetter, Task, decode
+from streamrl.wire import DeadLetter, Task, decode
 from tests.conftest import entries
 
 FAST = TransportConfig(block_ms=10, claim_idle_ms=100, claim_every_ms=10, max_deliveries=2)
@@ -62,11 +62,12 @@ def test_ack_only_after_output(rclient: redis.Redis, keys: Keys) -> None:
     assert d.msg.task_id == "t1" and d.deliveries == 1
     # Read but not committed: still pending, nothing written downstream.
     assert _pending(rclient, keys) == 1
-    assert rclient.xlen(keys.control) == 0
-    c.commit([d.entry_id], [(keys.control, Control(command="pause"))])
+    out = keys.scratch("out")
+    assert rclient.xlen(out) == 0
+    c.commit([d.entry_id], [(out, _task(2))])
     assert _pending(rclient, keys) == 0
-    [(_, fields)] = entries(rclient, keys.control)
-    assert decode(fields, Control).command == "pause"
+    [(_, fields)] = entries(rclient, out)
+    assert decode(fields, Task).task_id == "t2"
 
 
 @MODES
@@ -76,7 +77,7 @@ def test_commit_is_one_transaction(
     c = _consumer(rclient, keys, "a")
     publish(rclient, keys.tasks, _task(1))
     [d] = c.read()
-    out = [(keys.control, Control(command="pause"))]
+    out = [(keys.scratch("out"), _task(2))]
 
     async def acommit() -> None:
         aclient = aioredis.Redis.from_url(redis_url)

@@ -7,7 +7,6 @@ import pytest
 from streamrl.wire import (
     EPISODE_STATE_VERSION,
     SCHEMA_VERSION,
-    Control,
     DeadLetter,
     EpisodeState,
     Group,
@@ -66,7 +65,6 @@ MESSAGES: list[Message] = [
         consumer="c",
         deliveries=3,
     ),
-    Control(command="stop", reason="done"),
     TrainMetrics(
         step=1,
         version=1,
