@@ -82,18 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamrl: {err}", file=sys.stderr)
         return 2
     if args.command == "tools":
-        return toolexec.main(args, cfg)
+        return int(toolexec.main(args, cfg))
     if args.command == "acl":
-        return aclcli.main(args, cfg)
+        return int(aclcli.main(args, cfg))
     if args.command == "health":
-        return health.main(args, cfg)
+        return int(health.main(args, cfg))
     resume = getattr(args, "resume", None)
     if resume and args.run_dir and Path(args.run_dir).resolve() != Path(resume).resolve():
         print("streamrl: --resume names the run directory; drop --run-dir", file=sys.stderr)
         return 2
     run_dir = Path(resume or args.run_dir or Path("runs") / cfg.run.name)
     if args.command == "queues":
-        return queuescli.main(args, cfg, run_dir)
+        return int(queuescli.main(args, cfg, run_dir))
     if args.command == "up":
         from streamrl.launcher import Launcher
         from streamrl.tasks.registry import check_plugins
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return Launcher(cfg, args.config, args.set, run_dir, args.steps, resume=bool(resume)).run()
     try:
-        return workerproc.main(args, cfg, run_dir)
+        return int(workerproc.main(args, cfg, run_dir))
     except NoRedisError as err:
         print(f"streamrl: {err}", file=sys.stderr)
         return 2

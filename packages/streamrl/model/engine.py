@@ -521,7 +521,8 @@ class Engine:
         if self.mesh is None:
             return pool
         sharding = cache_sharding(self.mesh)
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), pool)
+        kept: KVCache = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), pool)
+        return kept
 
     def _prefill_fn(
         self,

@@ -63,7 +63,8 @@ def _centered(rewards: Sequence[float]) -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
     if is_zero_variance(r):
         return np.zeros_like(r)
-    return r - r.mean()
+    centered: np.ndarray = r - r.mean()
+    return centered
 
 
 @register("grpo")
@@ -78,15 +79,19 @@ def grpo_advantages(rewards: Sequence[float], epsilon: float) -> list[float]:
     """
     centered = _centered(rewards)
     if not centered.any():
-        return centered.tolist()
-    return (centered / (centered.std() + epsilon)).tolist()
+        return _floats(centered)
+    return _floats(centered / (centered.std() + epsilon))
 
 
 @register("dr_grpo")
 def dr_grpo_advantages(rewards: Sequence[float], epsilon: float) -> list[float]:
     """r_i - mean(r): no division by the group's std (epsilon is accepted and unused)."""
     del epsilon  # same signature as every advantage function
-    return _centered(rewards).tolist()
+    return _floats(_centered(rewards))
+
+
+def _floats(a: np.ndarray) -> list[float]:
+    return [float(x) for x in a]
 
 
 def masked_advantages(

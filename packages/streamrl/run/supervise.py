@@ -30,7 +30,7 @@ def restart_decision(
 
 def backoff_s(nth: int, base_s: float) -> float:
     """Wait before the nth restart in a window: base, 2 x base, 4 x base, ... capped."""
-    return min(MAX_BACKOFF_S, base_s * 2 ** (nth - 1))
+    return min(MAX_BACKOFF_S, base_s * 2.0 ** (nth - 1))
 
 
 @dataclass

@@ -191,7 +191,8 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
         updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, optax.OptState]:
         with jax.numpy_dtype_promotion("standard"):
-            return tx.update(updates, state, params)
+            out: tuple[optax.Updates, optax.OptState] = tx.update(updates, state, params)
+            return out
 
     return optax.GradientTransformation(init, update)
 
@@ -368,15 +369,18 @@ class TrainStep:
         return int(np.lcm(devices, micro))
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        out: tuple[TrainState, dict[str, jax.Array]]
         if self.mesh is None:
-            return self._step(state, batch)
+            out = self._step(state, batch)
+            return out
         if self._mesh_step is None:
             # The new state keeps the layout of the old (params, optimizer state fsdp-sharded);
             # metrics come back replicated.
             layout = jax.tree.map(lambda x: x.sharding, state)
             replicated = NamedSharding(self.mesh, PartitionSpec())
             self._mesh_step = jax.jit(self._train_step, out_shardings=(layout, replicated))
-        return self._mesh_step(state, jax.device_put(batch, batch_sharding(self.mesh)))
+        out = self._mesh_step(state, jax.device_put(batch, batch_sharding(self.mesh)))
+        return out
 
     def _micro_loss(
         self,
