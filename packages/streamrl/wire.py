@@ -242,8 +242,7 @@ class ToolResult(Message, frozen=True, kw_only=True):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    t.KIND: t
-    for t in (Task, Trajectory, Group, Weights, DeadLetter, TrainMetrics, ToolResult)
+    t.KIND: t for t in (Task, Trajectory, Group, Weights, DeadLetter, TrainMetrics, ToolResult)
 }
 
 _encoder = msgspec.msgpack.Encoder()
