@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis, redis_server_binary
+from streamrl.run.redis_server import EmbeddedRedis, redis_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,8 +15,8 @@ import pytest
 import redis
 from rq import Worker
 
-from streamrl.launcher import worker_command
 from streamrl.names import Keys
+from streamrl.run.launcher import worker_command
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.toml"

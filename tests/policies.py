@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from streamrl.chat.hf import HFChat
 from streamrl.config import Config, parse_config
-from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint

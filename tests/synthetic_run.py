@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from streamrl.tracing import TraceWriter
+from streamrl.obs.tracing import TraceWriter
 
 T0 = 1_700_000_000 * 10**9  # the run's first event (ns)
 S = 10**9

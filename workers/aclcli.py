@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(args: argparse.Namespace, cfg: Config) -> int:
-    from streamrl import acl
     from streamrl.names import Keys
+    from streamrl.run import acl
 
     try:
         major = int(str(args.redis_version).split(".")[0])

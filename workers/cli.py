@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streamrl.config import ConfigError, load_config
-from streamrl.runtime import NoRedisError
+from streamrl.run.runtime import NoRedisError
 from streamrl_workers import (
     aclcli,
     evalcli,
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "queues":
         return int(queuescli.main(args, cfg, run_dir))
     if args.command == "up":
-        from streamrl.launcher import Launcher
+        from streamrl.run.launcher import Launcher
         from streamrl.tasks.registry import check_plugins
 
         try:

@@ -19,7 +19,7 @@ import asyncio
 import threading
 from typing import TYPE_CHECKING, Any
 
-from streamrl.runtime import WorkerContext
+from streamrl.run.runtime import WorkerContext
 from streamrl_workers import rollout, trainer
 
 if TYPE_CHECKING:

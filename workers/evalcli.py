@@ -6,8 +6,8 @@
 
 --watch RUN_DIR is the evaluator of a run with trainer.eval_every (`streamrl up` starts it):
 it evaluates the snapshots the trainer writes into RUN_DIR/eval/ until the run drains it
-(`streamrl.evalrun`). Logic in `streamrl.evaluation` (episodes), `streamrl.tasks.heldout`
-(the split) and `streamrl.evalstats` (intervals, pass@k, the gate rule).
+(`streamrl.evaluation.watch`). Logic in `streamrl.evaluation` (episodes), `streamrl.tasks.heldout`
+(the split) and `streamrl.evaluation.stats` (intervals, pass@k, the gate rule).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def main(args: argparse.Namespace) -> int:
     from streamrl.config import ConfigError, load_config, parse_config
-    from streamrl.evalstats import EXIT_GATE_FAILED, EXIT_OK, EXIT_SANDBOX, EXIT_USAGE
+    from streamrl.evaluation.stats import EXIT_GATE_FAILED, EXIT_OK, EXIT_SANDBOX, EXIT_USAGE
 
     def fail(msg: str, code: int = EXIT_USAGE) -> int:
         print(f"streamrl eval: {msg}", file=sys.stderr)
@@ -118,10 +118,10 @@ def main(args: argparse.Namespace) -> int:
         return fail("model.kind stub has no policy to evaluate")
 
     from streamrl import evaluation
-    from streamrl.hfchat import ChatError
-    from streamrl.logs import configure_logging
+    from streamrl.chat.hf import ChatError
     from streamrl.model.checkpoint import CheckpointError
     from streamrl.model.spec import SpecError
+    from streamrl.run.logs import configure_logging
     from streamrl.tools.sandbox import SandboxUnavailableError
 
     if args.watch:
@@ -162,19 +162,20 @@ def _add_gate(result: dict[str, Any], baseline: dict[str, Any], verdict: Any, pa
 
 
 def watch(cfg: Config, run_dir: Path, n: int, solve_threshold: float) -> int:
-    """The run's evaluator (`streamrl.evalrun.watch`), logging to RUN_DIR/logs/evaluator.log.
-    Exits 0 once drained; SIGTERM stops it at once (what it had claimed is released when it
-    starts again)."""
+    """The run's evaluator (`streamrl.evaluation.watch.watch`), logging to
+    RUN_DIR/logs/evaluator.log. Exits 0 once drained; SIGTERM stops it at once (what it had
+    claimed is released when it starts again)."""
     import os
 
-    from streamrl import evalrun, evaluation
-    from streamrl.evalstats import EXIT_OK, EXIT_SANDBOX
-    from streamrl.hfchat import ChatError
-    from streamrl.logs import configure_logging
+    from streamrl import evaluation
+    from streamrl.chat.hf import ChatError
+    from streamrl.evaluation import watch as evalrun
+    from streamrl.evaluation.stats import EXIT_OK, EXIT_SANDBOX
     from streamrl.model.checkpoint import CheckpointError
     from streamrl.model.spec import SpecError
     from streamrl.names import RunPaths
-    from streamrl.runtime import run_log
+    from streamrl.run.logs import configure_logging
+    from streamrl.run.runtime import run_log
     from streamrl.tools.sandbox import SandboxUnavailableError
 
     os.nice(cfg.trainer.eval_niceness)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from streamrl.feeder import Feeder
-from streamrl.runtime import WorkerContext
+from streamrl.run.runtime import WorkerContext
 
 
 def run(ctx: WorkerContext) -> int:

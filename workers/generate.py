@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(args: argparse.Namespace) -> int:
-    from streamrl.hfchat import ChatError, HFChat, chat_template_text
+    from streamrl.chat.hf import ChatError, HFChat, chat_template_text
     from streamrl.model.checkpoint import CheckpointError, load_checkpoint
     from streamrl.model.engine import Engine, EngineConfig
     from streamrl.model.sampling import GenRequest, SamplingParams

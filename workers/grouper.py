@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from streamrl.grouper import Grouper
-from streamrl.runtime import WorkerContext
+from streamrl.run.runtime import WorkerContext
 
 
 def run(ctx: WorkerContext) -> int:

@@ -17,9 +17,9 @@ import sys
 import redis
 
 from streamrl.config import Config
-from streamrl.identity import holder_of, slots_held
 from streamrl.names import Keys
-from streamrl.runtime import WORKER_NAMES, NoRedisError, resolve_redis_url
+from streamrl.run.identity import holder_of, slots_held
+from streamrl.run.runtime import WORKER_NAMES, NoRedisError, resolve_redis_url
 from streamrl.transport import make_client
 from streamrl_workers.args import config_arguments
 

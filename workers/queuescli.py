@@ -39,8 +39,8 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
 
     from streamrl.names import Keys
     from streamrl.queues import format_report, inspect, replay_dead
-    from streamrl.redis_server import url_from_conf
-    from streamrl.runtime import NoRedisError, resolve_redis_url
+    from streamrl.run.redis_server import url_from_conf
+    from streamrl.run.runtime import NoRedisError, resolve_redis_url
     from streamrl.transport import make_client
 
     try:

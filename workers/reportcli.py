@@ -23,7 +23,7 @@ def main(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         print(f"streamrl report: no run directory {run_dir}", file=sys.stderr)
         return 2
-    from streamrl.report import write_report  # matplotlib: only for this command
+    from streamrl.obs.report import write_report  # matplotlib: only for this command
 
     path = write_report(run_dir, Path(args.out) if args.out else None)
     print(f"streamrl report: {path}")

@@ -7,18 +7,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from streamrl.metrics import ENGINE_BATCH_OCCUPANCY, TOKENS
+from streamrl.obs.metrics import ENGINE_BATCH_OCCUPANCY, TOKENS
 from streamrl.rollout.episode import EpisodeRunner, NewDialogue
 from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
 from streamrl.rollout.worker import RolloutWorker
-from streamrl.runtime import WorkerContext
+from streamrl.run.runtime import WorkerContext
 from streamrl.tasks.registry import load_episodes
 from streamrl.tools.client import ToolClient
 from streamrl.transport import make_async_client
 from streamrl.weightsync import WEIGHTS_DIR
 
 if TYPE_CHECKING:
-    from streamrl.hfchat import HFChat
+    from streamrl.chat.hf import HFChat
     from streamrl.model.engine import Engine
     from streamrl.rollout.episode import ModelServer
 

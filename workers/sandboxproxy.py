@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(args: argparse.Namespace) -> int:
-    from streamrl.logs import configure_logging
+    from streamrl.run.logs import configure_logging
     from streamrl.tools.proxy import run
     from streamrl.tools.proxy_rules import ProxyConfig
 

@@ -1,4 +1,4 @@
-"""`streamrl status`: a live terminal dashboard of a run (`streamrl.status`).
+"""`streamrl status`: a live terminal dashboard of a run (`streamrl.obs.status`).
 
     streamrl status runs/stub                      # a run of `streamrl up`
     streamrl status --config configs/tiny.toml     # a compose stack: REDIS_URL (and
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import redis
 
-from streamrl import evalrun
 from streamrl.config import ConfigError, load_config
+from streamrl.evaluation import watch as evalrun
 from streamrl.names import Keys, RunPaths
-from streamrl.redis_server import url_from_conf
-from streamrl.rundir import recorded_run
-from streamrl.runtime import NoRedisError, resolve_redis_url
+from streamrl.run.redis_server import url_from_conf
+from streamrl.run.rundir import recorded_run
+from streamrl.run.runtime import NoRedisError, resolve_redis_url
 from streamrl.transport import make_client
 
 STATUS_WIDTH = 120  # columns of a frame printed to a pipe (a terminal's own width else)
@@ -65,7 +65,7 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from streamrl.status import StatusReader, show
+    from streamrl.obs.status import StatusReader, show
 
     try:
         url, run = target(args)

@@ -31,8 +31,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def main(args: argparse.Namespace, cfg: Config) -> int:
     """One call through the sandbox `cfg.tools` configures (cfg: loaded by `cli.main`)."""
-    from streamrl.logs import configure_logging
     from streamrl.plugins import PluginError
+    from streamrl.run.logs import configure_logging
     from streamrl.tools.jobs import open_sandbox
     from streamrl.tools.registry import load_tools, run_call
     from streamrl.tools.sandbox import Sandbox, SandboxUnavailableError

@@ -8,8 +8,8 @@ from __future__ import annotations
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from streamrl.metrics import queue_depth
-from streamrl.runtime import WorkerContext
+from streamrl.obs.metrics import queue_depth
+from streamrl.run.runtime import WorkerContext
 from streamrl.tools.jobs import ToolRuntime, install, open_sandbox, uninstall
 from streamrl.tools.registry import load_tools
 from streamrl.tools.rqguard import ToolCallJob, ToolCallWorker

@@ -3,7 +3,7 @@
     streamrl trace runs/demo                  # -> runs/demo/trace.pftrace
     streamrl trace runs/demo -o /tmp/t.pftrace
 
-Each worker wrote RUN_DIR/traces/<worker>.pftrace (`streamrl.tracing`); the merge is one
+Each worker wrote RUN_DIR/traces/<worker>.pftrace (`streamrl.obs.tracing`); the merge is one
 process per worker, on one clock (the Redis server's), which ui.perfetto.dev opens as it
 is (Open trace file). Prints what it merged: the processes, spans per name, counters.
 Needs no config and no Redis: it works on a finished run, or on a live one (each file is
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from streamrl.tracing import TRACES_DIR, TraceSummary, merge_run, trace_files
+from streamrl.obs.tracing import TRACES_DIR, TraceSummary, merge_run, trace_files
 
 DEFAULT_OUT = "trace.pftrace"  # under RUN_DIR
 

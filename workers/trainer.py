@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import orbax.checkpoint as ocp
 
-from streamrl import evalrun
+from streamrl.evaluation import watch as evalrun
 from streamrl.names import RunPaths
-from streamrl.runtime import WorkerContext
+from streamrl.run.runtime import WorkerContext
 from streamrl.trainer.cluster import init_distributed
 from streamrl.trainer.hooks import CheckpointHook, EvalSnapshotHook, ExportHook, Hook, PublishHook
 from streamrl.trainer.loop import TrainerLoop

@@ -2,10 +2,10 @@
 
 `--index N` runs replica N (what `streamrl up` passes); `--index auto` (what the compose
 stack passes) claims the lowest free index of the worker type, or the one this container
-held before a restart (streamrl.identity). Either way a heartbeat renews the identity's slot
+held before a restart (streamrl.run.identity). Either way a heartbeat renews the identity's slot
 in Redis while the process lives: `streamrl health --worker NAME` reads it; and a liveness
-beat while the worker's loop turns (`streamrl.liveness`): `streamrl up` reads that. Its
-counters are sampled into Redis (and served to Prometheus) while it runs (`streamrl.metrics`).
+beat while the worker's loop turns (`streamrl.run.liveness`): `streamrl up` reads that. Its
+counters are sampled into Redis (and served to Prometheus) while it runs (`streamrl.obs.metrics`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import redis
 from streamrl import checkpoints as ckpts
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
-from streamrl.identity import Heartbeat, claim_index, default_holder
-from streamrl.logs import redact_url
 from streamrl.names import RunPaths
-from streamrl.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
-from streamrl.tracing import Span
+from streamrl.obs.tracing import Span
+from streamrl.run.identity import Heartbeat, claim_index, default_holder
+from streamrl.run.logs import redact_url
+from streamrl.run.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
 from streamrl_workers.args import config_arguments
 
 

@@ -15,7 +15,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from streamrl import metrics as m
+from streamrl.obs import metrics as m
 
 
 def per_call_ns(fn: Callable[[int], None], n: int) -> float:

@@ -36,9 +36,9 @@ import structlog
 from rq import Worker
 
 from streamrl.config import load_config
-from streamrl.launcher import worker_command
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.run.launcher import worker_command
+from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.tools.client import ToolClient
 from streamrl.tools.containers import ContainerConfig, ContainerSandbox
 

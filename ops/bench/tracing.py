@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench import stragglers
-from streamrl.tracing import trace_files
+from streamrl.obs.tracing import trace_files
 
 
 def one_run(args: argparse.Namespace, work: Path, name: str, traced: bool) -> dict[str, Any]:

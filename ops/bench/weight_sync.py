@@ -74,7 +74,6 @@ from streamrl.model.sampling import GenRequest, SamplingParams
 from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.weights import (
     LoraServing,
@@ -83,6 +82,7 @@ from streamrl.rollout.weights import (
     WeightFollower,
     WeightLoader,
 )
+from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.transport import publish
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel

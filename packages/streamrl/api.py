@@ -43,7 +43,7 @@ from streamrl.agents.tools import (
     ToolOutput,
     parse_arguments,
 )
-from streamrl.chat import ToolCall, ToolCallError
+from streamrl.chat.transcript import ToolCall, ToolCallError
 from streamrl.tasks.base import (
     Demonstration,
     EpisodeContext,

@@ -1044,7 +1044,7 @@ class TrainerConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """Counters of every worker as time series (`streamrl.metrics`)."""
+    """Counters of every worker as time series (`streamrl.obs.metrics`)."""
 
     interval_s: float = Field(
         1.0,
@@ -1091,7 +1091,7 @@ class MetricsConfig(_Section):
 
 
 class TraceConfig(_Section):
-    """Perfetto traces (`streamrl.tracing`): each worker process writes its spans and
+    """Perfetto traces (`streamrl.obs.tracing`): each worker process writes its spans and
     counters to RUN_DIR/traces/<worker>.pftrace; `streamrl trace RUN_DIR` merges them."""
 
     enabled: bool = Field(

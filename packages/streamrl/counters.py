@@ -11,7 +11,7 @@ or one MULTI/EXEC with the output), so a retried or replayed delivery does not c
 "Approximate" ones can count a retried write again, or miss one lost with a crash.
 
 Per-worker counters (rates, latencies, queue depths sampled by each process) are another
-channel: `streamrl.metrics`. The trainer's per-step metrics are a stream (`Keys.metrics`).
+channel: `streamrl.obs.metrics`. The trainer's per-step metrics are a stream (`Keys.metrics`).
 
 Light: imports nothing beyond the standard library and the wire's status set.
 """

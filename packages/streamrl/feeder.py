@@ -21,10 +21,10 @@ import structlog
 
 from streamrl import counters
 from streamrl.config import Config
-from streamrl.liveness import Liveness
-from streamrl.metrics import queue_depth, queue_lag
 from streamrl.names import Keys
+from streamrl.obs.metrics import queue_depth, queue_lag
 from streamrl.queues import backlog
+from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import TaskSource, task_source
 from streamrl.transport import publish
 
@@ -57,7 +57,7 @@ class Feeder:
         return lag + pending
 
     def queue_probe(self) -> dict[str, float]:
-        """The tasks queue as counters (`streamrl.metrics`): its depth (what the rollout
+        """The tasks queue as counters (`streamrl.obs.metrics`): its depth (what the rollout
         workers have not finished) and lag (not yet delivered to them)."""
         lag, pending = backlog(
             self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1

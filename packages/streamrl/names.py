@@ -41,7 +41,7 @@ class Keys:
         hash slot and its ACL patterns like every other key."""
         return self._k("scratch", *parts)
 
-    # Key patterns (globs) for the ACL rules of `streamrl.acl`: built from `_k` like every
+    # Key patterns (globs) for the ACL rules of `streamrl.run.acl`: built from `_k` like every
     # name, so they follow it. The namespace holds no glob character, and the braces of
     # the hash tag are none either in Redis's glob matching (only `*?[\\` are).
     @property
@@ -100,7 +100,7 @@ class Keys:
         )
 
     def worker_metrics(self, worker_id: str) -> str:
-        """Stream of one worker process's counter samples (`streamrl.metrics`), one entry
+        """Stream of one worker process's counter samples (`streamrl.obs.metrics`), one entry
         per `metrics.interval_s`, trimmed to ~`metrics.keep_samples` (`worker_id`:
         `<worker>-<index>`)."""
         return self._k("metrics", worker_id)
@@ -220,7 +220,7 @@ class Keys:
     def worker_beat(self, worker: str, index: int) -> str:
         """String key holding worker `<worker>-<index>`'s liveness beat (its holder id and
         a count of beats), written only while the worker's loop turns: `streamrl up`
-        restarts a worker whose beat stops changing (`streamrl.liveness`). Under
+        restarts a worker whose beat stops changing (`streamrl.run.liveness`). Under
         `worker_slots`, so each worker's ACL allows it."""
         return f"{self.worker_slot(worker, index)}:beat"
 
@@ -235,8 +235,8 @@ class RunPaths:
     CHECKPOINTS = "checkpoints"  # the trainer's step directories (`streamrl.checkpoints`)
     LOGS = "logs"  # one JSON log and one stderr file per worker, and the launcher's
     EXPORT = "export"  # the trained policy as a Hugging Face checkpoint
-    EVAL = "eval"  # the evaluator's snapshots and results (`streamrl.evalrun`)
-    TRACES = "traces"  # one <worker>.pftrace per worker process (`streamrl.tracing`)
+    EVAL = "eval"  # the evaluator's snapshots and results (`streamrl.evaluation.watch`)
+    TRACES = "traces"  # one <worker>.pftrace per worker process (`streamrl.obs.tracing`)
     WEIGHTS = "weights"  # the `dir` weights channel's versions (`streamrl.weightsync`)
     REDIS = "redis"  # the embedded Redis: its AOF, config, log and secrets
     SUMMARY = "summary.json"  # what `streamrl up` reports at the end

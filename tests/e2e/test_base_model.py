@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.tiny_tokenizer import CHAT_TEMPLATE
+from streamrl.chat.tiny_tokenizer import CHAT_TEMPLATE
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.integration.test_base_model import make_base_checkpoint
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from streamrl import checkpoints as ckpts
-from streamrl import failpoints, rundir
+from streamrl.run import failpoints, rundir
 from tests.e2e.test_up import started_pids, summary_of, up
 from tests.helpers import REPO
 

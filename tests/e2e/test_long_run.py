@@ -16,7 +16,7 @@ import redis
 
 from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.run.redis_server import EmbeddedRedis
 from tests.e2e.test_up import summary_of, up
 from tests.helpers import REPO
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import redis
 
-from streamrl.metrics import read_series
 from streamrl.names import Keys
-from streamrl.redis_server import url_from_conf
+from streamrl.obs.metrics import read_series
+from streamrl.run.redis_server import url_from_conf
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.helpers import REPO, committed_trajectories
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
-from streamrl.metrics import GROUPS_TOTAL, RSS_MB, TRAJECTORIES_PER_MIN
-from streamrl.report import breakdowns_of, load_run, write_report
-from streamrl.tracing import GROUP_FLOW, TRAJ_FLOW, Span, flow_id, read_trace
+from streamrl.obs.metrics import GROUPS_TOTAL, RSS_MB, TRAJECTORIES_PER_MIN
+from streamrl.obs.report import breakdowns_of, load_run, write_report
+from streamrl.obs.tracing import GROUP_FLOW, TRAJ_FLOW, Span, flow_id, read_trace
 from tests.e2e.test_up import summary_of, up
 from tests.helpers import REPO
 

@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from streamrl.config import load_config
-from streamrl.launcher import plan
 from streamrl.names import Keys
+from streamrl.run.launcher import plan
 from tests.helpers import NO_EVALUATOR, REPO, TINY, committed_trajectories, live_in_group
 
 pytestmark = pytest.mark.e2e

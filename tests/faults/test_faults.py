@@ -8,7 +8,7 @@ liveness limit (the launcher must find it hung and restart it), at moments drawn
 fixed seed; one trainer kill lands mid checkpoint write (after the state, before the commit
 marker), one mid weight publish, one rollout kill mid weight load and one mid episode,
 right after episode states that hold a finished tool call were written (failpoints,
-`streamrl.failpoints`). The calculator is a non-idempotent tool here, so every call of it
+`streamrl.run.failpoints`). The calculator is a non-idempotent tool here, so every call of it
 goes through the tool ledger. The run is then stopped and its final state read back, from
 ids:
 
@@ -47,10 +47,10 @@ import pytest
 import redis
 
 from streamrl import checkpoints as ckpts
-from streamrl import failpoints as fp
 from streamrl.config import load_config
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.run import failpoints as fp
+from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.tasks.registry import make_task
 from streamrl.wire import Group, Task, Trajectory, WireError, decode
 from tests.helpers import NO_EVALUATOR, REPO, TINY

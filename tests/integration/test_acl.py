@@ -24,14 +24,14 @@ from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
 from streamrl import checkpoints as ckpts
-from streamrl.acl import OPERATOR, ROLES
 from streamrl.config import load_config
 from streamrl.feeder import Feeder
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.queues import inspect
-from streamrl.redis_server import EmbeddedRedis, redis_server_binary, server_version
-from streamrl.runtime import with_password
+from streamrl.run.acl import OPERATOR, ROLES
+from streamrl.run.redis_server import EmbeddedRedis, redis_server_binary, server_version
+from streamrl.run.runtime import with_password
 from streamrl.tools.jobs import JOB_PATH
 from streamrl.tools.ledger import ToolLedger
 from streamrl.transport import RedisStreamConsumer, publish
@@ -180,7 +180,7 @@ def test_each_worker_writes_its_own_metrics(connect: Connect, op: redis.Redis) -
 
 def test_read_only_keys(server: EmbeddedRedis, connect: Connect, op: redis.Redis) -> None:
     """The rollout reads `weights` and the grouper `policy:version`: Redis 7 refuses their
-    writes; Redis 6.2 has no read-only patterns (documented in streamrl.acl)."""
+    writes; Redis 6.2 has no read-only patterns (documented in streamrl.run.acl)."""
     if not read_only_patterns(server):
         pytest.skip("Redis 6.2 has no read-only key patterns")
     rollout, grouper = connect("rollout"), connect("grouper")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.chat.tiny_tokenizer import CHAT_TEMPLATE, EOS
 from streamrl.config import parse_config
 from streamrl.model.tiny import ensure_checkpoint
-from streamrl.tiny_tokenizer import CHAT_TEMPLATE, EOS
 from tests.helpers import run_generate
 
 PROMPT = "Compute 12+30 with the calculator."

@@ -24,7 +24,7 @@ from streamrl import checkpoints as ck
 from streamrl.config import ToolsConfig, load_config
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
-from streamrl.runtime import NoRedisError, make_context
+from streamrl.run.runtime import NoRedisError, make_context
 from streamrl.tools.client import ToolClient
 from streamrl.tools.ledger import AsyncToolLedger, ToolLedger, ledger_key
 from streamrl.transport import (

@@ -22,10 +22,10 @@ import pytest
 import redis
 import structlog
 
-from streamrl import failpoints
 from streamrl.config import load_config
 from streamrl.counters import EPISODES_RESUMED, EPISODES_RESUMED_SAVED_S
 from streamrl.names import Keys
+from streamrl.run import failpoints
 from streamrl.tasks.registry import make_task
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.stub import stub_state

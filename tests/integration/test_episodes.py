@@ -14,8 +14,8 @@ import structlog
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult, ToolInfraError
 from streamrl.agents.flow import CircuitOpenError
+from streamrl.chat.hf import HFChat
 from streamrl.config import Config
-from streamrl.hfchat import HFChat
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
 from streamrl.rollout.engine_server import EngineServer, EngineServerError

@@ -8,10 +8,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from streamrl import evalrun
 from streamrl.config import load_config
-from streamrl.launcher import evaluator_command
+from streamrl.evaluation import watch as evalrun
 from streamrl.model.tiny import ensure_checkpoint
+from streamrl.run.launcher import evaluator_command
 from tests.helpers import REPO, TINY
 
 

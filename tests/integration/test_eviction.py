@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from streamrl.runtime import NoRedisError, refuse_eviction
+from streamrl.run.runtime import NoRedisError, refuse_eviction
 from tests.helpers import REPO, TINY
 
 

@@ -13,9 +13,9 @@ import torch
 import transformers
 from structlog.testing import capture_logs
 
-from streamrl import evalrun
+from streamrl.chat.hf import HFChat
 from streamrl.config import parse_config
-from streamrl.hfchat import HFChat
+from streamrl.evaluation import watch as evalrun
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.spec import ModelSpec

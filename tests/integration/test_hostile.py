@@ -28,7 +28,7 @@ import docker
 import pytest
 import structlog
 
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.tools.backends import WorkerSandbox, builder, make_sandbox
 from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
 from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox

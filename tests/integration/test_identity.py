@@ -1,4 +1,4 @@
-"""Replica identities and heartbeats against a real Redis (streamrl.identity)."""
+"""Replica identities and heartbeats against a real Redis (streamrl.run.identity)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import redis
 import structlog
 
-from streamrl.identity import Heartbeat, claim_index, holder_of, renew
-from streamrl.liveness import Liveness
 from streamrl.names import Keys
+from streamrl.run.identity import Heartbeat, claim_index, holder_of, renew
+from streamrl.run.liveness import Liveness
 
 LOG = structlog.get_logger()
 

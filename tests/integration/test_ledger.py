@@ -18,7 +18,7 @@ import structlog
 from streamrl.agents.base import Action, ToolInfraError
 from streamrl.agents.envs import ToolEnvironment, ToolLimits, ToolRecord
 from streamrl.agents.tools import CallContext, FunctionTool, Tool, ToolOutput
-from streamrl.chat import ToolCall
+from streamrl.chat.transcript import ToolCall
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient

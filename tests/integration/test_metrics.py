@@ -1,4 +1,4 @@
-"""streamrl.metrics against a real Redis and a real HTTP scrape: the sampler's series stays
+"""streamrl.obs.metrics against a real Redis and a real HTTP scrape: the sampler's series stays
 bounded, the Prometheus endpoint serves the values, a Redis outage is not fatal."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from streamrl import metrics as m
 from streamrl.names import Keys
-from streamrl.redis_server import free_port
+from streamrl.obs import metrics as m
+from streamrl.run.redis_server import free_port
 
 LOG = structlog.get_logger()
 

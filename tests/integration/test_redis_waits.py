@@ -17,9 +17,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from streamrl.config import Config
-from streamrl.launcher import Launcher
 from streamrl.names import Keys
-from streamrl.redis_server import EmbeddedRedis
+from streamrl.run.launcher import Launcher
+from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.transport import WaitingRetry, make_async_client, make_client
 
 # Spins until the server clock passes ARGV[1] seconds from now (TIME is allowed: effects

@@ -10,10 +10,10 @@ import redis
 import structlog
 from rich.console import Console
 
-from streamrl import evalrun
-from streamrl import metrics as m
+from streamrl.evaluation import watch as evalrun
 from streamrl.names import Keys
-from streamrl.status import StatusReader, show
+from streamrl.obs import metrics as m
+from streamrl.obs.status import StatusReader, show
 
 LOG = structlog.get_logger()
 

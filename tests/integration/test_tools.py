@@ -13,9 +13,9 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from streamrl import metrics as m
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
+from streamrl.obs import metrics as m
 from streamrl.tools.client import ToolClient
 from streamrl.wire import ToolResult, encode_body
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker

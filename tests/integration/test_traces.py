@@ -20,11 +20,7 @@ from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
 from streamrl.config import ToolsConfig, TraceConfig, parse_config
 from streamrl.names import Keys
-from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.stub import StubDialogue, StubServer
-from streamrl.rollout.weights import SyncLock
-from streamrl.tools.client import ToolClient
-from streamrl.tracing import (
+from streamrl.obs.tracing import (
     TRAJ_FLOW,
     Span,
     Tracer,
@@ -36,6 +32,10 @@ from streamrl.tracing import (
     trace_files,
     trace_path,
 )
+from streamrl.rollout.episode import EpisodeRunner
+from streamrl.rollout.stub import StubDialogue, StubServer
+from streamrl.rollout.weights import SyncLock
+from streamrl.tools.client import ToolClient
 from streamrl.wire import Task
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamrl.redis_server import free_port
+from streamrl.run.redis_server import free_port
 from tests.helpers import REPO, devices_env
 
 SCRIPT = r"""

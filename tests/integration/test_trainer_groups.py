@@ -21,9 +21,9 @@ import structlog
 from streamrl import checkpoints as ckpts
 from streamrl.config import load_config
 from streamrl.counters import GROUPS_SET_ASIDE, TRAINER_ROWS_MASKED
-from streamrl.launcher import Launcher, worker_command
 from streamrl.names import Keys
-from streamrl.runtime import make_context
+from streamrl.run.launcher import Launcher, worker_command
+from streamrl.run.runtime import make_context
 from streamrl.transport import publish
 from streamrl.wire import DeadLetter, Group, Trajectory, decode, pack_arrays
 from streamrl_workers.workerproc import wait_for_queues

@@ -28,9 +28,8 @@ from structlog.testing import capture_logs
 
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
+from streamrl.chat.hf import HFChat
 from streamrl.config import Config
-from streamrl.hfchat import HFChat
-from streamrl.liveness import Liveness
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
@@ -39,6 +38,7 @@ from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower, WeightLoader
+from streamrl.run.liveness import Liveness
 from streamrl.trainer.cluster import Cluster
 from streamrl.trainer.hooks import PublishHook
 from streamrl.trainer.publish import WeightPublisher

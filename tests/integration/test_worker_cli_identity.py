@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
-from streamrl.identity import holder_of
 from streamrl.names import Keys
+from streamrl.run.identity import holder_of
 from tests.helpers import REPO, TINY
 
 

@@ -1,4 +1,4 @@
-"""The ACL file, credentials and secrets handling of `streamrl.acl` (no server: the
+"""The ACL file, credentials and secrets handling of `streamrl.run.acl` (no server: the
 integration test loads the file into real ones)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from streamrl import acl
 from streamrl.config import ConfigError, load_config
-from streamrl.launcher import Launcher
-from streamrl.logs import configure_logging
 from streamrl.names import Keys
-from streamrl.runtime import PASSWORD_FILE_ENV, resolve_redis_url
+from streamrl.run import acl
+from streamrl.run.launcher import Launcher
+from streamrl.run.logs import configure_logging
+from streamrl.run.runtime import PASSWORD_FILE_ENV, resolve_redis_url
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.toml"

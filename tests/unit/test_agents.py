@@ -18,7 +18,7 @@ from streamrl.agents.tools import (
     Tool,
     ToolOutput,
 )
-from streamrl.chat import ToolCall
+from streamrl.chat.transcript import ToolCall
 from streamrl.config import ToolsConfig
 from streamrl.tasks.registry import tool_limits
 from streamrl.wire import ToolResult

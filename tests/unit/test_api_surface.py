@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from streamrl import api, wire
 from streamrl.agents import agents, base, envs, tools
-from streamrl.chat import ToolCall, ToolCallError
+from streamrl.chat.transcript import ToolCall, ToolCallError
 from streamrl.tasks import base as tasks
 from streamrl.tools import registry, sandbox
 

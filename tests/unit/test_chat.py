@@ -2,7 +2,7 @@ import asyncio
 import random
 
 from streamrl.agents.envs import ToolLimits
-from streamrl.chat import ToolCall, ToolCallError, parse_turn
+from streamrl.chat.transcript import ToolCall, ToolCallError, parse_turn
 from streamrl.config import TaskConfig, parse_config
 from streamrl.tasks import arithmetic
 from streamrl.tasks.registry import load_episodes

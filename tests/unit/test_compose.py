@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from streamrl.config import load_config
-from streamrl.runtime import WORKER_NAMES
+from streamrl.run.runtime import WORKER_NAMES
 from streamrl_workers.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def test_worker_commands_parse_with_the_real_cli() -> None:
         args = parser.parse_args([_expand(a) for a in svc["command"]])
         assert args.command == "worker" and args.name == name
         assert args.index == "auto"  # every replica claims an identity of its own
-        # its counters on a port of its own container (streamrl.metrics)
+        # its counters on a port of its own container (streamrl.obs.metrics)
         assert load_config(REPO / args.config, args.set).metrics.prometheus_port == 9100
         load_config(REPO / args.config)  # a real, valid file of this repo
         test = svc["healthcheck"]["test"]

@@ -15,7 +15,7 @@ import structlog
 from streamrl.agents.base import Action, Agent, Environment
 from streamrl.agents.envs import ToolEnvironment, ToolLimits, ToolRecord
 from streamrl.agents.tools import CallContext, FinishTool, FunctionTool
-from streamrl.chat import ToolCall
+from streamrl.chat.transcript import ToolCall
 from streamrl.config import parse_config
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.stub import StubDialogue, StubServer

@@ -1,4 +1,4 @@
-"""The evaluator's file protocol (streamrl.evalrun): claims, skips, drain, results."""
+"""The evaluator's file protocol (streamrl.evaluation.watch): claims, skips, drain, results."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import structlog
 
-from streamrl import evalrun
 from streamrl.config import ConfigError, parse_config
+from streamrl.evaluation import watch as evalrun
 
 LOG = structlog.get_logger()
 

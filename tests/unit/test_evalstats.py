@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.evalstats import (
+from streamrl.evaluation.stats import (
     Estimate,
     gate,
     mean_interval,

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.chat import ToolCall, ToolCallError, Transcript
+from streamrl.chat.hf import ChatError, Dialogue, HFChat, chat_template_text
+from streamrl.chat.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from streamrl.chat.transcript import ToolCall, ToolCallError, Transcript
 from streamrl.config import ModelConfig
 from streamrl.errors import FatalError
-from streamrl.hfchat import ChatError, Dialogue, HFChat, chat_template_text
 from streamrl.tasks import arithmetic
-from streamrl.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from streamrl.tools.registry import CALCULATOR
 
 TOOLS = [CALCULATOR.schema()]

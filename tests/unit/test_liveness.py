@@ -1,9 +1,9 @@
-"""A worker's liveness as its heartbeat reads it (streamrl.liveness): starting counts as
+"""A worker's liveness as its heartbeat reads it (streamrl.run.liveness): starting counts as
 live, then a tick within the limit or a busy step within its own bound."""
 
 import time
 
-from streamrl.liveness import Liveness
+from streamrl.run.liveness import Liveness
 
 
 def test_a_loop_that_stops_ticking_is_not_live() -> None:

@@ -4,7 +4,7 @@ import io
 import json
 from pathlib import Path
 
-from streamrl.logs import LogFile, configure_logging
+from streamrl.run.logs import LogFile, configure_logging
 
 
 def test_secrets_are_redacted_and_counts_kept() -> None:

@@ -1,4 +1,4 @@
-"""The pure parts of streamrl.metrics: windowed rates, percentiles, the sample's names."""
+"""The pure parts of streamrl.obs.metrics: windowed rates, percentiles, the sample's names."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from streamrl import metrics as m
 from streamrl.config import ConfigError, parse_config
-from streamrl.launcher import Launcher
+from streamrl.obs import metrics as m
+from streamrl.run.launcher import Launcher
 from streamrl.tools.client import timed_out
 from streamrl.tools.registry import process_report
 from streamrl.tools.sandbox import ExecResult
@@ -182,7 +182,7 @@ def test_the_device_memory_probe_never_starts_jax_s_backends() -> None:
     code = (
         "import jax\n"
         "from jax._src import xla_bridge\n"
-        "from streamrl.metrics import device_memory_probe\n"
+        "from streamrl.obs.metrics import device_memory_probe\n"
         "assert device_memory_probe() == {}\n"
         "assert not xla_bridge.backends_are_initialized()\n"
         "jax.devices()\n"

@@ -46,7 +46,7 @@ def test_run_directory_paths_are_named_once() -> None:
     from pathlib import Path
 
     from streamrl.names import RunPaths
-    from streamrl.tracing import TRACES_DIR
+    from streamrl.obs.tracing import TRACES_DIR
     from streamrl.weightsync import WEIGHTS_DIR
 
     paths = RunPaths(Path("/r"))

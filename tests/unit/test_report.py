@@ -1,4 +1,4 @@
-"""streamrl.report: interval unions and the precedence of the time breakdown, slopes and the
+"""streamrl.obs.report: interval unions and the precedence of the time breakdown, slopes and the
 bottleneck, worked by hand; then a synthetic run written with TraceWriter (six workers,
 the contract's span and counter names) reported end to end, checking what each plot drew
 and that report.md names the bottleneck built into the data."""
@@ -12,8 +12,8 @@ import pytest
 from matplotlib.patches import Rectangle
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
 
-from streamrl import evalrun
-from streamrl.report import (
+from streamrl.evaluation import watch as evalrun
+from streamrl.obs.report import (
     Bottleneck,
     QueueTrend,
     bottleneck,
@@ -28,7 +28,7 @@ from streamrl.report import (
     union,
     write_report,
 )
-from streamrl.tracing import TraceWriter, merge, read_trace
+from streamrl.obs.tracing import TraceWriter, merge, read_trace
 from streamrl_workers import cli
 from tests.synthetic_run import T0, S, write_synthetic_run
 

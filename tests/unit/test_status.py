@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from streamrl import metrics as m
-from streamrl.rundir import record
-from streamrl.status import Snapshot, WorkerState, average, largest, render, total
+from streamrl.obs import metrics as m
+from streamrl.obs.status import Snapshot, WorkerState, average, largest, render, total
+from streamrl.run.rundir import record
 from streamrl_workers.cli import build_parser
 from streamrl_workers.statuscli import target
 

@@ -1,4 +1,4 @@
-"""streamrl.tracing: spans land on the ids they name, files merge into one trace, and a file
+"""streamrl.obs.tracing: spans land on the ids they name, files merge into one trace, and a file
 cut off mid-write still reads up to its last whole packet."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TracePacket, TrackEvent
 
 from streamrl.config import TraceConfig
-from streamrl.tracing import (
+from streamrl.obs.tracing import (
     Tracer,
     TraceWriter,
     flow_id,

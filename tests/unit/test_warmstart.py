@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from streamrl.chat.hf import HFChat
 from streamrl.config import Config, parse_config
-from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import load_checkpoint
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.plugins import PluginError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from streamrl.agents.base import Action, Agent
-from streamrl.chat import parse_turn
+from streamrl.chat.transcript import parse_turn
 
 
 class ModelAgent(Agent):

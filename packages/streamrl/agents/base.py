@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.chat import ToolCall, ToolCallError
+from streamrl.chat.transcript import ToolCall, ToolCallError
 
 
 class ToolInfraError(RuntimeError):

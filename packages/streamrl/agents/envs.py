@@ -19,7 +19,7 @@ from streamrl.agents.tools import (
     ToolOutput,
     parse_arguments,
 )
-from streamrl.chat import ToolCall, ToolCallError
+from streamrl.chat.transcript import ToolCall, ToolCallError
 from streamrl.tools.ledger import AsyncToolLedger, ledger_key
 from streamrl.wire import ToolResult
 

@@ -34,8 +34,8 @@ from streamrl.config import Config
 from streamrl.grouper import scripts
 from streamrl.grouper.scoring import EMITTED, Decision, Outcome, OutcomeKind, score, stale_reason
 from streamrl.grouper.timeouts import GroupTimeouts, TaskBuilder, trace_wait
-from streamrl.liveness import Liveness
-from streamrl.metrics import (
+from streamrl.names import Keys
+from streamrl.obs.metrics import (
     GROUPS,
     GROUPS_HALF_FILLED,
     OLDEST_HALF_FILLED_S,
@@ -43,10 +43,10 @@ from streamrl.metrics import (
     queue_depth,
     queue_lag,
 )
-from streamrl.names import Keys
+from streamrl.obs.tracing import Tracer
 from streamrl.queues import backlog, partial_groups
+from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import make_task
-from streamrl.tracing import Tracer
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import SCHEMA_VERSION, Trajectory, WireError, decode_body, encode_body
 
@@ -386,7 +386,7 @@ class Grouper:
         return int(self._count_after(keys=[stream], args=[after, cap]))
 
     def queue_probe(self) -> dict[str, float]:
-        """The grouper's queues as counters (`streamrl.metrics`): the depth (not yet
+        """The grouper's queues as counters (`streamrl.obs.metrics`): the depth (not yet
         finished by their readers) and lag (not yet delivered) of `trajectories` (read by
         the groupers) and `groups` (by the trainer), and the groups being assembled with
         the age of the oldest. Lags are counted up to `rollout.max_ready_groups` x

@@ -25,7 +25,7 @@ from streamrl.config import Config
 from streamrl.grouper import scripts
 from streamrl.grouper.scoring import Decision, Outcome, score
 from streamrl.names import Keys
-from streamrl.tracing import GROUP_FLOW, TRAJ_FLOW, Span, Tracer, flow_id
+from streamrl.obs.tracing import GROUP_FLOW, TRAJ_FLOW, Span, Tracer, flow_id
 from streamrl.wire import (
     SCHEMA_VERSION,
     Group,

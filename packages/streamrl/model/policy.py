@@ -15,7 +15,7 @@ from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 
 if TYPE_CHECKING:
-    from streamrl.hfchat import HFChat
+    from streamrl.chat.hf import HFChat
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def starting_policy(
     the warm start's (trained once and cached; `info` logs its progress); otherwise the
     checkpoint's, which is what the rollout worker wants: the structure published versions
     decode into, the trainer's own values coming with version 0."""
-    from streamrl.hfchat import HFChat
+    from streamrl.chat.hf import HFChat
 
     ckpt = ensure_checkpoint(cfg)
     chat = HFChat.for_model(ckpt, cfg.model)

@@ -2,7 +2,7 @@
 
 With `model.checkpoint` empty, the policy is a small random model of `model.family` with the
 sizes in `[model]`, plus the tiny BPE tokenizer and its ChatML tool template
-(`streamrl.tiny_tokenizer`), written to the cache once per content hash. Everything
+(`streamrl.chat.tiny_tokenizer`), written to the cache once per content hash. Everything
 downstream reads it through the same code path as a real Qwen or Llama checkpoint.
 """
 
@@ -15,10 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from streamrl.chat.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 from streamrl.config import Config, ModelConfig
 from streamrl.model.checkpoint import build_tiny_checkpoint
 from streamrl.model.spec import ModelSpec
-from streamrl.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
 
 # Bump when the built checkpoint would differ for the same config (init, tokenizer corpus).
 TINY_VERSION = 1

@@ -33,10 +33,10 @@ import structlog
 
 from streamrl.agents.base import Action, Agent, Environment, StepResult
 from streamrl.agents.flow import CircuitOpenError
-from streamrl.chat import Transcript
+from streamrl.chat.transcript import Transcript
 from streamrl.config import RolloutConfig
 from streamrl.model.sampling import GenRequest, GenResult
-from streamrl.tracing import TRAJ_FLOW, Span, Tracer, flow_id
+from streamrl.obs.tracing import TRAJ_FLOW, Span, Tracer, flow_id
 from streamrl.wire import EpisodeState, SavedTurn, Status, Task, Trajectory, pack_arrays
 
 
@@ -68,7 +68,7 @@ class ModelServer(ModelService, Protocol):
 
 
 if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never needs it
-    from streamrl.hfchat import Dialogue
+    from streamrl.chat.hf import Dialogue
 
 NewDialogue = Callable[[list[dict[str, Any]]], "Dialogue"]
 # The agent and environment of one episode (built fresh for each).

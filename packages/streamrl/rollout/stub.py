@@ -138,7 +138,7 @@ class StubLoader:
 
 
 class StubDialogue:
-    """The `streamrl.hfchat.Dialogue` of the stub: UTF-8 bytes as token ids, no template.
+    """The `streamrl.chat.hf.Dialogue` of the stub: UTF-8 bytes as token ids, no template.
 
     The prompt is the user text's bytes, tool results their bytes joined by newlines;
     an assistant turn decodes its byte ids (the stop id dropped) as text."""

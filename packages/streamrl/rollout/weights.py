@@ -39,12 +39,12 @@ import redis.asyncio as aioredis
 import structlog
 
 from streamrl.config import LoraServing, SyncMode
-from streamrl.failpoints import WEIGHTS_LOAD, afailpoint
 from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
 from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
 from streamrl.names import Keys
+from streamrl.obs.tracing import Span, Tracer
 from streamrl.rollout.episode import ModelServer
-from streamrl.tracing import Span, Tracer
+from streamrl.run.failpoints import WEIGHTS_LOAD, afailpoint
 from streamrl.weightsync import (
     WeightsError,
     WeightsMissing,

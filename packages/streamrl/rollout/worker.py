@@ -50,9 +50,8 @@ import structlog
 
 from streamrl import counters
 from streamrl.config import Config
-from streamrl.failpoints import EPISODE_SAVED, afailpoint
-from streamrl.liveness import Liveness
-from streamrl.metrics import (
+from streamrl.names import Keys
+from streamrl.obs.metrics import (
     ACTIVE_EPISODES,
     POLICY_AGE,
     POLICY_VERSION,
@@ -62,12 +61,13 @@ from streamrl.metrics import (
     TRAJECTORIES,
     Metrics,
 )
-from streamrl.names import Keys
+from streamrl.obs.tracing import Span, Tracer
 from streamrl.rollout.episode import EpisodeRunner, ModelServer, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
+from streamrl.run.failpoints import EPISODE_SAVED, afailpoint
+from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import Episodes
-from streamrl.tracing import Span, Tracer
 from streamrl.transport import Delivery, RedisStreamConsumer, as_str, is_cluster
 from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_state, encode_state
 
@@ -596,7 +596,7 @@ class RolloutWorker:
                 m.observe(POLICY_AGE, max(0, newest - min(t.versions)))
 
     def probe(self) -> dict[str, float]:
-        """Levels for `streamrl.metrics` (read on its thread): episodes running, the
+        """Levels for `streamrl.obs.metrics` (read on its thread): episodes running, the
         version served."""
         out: dict[str, float] = {ACTIVE_EPISODES: self.active}
         if self.follower.loaded_version >= 0:  # none loaded yet: no version to show

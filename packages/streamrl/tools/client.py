@@ -35,12 +35,12 @@ from rq.serializers import JSONSerializer
 
 from streamrl import counters
 from streamrl.config import ToolsConfig
-from streamrl.metrics import TOOL_ERROR, TOOL_LATENCY_S, TOOL_TIMEOUT, Metrics
 from streamrl.names import Keys
+from streamrl.obs.metrics import TOOL_ERROR, TOOL_LATENCY_S, TOOL_TIMEOUT, Metrics
+from streamrl.obs.tracing import Span, Tracer
 from streamrl.tools.jobs import JOB_PATH
 from streamrl.tools.ledger import ledger_key
 from streamrl.tools.registry import TIMED_OUT
-from streamrl.tracing import Span, Tracer
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, is_cluster
 from streamrl.wire import ToolResult, WireError, decode_body
 
@@ -80,7 +80,7 @@ class ToolClient:
 
     def _count(self, result: ToolResult, latency_s: float) -> None:
         """A call's latency (queueing here, on rq and in the sandbox), error and timeout,
-        as the windowed series of `streamrl.metrics`."""
+        as the windowed series of `streamrl.obs.metrics`."""
         if self.metrics is None:
             return
         self.metrics.observe(TOOL_LATENCY_S, latency_s)

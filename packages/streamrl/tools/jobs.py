@@ -34,13 +34,13 @@ import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
+from streamrl.obs.tracing import Span, Tracer
 from streamrl.tools.backends import WorkerSandbox, builder
 from streamrl.tools.bwrap import BubblewrapConfig
 from streamrl.tools.containers import ContainerConfig
 from streamrl.tools.ledger import ToolLedger
 from streamrl.tools.registry import TOOLS, Outcome, Tool, run_call
 from streamrl.tools.sandbox import SandboxUnavailableError
-from streamrl.tracing import Span, Tracer
 from streamrl.wire import ToolResult, encode_body
 
 RESULT_TTL_S = 120

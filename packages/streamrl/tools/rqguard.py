@@ -19,7 +19,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
-from streamrl.liveness import Liveness
+from streamrl.run.liveness import Liveness
 from streamrl.tools.jobs import JOB_PATH, run_tool_call
 
 
@@ -86,7 +86,7 @@ class ToolCallWorker(SimpleWorker):
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """rq's heartbeat, which its loop sends each time round (after each job, each
-        dequeue timeout): the loop's liveness tick too (`streamrl.liveness`)."""
+        dequeue timeout): the loop's liveness tick too (`streamrl.run.liveness`)."""
         self.liveness.tick()
         super().heartbeat(timeout, pipeline=pipeline)
 
@@ -111,7 +111,7 @@ class ToolCallWorker(SimpleWorker):
 
     def take_over_name(self) -> bool:
         """Retire a live-looking rq registration under this worker's name, if any; True
-        when there was one. Only for a process that holds its identity (streamrl.identity,
+        when there was one. Only for a process that holds its identity (streamrl.run.identity,
         or the launcher's indices): such a registration is its predecessor's (a restarted
         container keeps its name), dead, and would block `register_birth` until it
         expires."""

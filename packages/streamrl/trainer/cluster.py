@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from streamrl.runtime import COORDINATOR_ENV
+from streamrl.run.runtime import COORDINATOR_ENV
 
 
 class ClusterError(RuntimeError):

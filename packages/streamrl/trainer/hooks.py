@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 import orbax.checkpoint as ocp
 
 from streamrl import checkpoints as ckpts
-from streamrl import evalrun
 from streamrl.config import Config
-from streamrl.failpoints import CHECKPOINT_COMMIT, failpoint
+from streamrl.evaluation import watch as evalrun
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.spec import ModelSpec
-from streamrl.tracing import Span
+from streamrl.obs.tracing import Span
+from streamrl.run.failpoints import CHECKPOINT_COMMIT, failpoint
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import TrainState
 
@@ -250,7 +250,7 @@ def write_export(
     tmp.chmod(0o755)  # mkdtemp's 0700 would hide the export from other users
     try:
         export_checkpoint(tmp, spec, params, max_shard_bytes)
-        from streamrl.hfchat import chat_template_text  # transformers: not for a stub
+        from streamrl.chat.hf import chat_template_text  # transformers: not for a stub
 
         template = chat_template_text(cfg.model.chat_template)
         for name in TOKENIZER_FILES:
@@ -272,7 +272,7 @@ def write_export(
 
 @dataclass
 class EvalSnapshotHook:
-    """Writes the policy for the evaluator (`streamrl.evalrun`): a Hugging Face checkpoint
+    """Writes the policy for the evaluator (`streamrl.evaluation.watch`): a Hugging Face checkpoint
     directory at RUN_DIR/eval/pending/step-N at the start of the run (step 0, as
     PublishHook), every `every` steps and at the end, unless step N was written before (a
     resumed run); removes the older pending snapshots (the evaluator takes the newest)

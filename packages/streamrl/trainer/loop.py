@@ -41,11 +41,11 @@ from streamrl import checkpoints as ckpts
 from streamrl import counters
 from streamrl.config import Config
 from streamrl.errors import FatalError
-from streamrl.liveness import Liveness
-from streamrl.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
 from streamrl.names import Keys
+from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
+from streamrl.obs.tracing import GROUP_FLOW, Span, Tracer, flow_id
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
-from streamrl.tracing import GROUP_FLOW, Span, Tracer, flow_id
+from streamrl.run.liveness import Liveness
 from streamrl.trainer import resume as resumption
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.hooks import Committed, Hook, Published
@@ -70,7 +70,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _busy(method: F) -> F:
-    """A method of the loop that is one busy step of its liveness (`streamrl.liveness`)."""
+    """A method of the loop that is one busy step of its liveness (`streamrl.run.liveness`)."""
 
     @functools.wraps(method)
     def run(loop: TrainerLoop, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +115,7 @@ class TrainerLoop:
     nonfinite: list[list[str]] = field(default_factory=list)
     cluster: Cluster = field(default_factory=Cluster)
     liveness: Liveness = field(default_factory=Liveness)  # its heartbeat reads it
-    metrics: Metrics | None = None  # examples trained and their policy age (streamrl.metrics)
+    metrics: Metrics | None = None  # examples trained and their policy age (streamrl.obs.metrics)
     tracer: Tracer = field(default_factory=Tracer.disabled)
 
     def __post_init__(self) -> None:
@@ -311,7 +311,7 @@ class TrainerLoop:
             self.metrics.observe(POLICY_AGE, max(0, self.version - v))
 
     def probe(self) -> dict[str, float]:
-        """The version trained (and published) now, for `streamrl.metrics`."""
+        """The version trained (and published) now, for `streamrl.obs.metrics`."""
         return {POLICY_VERSION: self.version}
 
     def _skip(self, groups: list[Delivery[Group]] | None, loss: float, grad_norm: float) -> None:

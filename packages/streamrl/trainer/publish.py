@@ -20,10 +20,10 @@ import redis
 import structlog
 
 from streamrl import counters
-from streamrl.failpoints import WEIGHTS_PUBLISH, failpoint
 from streamrl.model.lora import LoraConfig
 from streamrl.model.weights import lora_info, params_to_pieces
 from streamrl.names import Keys
+from streamrl.run.failpoints import WEIGHTS_PUBLISH, failpoint
 from streamrl.transport import as_str, entry_id_key, publish
 from streamrl.weightsync import Checksum, WeightsChannel, checksum, overlapped
 from streamrl.wire import Weights

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from streamrl.chat import Transcript
+from streamrl.chat.hf import HFChat
+from streamrl.chat.transcript import Transcript
 from streamrl.config import Config
-from streamrl.hfchat import HFChat
 from streamrl.model.checkpoint import (
     CheckpointError,
     export_checkpoint,

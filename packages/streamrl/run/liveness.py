@@ -5,7 +5,7 @@ loop calls `tick()` each time round; a step that may rightly outlast the livenes
 train step with its JIT compile, a checkpoint, a weights publication; a tool call, for up
 to its own time limit) runs inside `busy()`. Until the first tick the worker is starting
 (imports, model load, resume) and counts as live. The heartbeat thread
-(`streamrl.identity.Heartbeat`) writes the worker's beat key only while `live(limit_s)`: a
+(`streamrl.run.identity.Heartbeat`) writes the worker's beat key only while `live(limit_s)`: a
 loop that stops turning outside a busy step stops the beat as surely as a stopped process
 does (SIGSTOP, a frozen host), and `streamrl up` kills and restarts a worker whose beat is
 older than `run.liveness_timeout_s`.

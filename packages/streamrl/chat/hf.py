@@ -26,14 +26,14 @@ whitespace. When it did, the pieces still hold exactly what it sampled.
 
 Rendering goes to text, encoded with `add_special_tokens=False`: the same as
 `apply_chat_template(tokenize=True)` does; the template writes any BOS itself. Tool calls
-are Hermes style, parsed by `streamrl.chat.parse_turn`. Imports transformers (only the
+are Hermes style, parsed by `streamrl.chat.transcript.parse_turn`. Imports transformers (only the
 rollout and trainer load this module), never JAX or torch.
 
 A base model's tokenizer may ship no chat template. It still loads: raw text encodes and
 decodes, and its eos ends generation. What needs a template (rendering, prompts, dialogues,
 demonstration turns) raises `ChatError` naming `model.chat_template`, which supplies one:
 a Jinja file, or `chatml`, the built-in ChatML template with Hermes tool calls (the tiny
-model's, `streamrl.tiny_tokenizer.CHAT_TEMPLATE`). A ChatML template needs `<|im_start|>`
+model's, `streamrl.chat.tiny_tokenizer.CHAT_TEMPLATE`). A ChatML template needs `<|im_start|>`
 and `<|im_end|>` to be single tokens of the tokenizer (a turn ends on a stop *id*, and
 the marker must not be forgeable as text); when they are not, loading fails naming the
 missing tokens rather than encoding them as text. Qwen base tokenizers have them; for
@@ -51,10 +51,10 @@ from typing import Any, Protocol
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from streamrl.chat import ParsedTurn, parse_turn
+from streamrl.chat.tiny_tokenizer import CHAT_TEMPLATE as CHATML_TEMPLATE
+from streamrl.chat.transcript import ParsedTurn, parse_turn
 from streamrl.config import ModelConfig
 from streamrl.errors import FatalError
-from streamrl.tiny_tokenizer import CHAT_TEMPLATE as CHATML_TEMPLATE
 
 Message = dict[str, Any]
 Tools = list[dict[str, Any]]

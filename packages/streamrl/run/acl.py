@@ -180,9 +180,9 @@ def roles(keys: Keys) -> dict[str, Role]:
         "trainer": trainer,
         "colocated": rollout.union(trainer),
     }
-    # Each worker claims and renews its own identity slot (streamrl.identity), writes its
-    # counters' samples (streamrl.metrics) and reads the server's clock (TIME), which its
-    # trace's timestamps are put on (streamrl.tracing).
+    # Each worker claims and renews its own identity slot (streamrl.run.identity), writes its
+    # counters' samples (streamrl.obs.metrics) and reads the server's clock (TIME), which its
+    # trace's timestamps are put on (streamrl.obs.tracing).
     slot = Role(keys=(), categories=("string", "keyspace", "stream"), commands=(*_SCRIPTS, "+time"))
     out = {
         name: role.union(replace(slot, keys=_own_keys(k, name))) for name, role in workers.items()

@@ -3,10 +3,10 @@
 What it reads, each frame (a handful of round trips, as the operator user):
 
 - every worker's identity slot and liveness beat (`Keys.worker_slot`, `Keys.worker_beat`:
-  `streamrl.identity`): a worker is `live` while its slot is held and its loop beats,
+  `streamrl.run.identity`): a worker is `live` while its slot is held and its loop beats,
   `no beat` while its slot is held but its loop has not beaten lately, `gone` when its slot
   lapsed (it stopped or died);
-- the newest sample of every worker's counters (`Keys.worker_metrics`: `streamrl.metrics`);
+- the newest sample of every worker's counters (`Keys.worker_metrics`: `streamrl.obs.metrics`);
 - the run's counters (`Keys.stats`);
 - given a run directory, the held-out evaluator's newest result (RUN_DIR/eval, a file:
   the evaluator writes no Redis).
@@ -36,10 +36,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from streamrl import counters, evalrun
-from streamrl import metrics as m
-from streamrl.metrics import decode_sample
+from streamrl import counters
+from streamrl.evaluation import watch as evalrun
 from streamrl.names import Keys
+from streamrl.obs import metrics as m
+from streamrl.obs.metrics import decode_sample
 from streamrl.transport import as_str
 
 SCAN_COUNT = 500

@@ -15,20 +15,20 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 import structlog
 
-from streamrl.acl import read_password_file
 from streamrl.config import Config
-from streamrl.liveness import Liveness
-from streamrl.logs import LOG_DIR_ENV, LogFile, configure_logging
-from streamrl.metrics import Metrics, Sampler, Sink, device_memory_probe, memory_probe
 from streamrl.names import Keys
-from streamrl.tracing import Tracer, open_tracer
+from streamrl.obs.metrics import Metrics, Sampler, Sink, device_memory_probe, memory_probe
+from streamrl.obs.tracing import Tracer, open_tracer
+from streamrl.run.acl import read_password_file
+from streamrl.run.liveness import Liveness
+from streamrl.run.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
 # host:port of trainer process 0's coordination service (trainer.num_processes > 1)
 COORDINATOR_ENV = "STREAMRL_COORDINATOR"
 
 # A file holding the password of REDIS_URL's user: how `streamrl up` hands each worker
-# its own role's credentials, never on a command line (see `streamrl.acl`).
+# its own role's credentials, never on a command line (see `streamrl.run.acl`).
 PASSWORD_FILE_ENV = "REDIS_PASSWORD_FILE"
 
 WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated")
@@ -70,7 +70,7 @@ class WorkerContext:
     burst: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
-    metrics: Metrics = field(init=False)  # its counters (streamrl.metrics)
+    metrics: Metrics = field(init=False)  # its counters (streamrl.obs.metrics)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.worker_id, self.cfg.metrics.rate_window_s)

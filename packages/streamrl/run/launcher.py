@@ -7,14 +7,14 @@ with exit code 1 naming the worker and its log when a worker fails for good: a w
 crashes is restarted alone after a backoff (1 s, doubling), up to `run.max_restarts` times
 within `run.restart_window_s` (a restarted trainer resumes from its newest complete
 checkpoint); a worker whose liveness beat stops for `run.liveness_timeout_s`
-(`streamrl.liveness`) is SIGKILLed and restarted the same way; a worker that exits with a
+(`streamrl.run.liveness`) is SIGKILLed and restarted the same way; a worker that exits with a
 fatal error (exit code 3: a tripped circuit breaker, a NaN loss) is not restarted. The
 embedded Redis is restarted from its AOF when it dies; the workers ride out the gap
 (`streamrl.transport.make_client`). Every worker runs in its own session, so stopping one
 kills its whole process group (tool subprocesses included) and nothing is left behind.
 
 The launcher holds a lock on the run directory and records the processes it starts
-(`streamrl.rundir`). `streamrl up --resume RUN_DIR` continues a stopped or crashed run:
+(`streamrl.run.rundir`). `streamrl up --resume RUN_DIR` continues a stopped or crashed run:
 it first stops what a launcher that died left running, then the embedded Redis comes back
 from the run directory's AOF; if Redis holds none of the run's data (an external one that
 was flushed, a lost AOF), the queues are restored from the newest complete checkpoint's
@@ -40,15 +40,24 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
-from streamrl import evalrun, rundir
-from streamrl.acl import private_dir, worker_role
 from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE
-from streamrl.identity import default_holder
-from streamrl.logs import LOG_DIR_ENV, configure_logging, redact_url
-from streamrl.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
+from streamrl.evaluation import watch as evalrun
 from streamrl.names import Keys, RunPaths
-from streamrl.redis_server import EmbeddedRedis, free_port
+from streamrl.obs.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
+from streamrl.run import rundir
+from streamrl.run.acl import private_dir, worker_role
+from streamrl.run.identity import default_holder
+from streamrl.run.logs import LOG_DIR_ENV, configure_logging, redact_url
+from streamrl.run.redis_server import EmbeddedRedis, free_port
+from streamrl.run.runtime import (
+    COORDINATOR_ENV,
+    PASSWORD_FILE_ENV,
+    NoRedisError,
+    refuse_eviction,
+    resolve_redis_url,
+    run_log,
+)
 from streamrl.run.summary import (
     SUMMARY_SHOWN,
     ProcRecord,
@@ -63,14 +72,6 @@ from streamrl.run.supervise import (
     kill,
     restart_decision,
     terminate,
-)
-from streamrl.runtime import (
-    COORDINATOR_ENV,
-    PASSWORD_FILE_ENV,
-    NoRedisError,
-    refuse_eviction,
-    resolve_redis_url,
-    run_log,
 )
 from streamrl.transport import make_client, waits_out
 from streamrl.wire import TrainMetrics, WireError, decode
@@ -301,7 +302,7 @@ class Launcher:
 
     def _stop_orphans(self, log: structlog.stdlib.BoundLogger) -> None:
         """Stop the workers and embedded Redis that a launcher of this run left running
-        when it died (`streamrl.rundir`), before anything of this one starts."""
+        when it died (`streamrl.run.rundir`), before anything of this one starts."""
         timeout_s = max(STOP_TIMEOUT_S, self.cfg.run.trainer_stop_timeout_s)  # its checkpoint
         found = rundir.stop_orphans(self.run_dir, log, timeout_s)
         if found:
@@ -335,7 +336,7 @@ class Launcher:
         return plan(self.cfg)
 
     def _spawn_all(self) -> None:
-        # Each worker writes its JSON log itself, rolling over by size (streamrl.logs).
+        # Each worker writes its JSON log itself, rolling over by size (streamrl.run.logs).
         logs = str(self.paths.logs)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_DIR_ENV: logs}
         if self.redis is None:
@@ -435,7 +436,7 @@ class Launcher:
         return None
 
     def _watch_liveness(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
-        """SIGKILL a worker whose liveness beat (`streamrl.liveness`) has not changed for
+        """SIGKILL a worker whose liveness beat (`streamrl.run.liveness`) has not changed for
         `run.liveness_timeout_s`; `_check_workers` then restarts it like a crash. The clock
         stops while Redis does not answer (no worker can beat then) and restarts with it."""
         now = time.monotonic()

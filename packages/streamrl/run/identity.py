@@ -14,7 +14,7 @@ that dies, hangs or loses Redis lets its slot lapse within `ttl_s`, which is wha
 
 With a liveness limit, the heartbeat also writes the worker's beat key (`Keys.worker_beat`:
 its holder and a count of beats) at least four times per limit, but only while the
-worker's loop is live (`streamrl.liveness`): `streamrl up` restarts a worker whose beat
+worker's loop is live (`streamrl.run.liveness`): `streamrl up` restarts a worker whose beat
 stops changing.
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 import redis
 import structlog
 
-from streamrl.liveness import Liveness
 from streamrl.names import Keys
+from streamrl.run.liveness import Liveness
 
 HEARTBEAT_TTL_S = 15.0
 MAX_INDEX = 1024
@@ -74,7 +74,7 @@ def renew(
     client: redis.Redis, keys: Keys, worker: str, index: int, holder: str, ttl_s: float
 ) -> bool:
     """Renew (or, lapsed, take again) slot `worker-index` for `holder`; False when another
-    holder has it. WATCH/MULTI, not a script: every role may run it (streamrl.acl)."""
+    holder has it. WATCH/MULTI, not a script: every role may run it (streamrl.run.acl)."""
     key = keys.worker_slot(worker, index)
     with client.pipeline(transaction=True) as pipe:
         while True:

@@ -12,7 +12,7 @@ tool calls run in this process through the tool workers' job code and sandbox ch
 Two passes over the held-out split (`streamrl.tasks.heldout`): greedy (top-k 1, one
 episode a task), and with `samples` K > 0, K sampled episodes a task at the run's
 `rollout.temperature`, `top_p`, `top_k`. Each reports (a 95 % interval on every figure;
-`streamrl.evalstats`): solve rate (episodes whose reward reaches `solve_threshold`;
+`streamrl.evaluation.stats`): solve rate (episodes whose reward reaches `solve_threshold`;
 greedy: pass@1), mean reward, the well-formed tool-call rate (calls that parse, name a
 tool the episode offers and whose arguments fit its schema, of all calls attempted),
 truncation rate (status truncated), error rate (status error or timeout), mean model
@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 import structlog
 
-from streamrl import evalstats
 from streamrl.agents.base import Action, Agent, Reset, StepResult
 from streamrl.agents.tools import ToolArgumentError, parse_arguments
-from streamrl.chat import ToolCall
+from streamrl.chat.transcript import ToolCall
 from streamrl.config import Config
+from streamrl.evaluation import stats as evalstats
 from streamrl.names import RunPaths
 from streamrl.tasks.heldout import HELDOUT_CURSOR, heldout_tasks
 from streamrl.wire import Task, ToolResult, Trajectory
@@ -198,7 +198,7 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
     (EvalError when there is none, or its params do not fit the run's model), or with
     neither the policy a run of `cfg` starts from (its checkpoint, warm-started when
     `model.init` says so)."""
-    from streamrl.hfchat import HFChat
+    from streamrl.chat.hf import HFChat
     from streamrl.model.checkpoint import load_checkpoint
     from streamrl.model.policy import starting_policy
 
