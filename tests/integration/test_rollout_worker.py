@@ -370,6 +370,6 @@ def test_claimed_task_runs_only_uncommitted_members_from_their_states(
         lambda: rclient.xlen(keys.trajectories) == 3 and pending(rclient, keys) == 0,
     )
     assert runner.resumed == {1: 1, 2: None, 3: None}
-    assert rclient.hget(keys.stats, "tasks_done") == b"2"  # the feeder's backlog counts both
+    assert rclient.hget(keys.stats, "tasks_done") == b"2"  # both feeder tasks are done
     assert sorted(tr.traj_id for tr in written(rclient, keys)) == [traj_id(t, m) for m in (1, 2, 3)]
     assert rclient.hlen(keys.episodes) == 0
