@@ -30,14 +30,15 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 
 from streamrl.evaluation import watch as evalrun
 from streamrl.names import RunPaths
+from streamrl.obs import metrics as m
 from streamrl.obs.metrics import percentile
-from streamrl.obs.tracing import merge, read_trace, trace_files
+from streamrl.obs.tracing import Span, merge, read_trace, trace_files
 
 # Counter names read here (the metrics sampler writes them; the issue-16 contract).
-REWARD_COUNTERS = ("reward_mean", "solve_rate")
-RATE_COUNTERS = ("trajectories_per_min", "groups_per_min", "examples_per_min")
-AGE_COUNTERS = ("policy_age", "policy_age_max")
-MEMORY_PEAKS = (("rss_peak_mb", "rss_mb"), ("device_mem_peak_mb", "device_mem_mb"))
+REWARD_COUNTERS = (m.REWARD_MEAN, m.SOLVE_RATE)
+RATE_COUNTERS = (m.TRAJECTORIES_PER_MIN, m.GROUPS_PER_MIN, m.EXAMPLES_PER_MIN)
+AGE_COUNTERS = (m.POLICY_AGE, m.POLICY_AGE_MAX)
+MEMORY_PEAKS = ((m.RSS_PEAK_MB, m.RSS_MB), (m.DEVICE_MEM_PEAK_MB, m.DEVICE_MEM_MB))
 QUEUE_COUNTER = re.compile(r"^queue\.(?P<stream>[\w-]+)\.(?P<kind>depth|lag)$")
 
 # Which stage reads each stream: the stage a growing queue waits on.
@@ -47,19 +48,19 @@ CONSUMER = {"tasks": "rollout", "trajectories": "grouper", "groups": "trainer", 
 CATEGORIES = ("starting", "busy", "input_wait", "weight_wait", "tools", "other")
 PRECEDENCE = ("starting", "busy", "tools", "weight_wait", "input_wait")
 _SPAN_CATEGORY = {
-    "worker.start": "starting",
-    "model.decode": "busy",
-    "tool.exec": "busy",
-    "train.step": "busy",
-    "weights.publish": "busy",
-    "rollout.input_wait": "input_wait",
-    "trainer.batch_wait": "input_wait",
-    "weights.lock_wait": "weight_wait",
-    "weights.load": "weight_wait",
-    "tool.wait": "tools",
-    "env.step": "tools",
+    Span.WORKER_START: "starting",
+    Span.MODEL_DECODE: "busy",
+    Span.TOOL_EXEC: "busy",
+    Span.TRAIN_STEP: "busy",
+    Span.WEIGHTS_PUBLISH: "busy",
+    Span.ROLLOUT_INPUT_WAIT: "input_wait",
+    Span.TRAINER_BATCH_WAIT: "input_wait",
+    Span.WEIGHTS_LOCK_WAIT: "weight_wait",
+    Span.WEIGHTS_LOAD: "weight_wait",
+    Span.TOOL_WAIT: "tools",
+    Span.ENV_STEP: "tools",
 }
-TOOL_SPANS = ("tool.wait", "tool.queue", "tool.exec")
+TOOL_SPANS = (Span.TOOL_WAIT, Span.TOOL_QUEUE, Span.TOOL_EXEC)
 
 # A queue grows when its fitted rise over the run's second half is at least this many
 # entries and this fraction of its mean depth there (a depth that wobbles is not growing).
@@ -547,7 +548,7 @@ def _last(samples: Samples) -> float:
     return samples[-1][1]
 
 
-TOTAL_COUNTERS = ("trajectories_total", "groups_total", "examples_total", "policy_version")
+TOTAL_COUNTERS = (m.TRAJECTORIES_TOTAL, m.GROUPS_TOTAL, m.EXAMPLES_TOTAL, m.POLICY_VERSION)
 
 
 def _summary_lines(data: RunData) -> list[str]:
