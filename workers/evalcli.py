@@ -118,15 +118,13 @@ def main(args: argparse.Namespace) -> int:
         return fail("model.kind stub has no policy to evaluate")
 
     from streamrl import evaluation
-    from streamrl.chat.hf import ChatError
-    from streamrl.model.checkpoint import CheckpointError
-    from streamrl.model.spec import SpecError
     from streamrl.run.logs import configure_logging
     from streamrl.tools.sandbox import SandboxUnavailableError
 
     if args.watch:
         return watch(cfg, args.watch, args.n, args.solve_threshold)
     log = configure_logging("eval", stream=sys.stderr, run=cfg.run.name)
+    bad_input: tuple[type[Exception], ...] = (ConfigError, *_policy_errors())
     try:
         baseline = evaluation.read_baseline(args.gate) if args.gate else None
         policy = evaluation.load_policy(cfg, args.checkpoint, args.run_dir)
@@ -134,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         verdict = evaluation.gate_result(result, baseline, args.tolerance) if baseline else None
     except SandboxUnavailableError as err:
         return fail(f"sandbox unavailable: {err}", EXIT_SANDBOX)
-    except (evaluation.EvalError, ConfigError, ChatError, CheckpointError, SpecError) as err:
+    except bad_input as err:
         return fail(str(err))
     if verdict is not None and baseline is not None:
         _add_gate(result, baseline, verdict, args.gate)
@@ -146,6 +144,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"gate {'passed' if verdict.passed else 'FAILED'}: {verdict.reason}", file=sys.stderr)
         return EXIT_OK if verdict.passed else EXIT_GATE_FAILED
     return EXIT_OK
+
+
+def _policy_errors() -> tuple[type[Exception], ...]:
+    """What loading and evaluating a policy raises for bad input: a message for the user,
+    not a crash (imported once the config is parsed: they load the model stack)."""
+    from streamrl.chat.hf import ChatError
+    from streamrl.evaluation import EvalError
+    from streamrl.model.checkpoint import CheckpointError
+    from streamrl.model.spec import SpecError
+
+    return (EvalError, ChatError, CheckpointError, SpecError)
 
 
 def _add_gate(result: dict[str, Any], baseline: dict[str, Any], verdict: Any, path: Path) -> None:
@@ -168,11 +177,8 @@ def watch(cfg: Config, run_dir: Path, n: int, solve_threshold: float) -> int:
     import os
 
     from streamrl import evaluation
-    from streamrl.chat.hf import ChatError
     from streamrl.evaluation import watch as evalrun
     from streamrl.evaluation.stats import EXIT_OK, EXIT_SANDBOX
-    from streamrl.model.checkpoint import CheckpointError
-    from streamrl.model.spec import SpecError
     from streamrl.names import RunPaths
     from streamrl.run.logs import configure_logging
     from streamrl.run.runtime import run_log
@@ -183,10 +189,12 @@ def watch(cfg: Config, run_dir: Path, n: int, solve_threshold: float) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     log = configure_logging("evaluator", file=run_log(logs, "evaluator", cfg), run=cfg.run.name)
 
+    unreadable: tuple[type[Exception], ...] = (*_policy_errors(), OSError)
+
     def evaluate(step: int, path: Path) -> dict[str, Any]:
         try:
             policy = evaluation.load_policy(cfg, path, None)
-        except (CheckpointError, SpecError, ChatError, evaluation.EvalError, OSError) as err:
+        except unreadable as err:
             raise evalrun.SnapshotError(f"{path}: {err}") from None
         return evaluation.evaluate(cfg, policy, n, 0, solve_threshold, log)
 

@@ -51,17 +51,18 @@ class Feeder:
         return cursor, self._waiting()
 
     def _waiting(self) -> int:
-        lag, pending = backlog(
-            self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1
-        )
+        lag, pending = self._tasks_backlog()
         return lag + pending
+
+    def _tasks_backlog(self) -> tuple[int, int]:
+        """The rollout group's (lag, pending) in `tasks`, the lag counted up to one past
+        the backlog bound where Redis does not say it."""
+        return backlog(self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1)
 
     def queue_probe(self) -> dict[str, float]:
         """The tasks queue as counters (`streamrl.obs.metrics`): its depth (what the rollout
         workers have not finished) and lag (not yet delivered to them)."""
-        lag, pending = backlog(
-            self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1
-        )
+        lag, pending = self._tasks_backlog()
         return {queue_depth("tasks"): lag + pending, queue_lag("tasks"): lag}
 
     def fill(self) -> int:

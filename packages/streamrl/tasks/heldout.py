@@ -25,7 +25,7 @@ first n of a larger split are the n of a smaller one. Held-out tasks carry curso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from streamrl.config import TaskConfig
 from streamrl.plugins import PluginError
@@ -50,6 +50,23 @@ def training_prompts(source: TaskSource) -> set[str]:
     return {source.taskdef.prompt(i).text for i in range(source.cfg.num_prompts)}
 
 
+def _take_unseen(
+    candidates: Iterable[Prompt], seen: set[str], n: int, *, repeats: bool
+) -> list[Prompt]:
+    """The first `n` candidates whose text is not in `seen` (fewer when they run out);
+    without `repeats`, each text once."""
+    out: list[Prompt] = []
+    for p in candidates:
+        if p.text in seen:
+            continue
+        if not repeats:
+            seen.add(p.text)
+        out.append(p)
+        if len(out) == n:
+            break
+    return out
+
+
 def heldout_prompts(
     cfg: TaskConfig, seed: int, n: int, also_seeds: Sequence[int] = ()
 ) -> list[Prompt]:
@@ -63,7 +80,6 @@ def heldout_prompts(
     for other in also_seeds:
         if other != seed:
             train |= training_prompts(task_source(cfg, other))
-    out: list[Prompt] = []
     if source.data is not None:
         if not cfg.eval_dataset:
             raise HeldoutError(
@@ -74,24 +90,19 @@ def heldout_prompts(
         rows = open_rows(
             cfg.model_copy(update={"dataset": cfg.eval_dataset, "split": cfg.eval_split})
         )
-        for i in range(len(rows)):
-            p = source.taskdef.from_row(rows[i])
-            if p.text not in train:
-                out.append(p)
-                if len(out) == n:
-                    return out
+        rows_prompts = (source.taskdef.from_row(rows[i]) for i in range(len(rows)))
+        out = _take_unseen(rows_prompts, set(train), n, repeats=True)
+        if len(out) == n:
+            return out
         raise HeldoutError(
             f"field `task.eval_dataset`: {cfg.eval_dataset} has {len(out)} rows whose prompt "
             f"no training row has, fewer than the {n} asked for"
         )
-    seen = set(train)
-    for k in range(n * TRIES_PER_TASK):
-        p = source.taskdef.prompt(cfg.num_prompts + k)
-        if p.text not in seen:
-            seen.add(p.text)  # a repeat within the split would count one task twice
-            out.append(p)
-            if len(out) == n:
-                return out
+    generated = (source.taskdef.prompt(cfg.num_prompts + k) for k in range(n * TRIES_PER_TASK))
+    # a repeat within the split would count one task twice
+    out = _take_unseen(generated, set(train), n, repeats=False)
+    if len(out) == n:
+        return out
     raise HeldoutError(
         f"only {len(out)} of {n} held-out prompts in {n * TRIES_PER_TASK} tries: the task "
         f"generates few prompts that its {cfg.num_prompts} training prompts "
