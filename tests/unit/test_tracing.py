@@ -166,16 +166,11 @@ def test_hand_encoded_packets_are_those_the_protobuf_classes_write(tmp_path: Pat
     begin = TrackEvent(type=TrackEvent.TYPE_SLICE_BEGIN, track_uuid=track, name="env.step")
     begin.flow_ids.extend([flow_id("traj", "e1"), 7])
     begin.terminating_flow_ids.extend([2**64 - 1])
-    for key, value in (("step", 3), ("ok", True), ("x", 0.5), ("who", "me")):
-        a = begin.debug_annotations.add(name=key)
-        if isinstance(value, bool):
-            a.bool_value = value
-        elif isinstance(value, int):
-            a.int_value = value
-        elif isinstance(value, float):
-            a.double_value = value
-        else:
-            a.string_value = value
+    # each value in the field of its type, written out (not the encoder's own dispatch)
+    begin.debug_annotations.add(name="step", int_value=3)
+    begin.debug_annotations.add(name="ok", bool_value=True)
+    begin.debug_annotations.add(name="x", double_value=0.5)
+    begin.debug_annotations.add(name="who", string_value="me")
     end = TrackEvent(type=TrackEvent.TYPE_SLICE_END, track_uuid=track)
     counter_track = next(
         p.track_descriptor.uuid
