@@ -32,7 +32,7 @@ from streamrl.queues import inspect
 from streamrl.run.acl import OPERATOR, ROLES
 from streamrl.run.redis_server import EmbeddedRedis, redis_server_binary, server_version
 from streamrl.run.runtime import with_password
-from streamrl.tools.jobs import JOB_PATH
+from streamrl.tools import JOB_PATH
 from streamrl.tools.ledger import ToolLedger
 from streamrl.transport import RedisStreamConsumer, publish
 from streamrl.wire import Task

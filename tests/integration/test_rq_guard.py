@@ -20,8 +20,8 @@ from rq.serializers import JSONSerializer
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
+from streamrl.tools import JOB_PATH
 from streamrl.tools.client import ToolClient
-from streamrl.tools.jobs import JOB_PATH
 from streamrl.tools.rqguard import ToolCallWorker
 from streamrl.wire import ToolResult
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker

@@ -61,6 +61,17 @@ def test_light_workers_import_no_model_stack() -> None:
     assert heavy == []
 
 
+def test_the_rollout_tool_client_imports_no_sandbox() -> None:
+    """The rollout worker's tool client names the rq job by a constant: it does not pull
+    the job's module, with the sandboxes and the docker SDK, into every rollout worker."""
+    loaded = _imported(["streamrl.tools.client"])
+    assert not {"docker", "streamrl.tools.jobs", "streamrl.tools.containers"} & loaded
+    from streamrl.tools import JOB_PATH
+    from streamrl.tools.jobs import run_tool_call
+
+    assert f"{run_tool_call.__module__}.{run_tool_call.__qualname__}" == JOB_PATH
+
+
 def test_rl_math_imports_no_redis() -> None:
     loaded = _imported(["streamrl.rl.advantages", "streamrl.rl.losses"])
     assert not any(m.split(".")[0] in ("redis", "rq") for m in loaded)

@@ -38,7 +38,7 @@ from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.obs.metrics import TOOL_ERROR, TOOL_LATENCY_S, TOOL_TIMEOUT, Metrics
 from streamrl.obs.tracing import Span, Tracer
-from streamrl.tools.jobs import JOB_PATH
+from streamrl.tools import JOB_PATH
 from streamrl.tools.ledger import ledger_key
 from streamrl.tools.registry import TIMED_OUT
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, is_cluster

@@ -48,8 +48,6 @@ RESULT_TTL_S = 120
 # worker that died hard leaves a claim behind for its TTL to clear.
 CLAIM_MARGIN_S = 10
 
-JOB_PATH = "streamrl.tools.jobs.run_tool_call"
-
 
 @dataclass
 class ToolRuntime:

@@ -20,7 +20,8 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 
 from streamrl.run.liveness import Liveness
-from streamrl.tools.jobs import JOB_PATH, run_tool_call
+from streamrl.tools import JOB_PATH
+from streamrl.tools.jobs import run_tool_call
 
 
 class RefusedJobError(RuntimeError):
