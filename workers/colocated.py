@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from streamrl.run.runtime import WorkerContext
 from streamrl_workers import rollout, trainer
 
 if TYPE_CHECKING:
     from streamrl.rollout.episode import ModelServer
-    from streamrl.trainer.step import Batch, StepFn, TrainState
+    from streamrl.trainer.step import Batch, StepFn, StepMetrics, TrainState
 
 
 class _Phased:
@@ -44,7 +44,7 @@ class _Phased:
         assert self.step is not None
         return self.step.row_multiple
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
         assert self.step is not None
         server = self.server
         if server is not None:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from streamrl.model.llm import Params, init_params, param_shapes
-from streamrl.model.spec import ModelSpec, SpecError
+from streamrl.model.llm import DType, Params, init_params, param_shapes
+from streamrl.model.spec import ModelSpec, PyTree, SpecError
 
 __all__ = [
     "CheckpointError",
@@ -48,7 +48,7 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _METADATA = {"format": "pt"}
 _EMBED = "model.embed_tokens.weight"
 # safetensors dtype names this loader takes (NumPy gets bfloat16 from ml_dtypes, via JAX).
-_DTYPES: dict[str, Any] = {
+_DTYPES: dict[str, DType] = {
     "F32": jnp.float32,
     "BF16": jnp.bfloat16,
     "F16": jnp.float16,
@@ -60,10 +60,10 @@ class CheckpointError(ValueError):
 
 
 # `model.dtype` (config) -> the JAX dtype of the policy's params and compute.
-_POLICY_DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_POLICY_DTYPES: dict[str, DType] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def policy_dtype(name: str) -> Any:
+def policy_dtype(name: str) -> DType:
     """The JAX dtype a `model.dtype` of `name` loads and runs the policy in."""
     if name not in _POLICY_DTYPES:
         raise CheckpointError(f"model.dtype {name!r}: expected one of {', '.join(_POLICY_DTYPES)}")
@@ -107,7 +107,7 @@ def _slots(spec: ModelSpec) -> dict[str, _Slot]:
 # Loading.
 
 
-def load_checkpoint(path: str | Path, dtype: Any = None) -> tuple[ModelSpec, Params]:
+def load_checkpoint(path: str | Path, dtype: DType | None = None) -> tuple[ModelSpec, Params]:
     """The spec and parameters of the HF checkpoint directory `path`.
 
     dtype: the parameters' dtype (and so the compute dtype); None keeps the checkpoint's
@@ -176,7 +176,7 @@ def _locate(root: Path, slots: Mapping[str, _Slot], spec: ModelSpec) -> dict[str
 
 
 @contextlib.contextmanager
-def _open(file: Path) -> Iterator[Any]:
+def _open(file: Path) -> Iterator[safe_open]:
     """safe_open for reading, a damaged file (truncated, not safetensors) a CheckpointError."""
     try:
         with safe_open(file, framework="numpy") as f:
@@ -185,7 +185,15 @@ def _open(file: Path) -> Iterator[Any]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({err})") from None
 
 
-def _check_tensor(file: Path, name: str, tensor: Any, slots: Mapping[str, _Slot]) -> None:
+class _Slice(Protocol):
+    """What safetensors' `get_slice` hands back (its stub leaves it untyped)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def get_dtype(self) -> str: ...
+
+
+def _check_tensor(file: Path, name: str, tensor: _Slice, slots: Mapping[str, _Slot]) -> None:
     """Raise unless `name` is an expected tensor of the expected shape and a float dtype."""
     shape = list(tensor.get_shape())
     if name not in slots:
@@ -207,7 +215,7 @@ def _ignored(name: str, spec: ModelSpec) -> bool:
     return tied_head or _IGNORED.fullmatch(name) is not None
 
 
-def _read(located: Mapping[str, Path], slots: Mapping[str, _Slot], dtype: Any) -> Params:
+def _read(located: Mapping[str, Path], slots: Mapping[str, _Slot], dtype: DType | None) -> Params:
     """The parameter pytree, each tensor cast to `dtype` (None: the embedding's dtype).
 
     Tensors go to the device one at a time, so host memory holds one tensor, not a model.
@@ -219,7 +227,7 @@ def _read(located: Mapping[str, Path], slots: Mapping[str, _Slot], dtype: Any) -
     by_file: dict[Path, list[str]] = {}
     for name, file in located.items():
         by_file.setdefault(file, []).append(name)
-    params: dict[str, Any] = {}
+    params: dict[str, PyTree] = {}
     for file, names in by_file.items():
         with _open(file) as f:
             for name in names:
@@ -229,7 +237,7 @@ def _read(located: Mapping[str, Path], slots: Mapping[str, _Slot], dtype: Any) -
     return params
 
 
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+def _set(tree: dict[str, PyTree], path: tuple[str, ...], value: jax.Array) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value

@@ -56,14 +56,13 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from streamrl.model.llm import KV_BLOCK, KVCache, forward, init_cache
+from streamrl.model.llm import KV_BLOCK, DType, KVCache, Params, forward, init_cache
 from streamrl.model.sampling import (
     GenRequest,
     GenResult,
@@ -115,7 +114,7 @@ def span_bucket(n: int, pool_len: int) -> int:
     return min(pool_len, round_up(half_pow2(n, SPAN_BUCKET), KV_BLOCK))
 
 
-def pool_dtype(param_dtype: Any, backend: str | None = None) -> Any:
+def pool_dtype(param_dtype: DType, backend: str | None = None) -> np.dtype:
     """The KV pool's dtype for a policy computing in `param_dtype`: float32 on a CPU, the
     params' dtype elsewhere. XLA:CPU converts a bfloat16 pool to float32 in full at every
     decode step (a bfloat16 policy decoded 2x slower with a bfloat16 pool than with a float32
@@ -188,10 +187,10 @@ class Engine:
     def __init__(
         self,
         spec: ModelSpec,
-        params: Any,
+        params: Params,
         cfg: EngineConfig,
         detokenize: Callable[[list[int]], str] | None = None,
-        dtype: Any = None,
+        dtype: DType | None = None,
         mesh: Mesh | None = None,
     ) -> None:
         """`dtype`: the KV pool's; None: `pool_dtype` of the params' dtype."""
@@ -242,7 +241,7 @@ class Engine:
 
     # -- public ----------------------------------------------------------------------------
 
-    def set_params(self, params: Any) -> None:
+    def set_params(self, params: Params) -> None:
         """Serve these params from the next step on (placed on the mesh, if any). Parked
         slots are dropped: their keys/values are the old params'."""
         self.params = shard_params(params, self.mesh) if self.mesh is not None else params
@@ -526,7 +525,7 @@ class Engine:
 
     def _prefill_fn(
         self,
-        params: Any,
+        params: Params,
         pool: KVCache,
         tokens: jax.Array,
         starts: jax.Array,
@@ -565,7 +564,7 @@ class Engine:
 
     def _decode_fn(
         self,
-        params: Any,
+        params: Params,
         pool: KVCache,
         last: jax.Array,
         lengths: jax.Array,
@@ -589,13 +588,15 @@ class Engine:
         live = pool.prefix(-(-span // KV_BLOCK))
         view = jax.tree.map(lambda x: x[:n], live)
 
-        def body(carry: tuple[Any, ...], i: jax.Array) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        def body(carry: _Carry, i: jax.Array) -> tuple[_Carry, tuple[jax.Array, ...]]:
             cache, tok, length, done, count = carry
             mask = (k_slots[None, :] <= length[:, None])[:, None, :]
-            logits, cache = forward(
+            logits, written = forward(
                 params, self.spec, tok[:, None], length[:, None], cache=cache,
                 write_pos=length[:, None], attn_mask=mask, in_bounds=True,
             )  # fmt: skip
+            assert written is not None  # (traced once: a cache in, a cache out)
+            cache = written
             step_keys = jax.vmap(jax.random.fold_in)(keys, produced + count)
             new, lp = sample_tokens(logits[:, 0], step_keys, self.cfg.sampling, self.cfg.pad_id)
             active = ~done
@@ -614,6 +615,11 @@ class Engine:
         pool = self._constrain(pool.with_prefix(live))
         stopped = (hits & actives).any(axis=0)
         return pool, toks.T, lps.T, counts, stopped
+
+
+# The decode loop's carry: the cache view, and per row the last token, the length, whether
+# it stopped and how many tokens it produced.
+_Carry = tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

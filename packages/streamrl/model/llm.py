@@ -31,15 +31,16 @@ import itertools
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TypedDict, cast
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
-from streamrl.model.spec import ModelSpec, RopeScaling
+from streamrl.model.spec import ModelSpec, PyTree, RopeScaling
 
 __all__ = [
     "CausalLM",
@@ -54,8 +55,16 @@ __all__ = [
     "rope_frequencies",
 ]
 
-Params = Any  # nested dict of jax arrays, {"model": {...}, "lm_head": {...}} (see module doc)
-DType = Any
+
+class _Scatter(TypedDict, total=False):
+    """Keyword arguments of an `.at[...].set` into the cache."""
+
+    mode: str
+    unique_indices: bool
+
+
+Params = PyTree  # nested dict of jax arrays, {"model": {...}, "lm_head": {...}} (see module doc)
+DType = DTypeLike
 
 # Finite, so that a fully masked query row (a padding slot) gives a uniform softmax over
 # garbage instead of NaN; such rows are never read.
@@ -376,7 +385,7 @@ def _write_blocks(
             at = jnp.clip(local, 0, n - 1)
             ck = jnp.where(inside[..., None, None], ck, kb[rows, :, :, at])
             cv = jnp.where(inside[..., None, None], cv, vb[rows, :, at])
-            how: dict[str, Any] = {"mode": "promise_in_bounds", "unique_indices": True}
+            how: _Scatter = {"mode": "promise_in_bounds", "unique_indices": True}
         else:
             at = jnp.where(inside, local, n)  # n: out of range, dropped
             how = {"mode": "drop"}
@@ -563,7 +572,7 @@ def init_params(
     compile one XLA random kernel per parameter, seconds on a CPU at every start.
     """
 
-    def draw(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    def draw(path: jax.tree_util.KeyPath, leaf: jax.ShapeDtypeStruct) -> jax.Array:
         name = "/".join(str(getattr(p, "key", p)) for p in path)
         kind = name.rsplit("/", 1)[-1]
         if kind == "weight":

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from streamrl.config import LORA_TARGETS
+from streamrl.model.spec import PyTree
 
-Params = Any
+Params = PyTree
 
 TARGETS = LORA_TARGETS
 
@@ -53,7 +53,7 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def _targets(params: Params, cfg: LoraConfig) -> list[tuple[tuple[str, ...], Any]]:
+def _targets(params: Params, cfg: LoraConfig) -> list[tuple[tuple[str, ...], jax.Array]]:
     """(path of the Linear module, its kernel) for every targeted layer."""
     found = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -65,13 +65,13 @@ def _targets(params: Params, cfg: LoraConfig) -> list[tuple[tuple[str, ...], Any
     return found
 
 
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+def _set(tree: dict[str, PyTree], path: tuple[str, ...], value: jax.Array) -> None:
     for name in path[:-1]:
         tree = tree.setdefault(name, {})
     tree[path[-1]] = value
 
 
-def _get(tree: Any, path: tuple[str, ...]) -> Any:
+def _get(tree: PyTree, path: tuple[str, ...]) -> PyTree:
     for name in path:
         tree = tree[name]
     return tree
@@ -79,7 +79,7 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 
 def init_lora(params: Params, cfg: LoraConfig, seed: int) -> Params:
     """Fresh adapters for the targeted layers (A ~ N(0, 1/in), B = 0)."""
-    adapters: dict[str, Any] = {}
+    adapters: dict[str, PyTree] = {}
     for i, (path, kernel) in enumerate(_targets(params, cfg)):
         fan_in, fan_out = kernel.shape
         rng = np.random.default_rng([seed, i])
@@ -118,7 +118,9 @@ def merge_lora(params: Params, adapters: Params, cfg: LoraConfig) -> Params:
 
 
 @partial(jax.jit, static_argnums=3)
-def _fold(kernels: list[Any], a: list[Any], b: list[Any], scale: float) -> list[Any]:
+def _fold(
+    kernels: list[jax.Array], a: list[jax.Array], b: list[jax.Array], scale: float
+) -> list[jax.Array]:
     return [
         k + ((x @ y) * jnp.asarray(scale, k.dtype)).astype(k.dtype)
         for k, x, y in zip(kernels, a, b, strict=True)
@@ -142,7 +144,7 @@ def attach_lora(params: Params, adapters: Params, cfg: LoraConfig) -> Params:
 
 
 @partial(jax.jit, static_argnums=1)
-def _scale(bs: list[Any], scale: float) -> list[Any]:
+def _scale(bs: list[jax.Array], scale: float) -> list[jax.Array]:
     return [b * jnp.asarray(scale, b.dtype) for b in bs]
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from streamrl.config import Config
 from streamrl.model.checkpoint import load_checkpoint, policy_dtype
-from streamrl.model.spec import ModelSpec
+from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.model.tiny import ensure_checkpoint
 
 if TYPE_CHECKING:
@@ -25,11 +25,11 @@ class StartingPolicy:
     source_dir: Path
     chat: HFChat
     spec: ModelSpec
-    params: Any
+    params: PyTree
 
 
 def starting_policy(
-    cfg: Config, *, warm: bool, info: Callable[..., Any] | None = None
+    cfg: Config, *, warm: bool, info: Callable[..., object] | None = None
 ) -> StartingPolicy:
     """The run's starting policy. With `warm` and `model.init = "warmstart"`, its params are
     the warm start's (trained once and cached; `info` logs its progress); otherwise the

@@ -10,13 +10,11 @@ are replicated. The KV-cache pool is sharded by slot over `data` and by key/valu
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl.model.spec import ModelSpec
+from streamrl.model.spec import ModelSpec, PyTree
 
 DATA, TENSOR = "data", "tensor"
 
@@ -28,7 +26,9 @@ class MeshError(ValueError):
     pass
 
 
-def grid_mesh(axes: dict[str, int], devices: list[Any] | None = None, what: str = "mesh") -> Mesh:
+def grid_mesh(
+    axes: dict[str, int], devices: list[jax.Device] | None = None, what: str = "mesh"
+) -> Mesh:
     """A mesh with these named axes and sizes over the first devices (all of them: local
     and, under jax.distributed, remote); `what` names it in the error."""
     devices = devices if devices is not None else jax.devices()
@@ -39,7 +39,7 @@ def grid_mesh(axes: dict[str, int], devices: list[Any] | None = None, what: str 
     return Mesh(np.asarray(devices[:need]).reshape(*axes.values()), tuple(axes))
 
 
-def make_mesh(data: int, tensor: int, devices: list[Any] | None = None) -> Mesh:
+def make_mesh(data: int, tensor: int, devices: list[jax.Device] | None = None) -> Mesh:
     """A (data, tensor) mesh over the first data x tensor devices."""
     return grid_mesh({DATA: data, TENSOR: tensor}, devices)
 
@@ -52,7 +52,7 @@ def check_spec(spec: ModelSpec, mesh: Mesh) -> None:
             raise MeshError(f"{name} ({getattr(spec, name)}) is not divisible by tensor={t}")
 
 
-def _param_spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
+def _param_spec(path: jax.tree_util.KeyPath, leaf: object) -> PartitionSpec:
     names = [str(getattr(p, "key", p)) for p in path]
     module, kind = (names[-2], names[-1]) if len(names) >= 2 else ("", names[-1])
     # Attached LoRA adapters (x @ A @ B) follow their kernel: B [rank, out] split like an
@@ -66,7 +66,7 @@ def _param_spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
     return PartitionSpec()
 
 
-def shard_params(params: Any, mesh: Mesh) -> Any:
+def shard_params(params: PyTree, mesh: Mesh) -> PyTree:
     """Place params on the mesh (tensor-parallel layout above)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: jax.device_put(x, NamedSharding(mesh, _param_spec(path, x))), params
@@ -79,5 +79,5 @@ def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(DATA, TENSOR))
 
 
-def shard_cache(cache: Any, mesh: Mesh) -> Any:
+def shard_cache(cache: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(lambda x: jax.device_put(x, cache_sharding(mesh)), cache)

@@ -21,16 +21,22 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypedDict
 
 __all__ = [
     "ROPE_TYPES",
     "SUPPORTED_FAMILIES",
     "Family",
     "ModelSpec",
+    "PyTree",
     "RopeScaling",
     "SpecError",
 ]
+
+# A JAX pytree: parameters, optimizer state, a KV cache, LoRA adapters: nested dicts (and
+# lists, tuples) of arrays. JAX gives no static type for one, so this stays Any; the name
+# says what a value is, where a bare Any would not.
+PyTree = Any
 
 Family = Literal["qwen2", "qwen3", "llama"]
 SUPPORTED_FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama")
@@ -42,10 +48,18 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
 }
 
+
 # Defaults of transformers' Qwen2Config / Qwen3Config / LlamaConfig (5.24) for the fields a
 # config.json may leave out. The architecture sizes themselves have no default here: a
 # checkpoint without them is broken, whatever transformers would guess.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+class _Defaults(TypedDict, total=False):
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    head_dim: int
+
+
+_FAMILY_DEFAULTS: dict[str, _Defaults] = {
     "qwen2": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
     "qwen3": {
         "max_position_embeddings": 32768,
@@ -86,7 +100,7 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     truncate: bool | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The set keys, as they appear in `rope_parameters`."""
         return {
             f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
@@ -173,7 +187,7 @@ class ModelSpec:
             raise SpecError(f"{file}: {err}") from None
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> ModelSpec:
+    def from_config(cls, cfg: Mapping[str, object]) -> ModelSpec:
         """The spec of a parsed config.json dict."""
         family = _family(cfg)
         _reject_unsupported(cfg)
@@ -204,15 +218,15 @@ class ModelSpec:
             eos_token_ids=_eos_ids(cfg, defaults["eos_token_id"]),
         )
 
-    def to_config(self) -> dict[str, Any]:
+    def to_config(self) -> dict[str, object]:
         """A config.json dict (transformers 5 layout) that rebuilds this exact model."""
-        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        rope: dict[str, object] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(self.rope_scaling.to_dict())
         eos: int | list[int] | None = list(self.eos_token_ids) or None
         if len(self.eos_token_ids) == 1:
             eos = self.eos_token_ids[0]
-        cfg: dict[str, Any] = {
+        cfg: dict[str, object] = {
             "architectures": [_ARCHITECTURES[self.family]],
             "model_type": self.family,
             "vocab_size": self.vocab_size,
@@ -255,13 +269,13 @@ def _unsupported_family(model_type: object) -> str:
     return f"unsupported `model_type` {model_type!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
 
 
-def _family(cfg: Mapping[str, Any]) -> Family:
+def _family(cfg: Mapping[str, object]) -> Family:
     if "model_type" not in cfg:
         raise SpecError("missing field `model_type`")
     model_type = cfg["model_type"]
     if model_type not in SUPPORTED_FAMILIES:
         raise SpecError(_unsupported_family(model_type))
-    return cast(Family, model_type)
+    return model_type
 
 
 def _reject_unsupported(cfg: Mapping[str, Any]) -> None:
@@ -290,7 +304,7 @@ def _missing(key: str) -> SpecError:
 _REQUIRED = object()
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> int:
+def _int(cfg: Mapping[str, object], key: str, default: object = _REQUIRED) -> int:
     value = cfg.get(key, default)
     if value is _REQUIRED:
         raise _missing(key)
@@ -301,7 +315,7 @@ def _int(cfg: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> int:
     return value
 
 
-def _positive(value: Any, key: str) -> float:
+def _positive(value: object, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpecError(f"field `{key}` must be a number, got {value!r}")
     if not math.isfinite(value) or value <= 0:
@@ -309,25 +323,25 @@ def _positive(value: Any, key: str) -> float:
     return float(value)
 
 
-def _float(cfg: Mapping[str, Any], key: str, default: float) -> float:
+def _float(cfg: Mapping[str, object], key: str, default: float) -> float:
     return _positive(cfg.get(key, default), key)
 
 
-def _bool(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+def _bool(cfg: Mapping[str, object], key: str, default: bool) -> bool:
     value = cfg.get(key, default)
     if not isinstance(value, bool):
         raise SpecError(f"field `{key}` must be true or false, got {value!r}")
     return value
 
 
-def _token_id(cfg: Mapping[str, Any], key: str, default: int | None) -> int | None:
+def _token_id(cfg: Mapping[str, object], key: str, default: int | None) -> int | None:
     value = cfg.get(key, default)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise SpecError(f"field `{key}` must be a token id or null, got {value!r}")
     return value
 
 
-def _eos_ids(cfg: Mapping[str, Any], default: int | None) -> tuple[int, ...]:
+def _eos_ids(cfg: Mapping[str, object], default: int | None) -> tuple[int, ...]:
     value = cfg.get("eos_token_id", default)
     ids = value if isinstance(value, list) else [value]
     if value is None:
@@ -338,7 +352,7 @@ def _eos_ids(cfg: Mapping[str, Any], default: int | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _rope(cfg: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
+def _rope(cfg: Mapping[str, object], max_pos: int) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from `rope_parameters` (transformers 5) or the older keys."""
     params = cfg.get("rope_parameters")
     key = "rope_parameters"
@@ -363,7 +377,7 @@ def _rope(cfg: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScaling | No
 
 
 def _scaling(
-    cfg: Mapping[str, Any], params: dict[str, Any], key: str, rope_type: str, max_pos: int
+    cfg: Mapping[str, object], params: dict[str, object], key: str, rope_type: str, max_pos: int
 ) -> RopeScaling:
     def num(name: str, required: bool) -> float | None:
         if name not in params or params[name] is None:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
 
 import jax
 import msgspec
 import numpy as np
 
 from streamrl.model.lora import LoraConfig, LoraError, init_lora
+from streamrl.model.spec import PyTree
 from streamrl.weightsync import ALIGN, Buffer, WeightsError, as_aligned
 from streamrl.wire import LoraInfo
 
@@ -66,12 +66,12 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def params_to_bytes(params: Any) -> bytes:
+def params_to_bytes(params: PyTree) -> bytes:
     """The bytes of a parameter pytree in this module's layout."""
     return b"".join(params_to_pieces(params))
 
 
-def params_to_pieces(params: Any) -> list[Buffer]:
+def params_to_pieces(params: PyTree) -> list[Buffer]:
     """`params_to_bytes(params)` as consecutive pieces: prefix, header, padding, and views
     of the arrays themselves (host arrays are not copied), for a writer that needs no
     single buffer. Leaves must be arrays (or array-likes) of a plain numeric dtype."""
@@ -109,7 +109,7 @@ def params_to_pieces(params: Any) -> list[Buffer]:
     return pieces
 
 
-def params_from_bytes(template: Any, data: Buffer | np.ndarray) -> Any:
+def params_from_bytes(template: PyTree, data: Buffer | np.ndarray) -> PyTree:
     """Parameters decoded from `data` in the structure of `template`, as jax arrays.
 
     `template` may hold arrays or jax.ShapeDtypeStruct leaves; every decoded leaf must
@@ -176,7 +176,7 @@ def lora_config(info: LoraInfo | None) -> LoraConfig:
         raise WeightsError(f"bad LoRA config in weights: {err}") from None
 
 
-def adapters_template(base: Any, cfg: LoraConfig) -> Any:
+def adapters_template(base: PyTree, cfg: LoraConfig) -> PyTree:
     """Shapes and dtypes (no values) of the adapters `cfg` puts on `base`."""
     try:
         return jax.eval_shape(lambda: init_lora(base, cfg, seed=0))

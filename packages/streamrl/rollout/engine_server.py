@@ -22,13 +22,16 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TypeVar
 
 import structlog
 
 from streamrl.config import RolloutConfig
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
+from streamrl.model.spec import PyTree
+
+T = TypeVar("T")
 
 
 def engine_config(
@@ -90,7 +93,7 @@ class EngineServer:
         self._inbox: queue.SimpleQueue[_Call | int | str] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._weights: tuple[Any, int, Future[None]] | None = None
+        self._weights: tuple[PyTree, int, Future[None]] | None = None
         self._held = threading.Event()
         self._lock = threading.Lock()  # pending weights vs the thread taking them
         self._running = False
@@ -133,7 +136,7 @@ class EngineServer:
         self._held.clear()
         self._wake.set()
 
-    async def swap(self, params: Any, version: int) -> None:
+    async def swap(self, params: PyTree, version: int) -> None:
         """Serve `params` as `version` from the next chunk on; returns once the engine
         thread has them, so every request submitted afterwards is tagged `version`.
         Releases a hold. Sequences in flight go on with the new params."""
@@ -177,7 +180,7 @@ class EngineServer:
         else:
             loop.call_soon_threadsafe(_set_result, done)
 
-    def _apply(self, params: Any, version: int) -> None:
+    def _apply(self, params: PyTree, version: int) -> None:
         start = time.monotonic()
         self.engine.set_params(params)
         self.version = version
@@ -277,7 +280,7 @@ def _set_result(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _set_exception(fut: asyncio.Future[Any], err: BaseException) -> None:
+def _set_exception(fut: asyncio.Future[T], err: BaseException) -> None:
     if not fut.done():
         fut.set_exception(err)
 

@@ -36,6 +36,7 @@ from streamrl.agents.flow import CircuitOpenError
 from streamrl.chat.transcript import Transcript
 from streamrl.config import RolloutConfig
 from streamrl.model.sampling import GenRequest, GenResult
+from streamrl.model.spec import PyTree
 from streamrl.obs.tracing import TRAJ_FLOW, Span, Tracer, flow_id
 from streamrl.wire import EpisodeState, SavedTurn, Status, Task, Trajectory, pack_arrays
 
@@ -64,7 +65,7 @@ class ModelServer(ModelService, Protocol):
 
     def release(self) -> None: ...
 
-    async def swap(self, params: Any, version: int) -> None: ...
+    async def swap(self, params: PyTree, version: int) -> None: ...
 
 
 if TYPE_CHECKING:  # hfchat loads transformers: the stub policy's rollout never needs it

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from streamrl.model.sampling import GenRequest, GenResult
+from streamrl.model.spec import PyTree
 from streamrl.names import Keys
 from streamrl.weightsync import WeightsError, read_published
 from streamrl.wire import Weights
@@ -101,7 +103,7 @@ class StubServer:
     def release(self) -> None:
         self._on_loop(self._open.set)
 
-    async def swap(self, params: Any, version: int) -> None:
+    async def swap(self, params: PyTree, version: int) -> None:
         """Serve `version` from now on (the stub has no params to use); releases a hold."""
         del params
         self.version = version
@@ -113,7 +115,7 @@ class StubServer:
             self._loop = asyncio.get_running_loop()
             self._loop_thread = threading.get_ident()
 
-    def _on_loop(self, fn: Any) -> None:
+    def _on_loop(self, fn: Callable[[], object]) -> None:
         if self._loop is None or threading.get_ident() == self._loop_thread:
             fn()
         else:

@@ -40,6 +40,7 @@ import structlog
 
 from streamrl.config import LoraServing, SyncMode
 from streamrl.model.lora import LoraConfig, attach_lora, merge_lora
+from streamrl.model.spec import PyTree
 from streamrl.model.weights import adapters_template, lora_config, params_from_bytes
 from streamrl.names import Keys
 from streamrl.obs.tracing import Span, Tracer
@@ -122,8 +123,8 @@ class WeightLoader:
         self,
         client: redis.Redis | None,
         keys: Keys,
-        template: Any,
-        base: Any,
+        template: PyTree,
+        base: PyTree,
         lora_serving: LoraServing = "merged",
         *,
         weights_dir: Path | None,
@@ -137,15 +138,15 @@ class WeightLoader:
         self.base = base
         self.lora_serving = lora_serving
         self.base_version = -1  # -1: the checkpoint the worker started from
-        self._adapter_templates: dict[LoraConfig, Any] = {}
+        self._adapter_templates: dict[LoraConfig, PyTree] = {}
         self._hasher = ThreadPoolExecutor(1)
 
-    def __call__(self, msg: Weights, base_msg: Weights | None) -> Any:
+    def __call__(self, msg: Weights, base_msg: Weights | None) -> PyTree:
         # Ready before they are swapped in (the engine decodes with the old params until
         # then, instead of waiting for a copy or merge at its next step).
         return jax.block_until_ready(self._load(msg, base_msg))
 
-    def _load(self, msg: Weights, base_msg: Weights | None) -> Any:
+    def _load(self, msg: Weights, base_msg: Weights | None) -> PyTree:
         if msg.kind == "full":
             params = self._fetch_decode(msg, self.template)
             self.base, self.base_version = params, msg.version
@@ -165,7 +166,7 @@ class WeightLoader:
             return attach_lora(self.base, adapters, cfg)
         return merge_lora(self.base, adapters, cfg)
 
-    def _fetch_decode(self, msg: Weights, template: Any) -> Any:
+    def _fetch_decode(self, msg: Weights, template: PyTree) -> PyTree:
         data = fetch_published(msg, self.client, self.keys, self.weights_dir)
         where = describe(msg)
         checked = overlapped(self._hasher, msg.nbytes, check_checksum, data, msg.checksum, where)
@@ -178,7 +179,7 @@ class WeightLoader:
         return params
 
 
-Load = Callable[[Weights, Weights | None], Any]
+Load = Callable[[Weights, Weights | None], PyTree]
 
 
 class WeightFollower:

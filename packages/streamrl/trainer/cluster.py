@@ -11,12 +11,12 @@ leader whether to go on, so all stop at the same step.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from streamrl.model.spec import PyTree
 from streamrl.run.runtime import COORDINATOR_ENV
 
 
@@ -58,7 +58,7 @@ class Cluster:
     def leader(self) -> bool:
         return self.index == 0
 
-    def broadcast(self, tree: Any) -> Any:
+    def broadcast(self, tree: PyTree) -> PyTree:
         """The leader's value of `tree` on every process (others pass same-shaped ones)."""
         if self.count == 1:
             return tree
@@ -73,7 +73,7 @@ class Cluster:
         n = int(self.broadcast(np.array([len(arrays) if arrays is not None else 0]))[0])
         width = 8
         header = np.zeros((n, width + 1), np.int64)
-        dtypes: list[np.dtype[Any]] = [np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)]
+        dtypes: list[np.dtype] = [np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)]
         if arrays is not None:
             for i, a in enumerate(arrays):
                 if a.ndim > width or a.dtype not in dtypes:
@@ -89,7 +89,7 @@ class Cluster:
             ]
         return list(self.broadcast(arrays))
 
-    def gather(self, tree: Any) -> Any:
+    def gather(self, tree: PyTree) -> PyTree:
         """Every leaf whole, as NumPy, on every process (sharded leaves are collected)."""
         if self.count == 1:
             return tree
@@ -100,7 +100,7 @@ class Cluster:
             multihost_utils.sync_global_devices(name)
 
 
-def scalar(x: Any) -> float:
+def scalar(x: jax.Array | float) -> float:
     """A replicated scalar result of the step as a float, on any process."""
     if hasattr(x, "addressable_data"):
         return float(np.asarray(x.addressable_data(0)))

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar
 
 import orbax.checkpoint as ocp
 
@@ -26,7 +26,7 @@ from streamrl.config import Config
 from streamrl.evaluation import watch as evalrun
 from streamrl.model.checkpoint import export_checkpoint
 from streamrl.model.lora import LoraConfig
-from streamrl.model.spec import ModelSpec
+from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.obs.tracing import Span
 from streamrl.run.failpoints import CHECKPOINT_COMMIT, failpoint
 from streamrl.trainer.publish import WeightPublisher
@@ -69,21 +69,25 @@ class Hook(Protocol):
     @property
     def at_start(self) -> bool: ...
 
-    def __call__(self, loop: TrainerLoop, final: bool) -> Published | Committed | None: ...
+    def __call__(self, loop: TrainerLoop, /, final: bool) -> Published | Committed | None: ...
 
 
-F = TypeVar("F", bound=Callable[..., Any])
+H = TypeVar("H")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _busy_hook(call: F) -> F:
+def _busy_hook(
+    call: Callable[Concatenate[H, TrainerLoop, P], R],
+) -> Callable[Concatenate[H, TrainerLoop, P], R]:
     """A hook's call, one busy step of its loop's liveness (a checkpoint, a publication)."""
 
     @functools.wraps(call)
-    def run(hook: Any, loop: TrainerLoop, final: bool) -> Any:
+    def run(hook: H, loop: TrainerLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with loop.liveness.busy():
-            return call(hook, loop, final)
+            return call(hook, loop, *args, **kwargs)
 
-    return cast(F, run)
+    return run
 
 
 @dataclass
@@ -94,7 +98,7 @@ class PublishHook:
 
     every: int
     publisher: WeightPublisher
-    adapters: Callable[[TrainState], tuple[Any, LoraConfig]] | None = None
+    adapters: Callable[[TrainState], tuple[PyTree, LoraConfig]] | None = None
     published: int = 0
     version: int = -1  # the last version published (-1: none yet)
     at_start: ClassVar[bool] = True  # version 0: what rollout starts from
@@ -234,7 +238,7 @@ class ExportHook:
 def write_export(
     export_dir: Path,
     spec: ModelSpec,
-    params: Any,
+    params: PyTree,
     source_dir: Path,
     cfg: Config,
     max_shard_bytes: int | None = None,

@@ -27,10 +27,10 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -43,7 +43,7 @@ from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.names import Keys
 from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
-from streamrl.obs.tracing import GROUP_FLOW, Span, Tracer, flow_id
+from streamrl.obs.tracing import GROUP_FLOW, Arg, Span, Tracer, flow_id
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.run.liveness import Liveness
 from streamrl.trainer import resume as resumption
@@ -66,18 +66,21 @@ class NonFiniteStepsError(FatalError):
     pass
 
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def _busy(method: F) -> F:
+def _busy(
+    method: Callable[Concatenate[TrainerLoop, P], R],
+) -> Callable[Concatenate[TrainerLoop, P], R]:
     """A method of the loop that is one busy step of its liveness (`streamrl.run.liveness`)."""
 
     @functools.wraps(method)
-    def run(loop: TrainerLoop, *args: Any, **kwargs: Any) -> Any:
+    def run(loop: TrainerLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with loop.liveness.busy():
             return method(loop, *args, **kwargs)
 
-    return cast(F, run)
+    return run
 
 
 @dataclass
@@ -239,9 +242,17 @@ class TrainerLoop:
         batch = build_batch(items, advantages, self.pad_id, self.train_step.row_multiple)
         return batch, rewards, min_versions
 
-    def trace(self, name: str, start_ns: int, **kw: Any) -> None:
+    def trace(
+        self,
+        name: str,
+        start_ns: int,
+        ends_flows: Sequence[int] = (),
+        args: Mapping[str, Arg] | None = None,
+    ) -> None:
         """A span `name` of the loop, from `start_ns` to now (this host's clock)."""
-        self.tracer.span(self.track, name, start_ns, time.time_ns(), **kw)
+        self.tracer.span(
+            self.track, name, start_ns, time.time_ns(), ends_flows=ends_flows, args=args
+        )
 
     def train_once(self, groups: list[Delivery[Group]] | None) -> TrainMetrics | None:
         """One step on `groups` (the leader's; None on the other processes, which get the

@@ -14,13 +14,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 import structlog
 
 from streamrl import counters
 from streamrl.model.lora import LoraConfig
+from streamrl.model.spec import PyTree
 from streamrl.model.weights import lora_info, params_to_pieces
 from streamrl.names import Keys
 from streamrl.run.failpoints import WEIGHTS_PUBLISH, failpoint
@@ -44,7 +44,7 @@ class WeightPublisher:
     _hasher: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
 
     def publish(
-        self, tree: Any, version: int, step: int, lora: LoraConfig | None = None
+        self, tree: PyTree, version: int, step: int, lora: LoraConfig | None = None
     ) -> Weights:
         """Publish `tree` (params, or adapters when `lora` is given) as `version`."""
         if lora is not None and self.base_version < 0:

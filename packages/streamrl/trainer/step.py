@@ -20,7 +20,8 @@ parameters for the forward and reduce-scatters gradients.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import flax.struct
 import jax
@@ -33,7 +34,7 @@ from streamrl.config import TrainerConfig
 from streamrl.model.llm import Params, causal_logits
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.sharding import grid_mesh
-from streamrl.model.spec import ModelSpec
+from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.rl.losses import LOSS_AGGREGATION, LOSSES, LossConfig
 
 __all__ = [
@@ -80,7 +81,7 @@ class TrainState(flax.struct.PyTreeNode):
 
     step: jax.Array
     params: Params
-    opt_state: Any
+    opt_state: PyTree
     ref_params: Params | None = None
     base_params: Params | None = None
 
@@ -91,21 +92,25 @@ class TrainState(flax.struct.PyTreeNode):
             return self.params
         return apply_lora(self.base_params, self.params, lora)
 
-    def checkpoint_tree(self) -> dict[str, Any]:
+    def checkpoint_tree(self) -> dict[str, PyTree]:
         """What a checkpoint holds of the state (`checkpoint_tree`)."""
         return checkpoint_tree(self.params, self.opt_state, self.step)
 
-    def from_checkpoint_tree(self, tree: dict[str, Any]) -> TrainState:
+    def from_checkpoint_tree(self, tree: dict[str, PyTree]) -> TrainState:
         """This state with a checkpoint's tree (`checkpoint_tree`) restored into it."""
         return self.replace(params=tree["params"], opt_state=tree["opt_state"], step=tree["step"])
 
 
-def checkpoint_tree(params: Any, opt_state: Any, step: Any) -> dict[str, Any]:
+def checkpoint_tree(params: PyTree, opt_state: PyTree, step: PyTree) -> dict[str, PyTree]:
     """The Orbax tree of a trainer checkpoint: the trained params (LoRA: the adapters), the
     optimizer state and the step. The reference policy and a LoRA base are the starting
     params, rebuilt from the starting checkpoint, never saved. Values or their abstract
     shapes (`jax.ShapeDtypeStruct`) alike."""
     return {"params": params, "opt_state": opt_state, "step": step}
+
+
+# A step's metrics by name: scalars (jax arrays from the real step, floats from a stub).
+StepMetrics = Mapping[str, jax.Array | float]
 
 
 class StepFn(Protocol):
@@ -115,7 +120,7 @@ class StepFn(Protocol):
     @property
     def row_multiple(self) -> int: ...
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]: ...
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]: ...
 
 
 @flax.struct.dataclass
@@ -236,7 +241,7 @@ def init_state(
 DATA, FSDP = "data", "fsdp"
 
 
-def make_train_mesh(data: int, fsdp: int, devices: list[Any] | None = None) -> Mesh:
+def make_train_mesh(data: int, fsdp: int, devices: list[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp) mesh over the first data x fsdp devices (MeshError, a ValueError,
     when there are fewer)."""
     return grid_mesh({DATA: data, FSDP: fsdp}, devices, what="trainer mesh")
@@ -253,7 +258,7 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
     return PartitionSpec()
 
 
-def shard_fsdp(tree: Any, mesh: Mesh) -> Any:
+def shard_fsdp(tree: PyTree, mesh: Mesh) -> PyTree:
     """Place every leaf of `tree` on the mesh, fsdp-sharded (`fsdp_spec`)."""
     f = mesh.shape[FSDP]
     return jax.tree.map(
@@ -359,7 +364,9 @@ class TrainStep:
         # donated buffers and warns, so donate only off the CPU.
         donate = (0,) if jax.default_backend() != "cpu" else ()
         self._step = jax.jit(self._train_step, donate_argnums=donate)
-        self._mesh_step: Any = None
+        self._mesh_step: (
+            Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]] | None
+        ) = None
 
     @property
     def row_multiple(self) -> int:
@@ -445,7 +452,7 @@ class TrainStep:
         frozen = (state.ref_params, state.base_params)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
-        def body(acc: Any, xs: tuple[Batch, jax.Array]) -> tuple[Any, None]:
+        def body(acc: PyTree, xs: tuple[Batch, jax.Array]) -> tuple[PyTree, None]:
             mb, w = xs
             (loss, metrics), grads = grad_fn(state.params, frozen, mb, self.max_tokens)
             grads_acc, loss_acc, metrics_acc = acc
@@ -472,7 +479,7 @@ class TrainStep:
             jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
         )
 
-        def keep(new: Any, old: Any) -> Any:
+        def keep(new: PyTree, old: PyTree) -> PyTree:
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
         new_state = state.replace(

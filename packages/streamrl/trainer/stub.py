@@ -11,12 +11,11 @@ the trainer publishes.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from streamrl.trainer.step import Batch, TrainState
+from streamrl.trainer.step import Batch, StepMetrics, TrainState
 
 __all__ = ["STUB_PAD_ID", "StubTrainStep", "stub_state"]
 
@@ -43,7 +42,7 @@ class StubTrainStep:
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
         time.sleep(self.step_s)
         metrics = {
             "loss": 0.0,

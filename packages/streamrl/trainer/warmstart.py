@@ -25,7 +25,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +40,8 @@ from streamrl.model.checkpoint import (
     load_checkpoint,
     policy_dtype,
 )
-from streamrl.model.llm import Params, causal_logits
-from streamrl.model.spec import ModelSpec
+from streamrl.model.llm import DType, Params, causal_logits
+from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.model.tiny import builtin_key, cache_root, ensure_checkpoint
 from streamrl.tasks.registry import demonstration
 from streamrl.trainer.step import round_length, standard_promotion
@@ -65,7 +64,7 @@ _WARMUP_FRACTION = 0.05
 _FINAL_LR_FRACTION = 0.1
 _MAX_GRAD_NORM = 1.0
 
-Log = Callable[..., Any]  # e.g. a structlog logger's `info`: log(event, **fields)
+Log = Callable[..., object]  # e.g. a structlog logger's `info`: log(event, **fields)
 
 
 def demonstration_transcript(
@@ -149,7 +148,9 @@ def train_demonstrations(
     opt_state = optimizer.init(params)
 
     @jax.jit
-    def step(params: Params, opt_state: Any, tokens: jax.Array, mask: jax.Array) -> Any:
+    def step(
+        params: Params, opt_state: PyTree, tokens: jax.Array, mask: jax.Array
+    ) -> tuple[Params, PyTree, jax.Array]:
         loss, grads = jax.value_and_grad(demonstration_loss)(params, spec, tokens, mask)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
@@ -171,7 +172,7 @@ def train_demonstrations(
     return params
 
 
-def _checkpoint_identity(cfg: Config, ckpt: Path) -> dict[str, Any]:
+def _checkpoint_identity(cfg: Config, ckpt: Path) -> dict[str, object]:
     """What names the starting checkpoint: the built-in model's key, or for a user
     checkpoint its config.json and the name, size and mtime of every file (weights,
     tokenizer and chat template: all change the demonstrations or the result)."""
@@ -255,7 +256,7 @@ def _write_cache(path: Path, spec: ModelSpec, params: Params) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_cache(path: Path, dtype: Any, log: Log | None) -> Params | None:
+def _read_cache(path: Path, dtype: DType | None, log: Log | None) -> Params | None:
     if not path.exists():
         return None
     try:
