@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from streamrl import counters
 from streamrl.names import Keys
-from streamrl.transport import as_str
+from streamrl.transport import as_str, hgetall_str, hvals_bytes, xrange_entries
 from streamrl.wire import DeadLetter, WireError, decode
 
 LAG_COUNT_CAP = 100_000  # entries counted at most when Redis does not report the lag
@@ -58,12 +59,11 @@ def _entry_age_s(entry_id: str | bytes, now_ms: float) -> float:
 
 def _groups(client: redis.Redis, stream: str, now_ms: float) -> list[GroupInfo]:
     out = []
-    raw: Any = client.xinfo_groups(stream)
-    for g in raw:
+    for g in client.xinfo_groups(stream):
         name = as_str(g["name"])
         oldest = None
         if int(g["pending"]):
-            summary: Any = client.xpending(stream, name)
+            summary = client.xpending(stream, name)
             oldest = _entry_age_s(summary["min"], now_ms)
         out.append(
             GroupInfo(
@@ -93,7 +93,7 @@ def backlog(
     length = int(client.xlen(stream))
     if length == 0:
         return 0, 0  # (or no stream yet: XINFO would fail)
-    groups: Any = client.xinfo_groups(stream)
+    groups = client.xinfo_groups(stream)
     found = next((g for g in groups if as_str(g["name"]) == group), None)
     if found is None:  # no reader has joined yet: every entry waits
         return length, 0
@@ -117,14 +117,13 @@ def _lag(
     after = f"({as_str(group['last-delivered-id'])}"
     if count_after is not None:
         return int(count_after(stream, after, cap))
-    entries: Any = client.xrange(stream, min=after, count=cap)
-    return len(entries)
+    return len(xrange_entries(client, stream, after, count=cap))
 
 
 def partial_groups(client: redis.Redis, keys: Keys, now_ms: float) -> tuple[int, float | None]:
     """Groups with members held but not yet emitted or dropped, and the oldest one's age
     (since its first member arrived)."""
-    raw: Any = client.hvals(keys.groups_started)
+    raw = hvals_bytes(client, keys.groups_started)
     if not raw:
         return 0, None
     return len(raw), max(0.0, (now_ms - min(int(v) for v in raw)) / 1000)
@@ -139,16 +138,14 @@ def inspect(client: redis.Redis, keys: Keys) -> QueueReport:
             info.groups = _groups(client, name, now_ms)
         streams.append(info)
     dead: dict[str, int] = {}
-    entries: Any = client.xrange(keys.dead)
-    for _, fields in entries:
+    for _, fields in xrange_entries(client, keys.dead):
         try:
             letter = decode(fields, DeadLetter)
             dead[letter.source] = dead.get(letter.source, 0) + 1
         except WireError:
             dead["(undecodable)"] = dead.get("(undecodable)", 0) + 1
     partial, oldest = partial_groups(client, keys, now_ms)
-    raw: Any = client.hgetall(keys.stats)
-    stats = {k.decode(): v.decode() for k, v in raw.items()}
+    stats = hgetall_str(client, keys.stats)
     return QueueReport(streams, dead, partial, oldest, stats)
 
 
@@ -158,8 +155,7 @@ def replay_dead(
     """Move dead letters (of `source`, or all) back into their source stream; returns
     (dead entry id, new entry id) pairs. Undecodable dead entries stay where they are."""
     moved: list[tuple[str, str]] = []
-    entries: Any = client.xrange(keys.dead)
-    for dead_id, fields in entries:
+    for dead_id, fields in xrange_entries(client, keys.dead):
         if limit and len(moved) >= limit:
             break
         try:
@@ -171,11 +167,11 @@ def replay_dead(
         if not letter.source.startswith(keys.prefix):
             continue  # never write outside this run's namespace
         pipe = client.pipeline(transaction=True)
-        pipe.xadd(letter.source, dict(letter.fields))  # type: ignore[arg-type]
+        fields_out: dict[FieldT, EncodableT] = {k: v for k, v in letter.fields.items()}
+        pipe.xadd(letter.source, fields_out)
         pipe.xdel(keys.dead, dead_id)
         new_id, _ = pipe.execute()
-        did = dead_id.decode() if isinstance(dead_id, bytes) else str(dead_id)
-        moved.append((did, new_id.decode() if isinstance(new_id, bytes) else str(new_id)))
+        moved.append((dead_id, new_id.decode() if isinstance(new_id, bytes) else str(new_id)))
     return moved
 
 

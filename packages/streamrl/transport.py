@@ -26,6 +26,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
+from redis.typing import StreamRangeResponse
 
 from streamrl import counters
 from streamrl.config import TransportConfig
@@ -76,9 +77,89 @@ def publish(client: redis.Redis | Pipeline, stream: str, msg: Message) -> Any:
     return client.xadd(stream, fields)
 
 
-def as_str(x: Any) -> str:
+def as_str(x: object) -> str:
     """A reply's field as text (bytes decoded; an int or a str as it is written)."""
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+# -- typed replies ---------------------------------------------------------------------
+# redis-py types a reply's strings `bytes | str` (str only with decode_responses, which no
+# client here sets), a stream entry's fields as possibly None (an entry deleted while
+# pending) and an empty range as None. These read replies as the callers use them: text
+# where they decode, bytes where they decode a message or a number.
+
+RawFields = dict[bytes | str, bytes | str]  # a stream entry's fields, as redis-py types them
+Entry = tuple[str, RawFields]  # a stream entry: its id (as text) and its fields
+
+
+def as_bytes(x: bytes | str) -> bytes:
+    """A reply's string as bytes (as our clients return it)."""
+    return x if isinstance(x, bytes) else x.encode()
+
+
+def _maybe_bytes(x: bytes | str | None) -> bytes | None:
+    return None if x is None else as_bytes(x)
+
+
+def _entries(reply: StreamRangeResponse | None) -> list[Entry]:
+    """XRANGE/XREVRANGE entries (never deleted ones: their fields are there)."""
+    return [(as_str(eid), fields or {}) for eid, fields in reply or ()]
+
+
+def hgetall_str(client: redis.Redis, key: str) -> dict[str, str]:
+    """HGETALL, fields and values as text."""
+    return {as_str(k): as_str(v) for k, v in client.hgetall(key).items()}
+
+
+def hgetall_bytes(client: redis.Redis, key: str) -> dict[str, bytes]:
+    """HGETALL, fields as text and values as stored (bytes)."""
+    return {as_str(k): as_bytes(v) for k, v in client.hgetall(key).items()}
+
+
+def hvals_bytes(client: redis.Redis, key: str) -> list[bytes]:
+    """HVALS, as stored (bytes)."""
+    return [as_bytes(v) for v in client.hvals(key)]
+
+
+def mget_bytes(client: redis.Redis, keys: Sequence[str]) -> list[bytes | None]:
+    """MGET: each key's value as stored, None where it is missing."""
+    return [_maybe_bytes(v) for v in client.mget(keys)]
+
+
+def xrange_entries(
+    client: redis.Redis, stream: str, start: str = "-", end: str = "+", count: int | None = None
+) -> list[Entry]:
+    """XRANGE of `stream` from `start` to `end` (at most `count` entries)."""
+    return _entries(client.xrange(stream, start, end, count=count))
+
+
+def xrevrange_entries(client: redis.Redis, stream: str, count: int | None = None) -> list[Entry]:
+    """The last `count` entries of `stream` (all without it), newest first."""
+    return _entries(client.xrevrange(stream, count=count))
+
+
+async def aget_bytes(aclient: aioredis.Redis, key: str) -> bytes | None:
+    """GET on an asyncio client: the value as stored, None where it is missing."""
+    return _maybe_bytes(await aclient.get(key))
+
+
+async def ahmget_bytes(
+    aclient: aioredis.Redis, key: str, fields: Sequence[str]
+) -> list[bytes | None]:
+    """HMGET on an asyncio client: each field's value as stored, None where it is missing."""
+    return [_maybe_bytes(v) for v in await aclient.hmget(key, list(fields))]
+
+
+async def ahkeys_str(aclient: aioredis.Redis, key: str) -> list[str]:
+    """HKEYS on an asyncio client, as text."""
+    return [as_str(f) for f in await aclient.hkeys(key)]
+
+
+async def axrevrange_entries(
+    aclient: aioredis.Redis, stream: str, count: int | None = None
+) -> list[Entry]:
+    """`xrevrange_entries` on an asyncio client."""
+    return _entries(await aclient.xrevrange(stream, count=count))
 
 
 class RedisStreamConsumer(Generic[M]):
@@ -189,7 +270,7 @@ class RedisStreamConsumer(Generic[M]):
         extra: PipelineOp | None = None,
     ) -> None:
         """`commit` on an asyncio client (one MULTI/EXEC, no thread)."""
-        pipe: Any = aclient.pipeline(transaction=True)
+        pipe = aclient.pipeline(transaction=True)
         self._stage_commit(pipe, entry_ids, outputs, extra)
         await pipe.execute()
 
@@ -246,7 +327,7 @@ class RedisStreamConsumer(Generic[M]):
         pipe = self.client.pipeline(transaction=False)
         for eid in ids:
             pipe.xpending_range(self.stream, self.group, min=eid, max=eid, count=1)
-        rows: Any = pipe.execute()
+        rows = pipe.execute()
         return {as_str(r["message_id"]): int(r["times_delivered"]) for row in rows for r in row}
 
     def _decode(self, entry_id: str, fields: dict[Any, Any], deliveries: int) -> Delivery[M] | None:
@@ -272,7 +353,7 @@ class RedisStreamConsumer(Generic[M]):
 
     def _stage_commit(
         self,
-        pipe: Any,
+        pipe: Pipeline,
         entry_ids: Sequence[str],
         outputs: Sequence[tuple[str, Message]],
         extra: PipelineOp | None,

@@ -44,6 +44,7 @@ import xxhash
 
 from streamrl.config import ChannelName, Checksum
 from streamrl.names import Keys, RunPaths
+from streamrl.transport import hgetall_bytes
 from streamrl.wire import Weights
 
 __all__ = [
@@ -256,7 +257,7 @@ class RedisChannel:
         return Written(self.keys.weights_blob(version), len(chunks))
 
     def prune(self, keep: set[int]) -> list[int]:
-        held: Any = self.client.hgetall(self.keys.weights_chunks)
+        held = hgetall_bytes(self.client, self.keys.weights_chunks)
         stale = {int(v): int(n) for v, n in held.items() if int(v) not in keep}
         if not stale:
             return []

@@ -26,6 +26,7 @@ from streamrl.grouper import scripts
 from streamrl.grouper.scoring import Decision, Outcome, score
 from streamrl.names import Keys
 from streamrl.obs.tracing import GROUP_FLOW, TRAJ_FLOW, Span, Tracer, flow_id
+from streamrl.transport import hgetall_bytes
 from streamrl.wire import (
     SCHEMA_VERSION,
     Group,
@@ -100,8 +101,8 @@ class GroupTimeouts:
         stall_ms = self.stall_ms()
         sec, usec = self.client.time()  # the clock the start times were written with
         now_ms = sec * 1000 + usec // 1000
-        raw: Any = self.client.hgetall(self.keys.groups_started)
-        ages = ((gid.decode(), now_ms - int(ms)) for gid, ms in raw.items())
+        started = hgetall_bytes(self.client, self.keys.groups_started)
+        ages = ((gid, now_ms - int(ms)) for gid, ms in started.items())
         old = {gid: age for gid, age in ages if age >= stall_ms}
         if old and self.cfg.grouper.group_timeout_s <= 0:
             # Only complete groups can be due: counted, not read, to find them.
@@ -123,7 +124,7 @@ class GroupTimeouts:
     def _members(self, group_id: str) -> tuple[int, list[Trajectory], str]:
         """The group's stored members (in order) and how many entries hold them, or the
         reason they cannot be decoded (members then empty)."""
-        raw: Any = self.client.hgetall(self.keys.group_members(group_id))
+        raw = hgetall_bytes(self.client, self.keys.group_members(group_id))
         try:
             members = [decode_body(v, Trajectory) for v in raw.values()]
         except WireError as err:

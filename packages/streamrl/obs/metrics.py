@@ -43,6 +43,8 @@ import redis
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from streamrl.transport import xrange_entries, xrevrange_entries
+
 # -- the contract's names (per worker process; each writes those that apply to it) --------
 ACTIVE_EPISODES = "active_episodes"
 ENGINE_BATCH_OCCUPANCY = "engine_batch_occupancy"  # 0..1: busy slots over all slots
@@ -491,14 +493,11 @@ def read_series(
     client: redis.Redis, key: str, count: int | None = None
 ) -> list[tuple[float, dict[str, float]]]:
     """(unix seconds, values) of a worker's samples, oldest first (the last `count`)."""
-    raw: Any = (
-        client.xrevrange(key, count=count)[::-1]  # type: ignore[index]
-        if count
-        else client.xrange(key)
+    raw = (
+        xrevrange_entries(client, key, count=count)[::-1] if count else xrange_entries(client, key)
     )
     out = []
-    for entry_id, fields in raw:
-        eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    for eid, fields in raw:
         with contextlib.suppress(msgspec.DecodeError, ValueError):
             out.append((int(eid.split("-")[0]) / 1000, decode_sample(fields)))
     return out

@@ -46,6 +46,7 @@ from streamrl.names import Keys
 from streamrl.obs.tracing import Span, Tracer
 from streamrl.rollout.episode import ModelServer
 from streamrl.run.failpoints import WEIGHTS_LOAD, afailpoint
+from streamrl.transport import aget_bytes, axrevrange_entries
 from streamrl.weightsync import (
     WeightsError,
     WeightsMissing,
@@ -224,7 +225,7 @@ class WeightFollower:
         return False
 
     async def floor(self) -> int:
-        raw: Any = await self.aclient.get(self.keys.policy_floor)
+        raw = await aget_bytes(self.aclient, self.keys.policy_floor)
         return int(raw) if raw is not None else 0
 
     async def poll(self, block_ms: int) -> bool:
@@ -319,7 +320,7 @@ class WeightFollower:
     async def _superseded(self, version: int) -> bool:
         """Whether a newer version than `version` has been published (the weights stream's
         last entry: what the rollout role may read)."""
-        last: Any = await self.aclient.xrevrange(self.keys.weights, count=1)
+        last = await axrevrange_entries(self.aclient, self.keys.weights, count=1)
         try:
             return bool(last) and decode(last[0][1], Weights).version > version
         except WireError:

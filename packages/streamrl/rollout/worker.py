@@ -68,7 +68,13 @@ from streamrl.rollout.weights import WeightFollower
 from streamrl.run.failpoints import EPISODE_SAVED, afailpoint
 from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import Episodes
-from streamrl.transport import Delivery, RedisStreamConsumer, as_str, is_cluster
+from streamrl.transport import (
+    Delivery,
+    RedisStreamConsumer,
+    ahkeys_str,
+    ahmget_bytes,
+    is_cluster,
+)
 from streamrl.wire import EpisodeState, Task, Trajectory, WireError, decode_state, encode_state
 
 LOG_ROWS = 32  # trajectories per `trajectories_committed` log line (a line stays ~6 KB)
@@ -167,7 +173,8 @@ class SyncBatches:
 
     async def _dropped(self) -> int:
         """Groups dropped or dead-lettered in the run so far (stats)."""
-        raw: Any = await self.aclient.hmget(
+        raw = await ahmget_bytes(
+            self.aclient,
             self.keys.stats,
             [counters.GROUPS_DROPPED, counters.GROUPS_SET_ASIDE, counters.TRAINER_GROUPS_STALE],
         )
@@ -309,8 +316,8 @@ class RolloutWorker:
         if not await self.follower.wait_initial(self.stop):
             return
         if self._resuming:
-            raw: Any = await self.aclient.hkeys(self.keys.episodes)
-            self._saved_groups = {as_str(f).rpartition("-m")[0] for f in raw}
+            saved = await ahkeys_str(self.aclient, self.keys.episodes)
+            self._saved_groups = {f.rpartition("-m")[0] for f in saved}
         self.log.info("rollout_ready", version=self.follower.loaded_version)
         parts = [
             asyncio.create_task(self.server.serve(), name="model-server"),
@@ -427,7 +434,7 @@ class RolloutWorker:
         ]
         if not tids:
             return {}
-        raw: Any = await self.aclient.hmget(self.keys.episodes, tids)
+        raw = await ahmget_bytes(self.aclient, self.keys.episodes, tids)
         out: dict[str, EpisodeState] = {}
         for tid, data in zip(tids, raw, strict=True):
             if data is None:

@@ -24,13 +24,13 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import redis
 import structlog
 
 from streamrl.names import Keys
 from streamrl.run.liveness import Liveness
+from streamrl.transport import mget_bytes
 
 HEARTBEAT_TTL_S = 15.0
 MAX_INDEX = 1024
@@ -97,7 +97,7 @@ def slots_held(client: redis.Redis, keys: Keys, worker: str) -> dict[int, str]:
     out: dict[int, str] = {}
     for start in range(0, MAX_INDEX, SCAN_BATCH):
         indices = range(start, min(start + SCAN_BATCH, MAX_INDEX))
-        held: list[bytes | None] = client.mget([keys.worker_slot(worker, i) for i in indices])  # type: ignore[assignment]
+        held = mget_bytes(client, [keys.worker_slot(worker, i) for i in indices])
         out.update({i: h.decode() for i, h in zip(indices, held, strict=True) if h is not None})
     return out
 
@@ -149,7 +149,7 @@ class Heartbeat:
         is this worker's dead predecessor, whose claim has not lapsed yet."""
         if take:
             key = self.keys.worker_slot(self.worker, self.index)
-            before: Any = self.client.set(key, self.holder, px=int(self.ttl_s * 1000), get=True)
+            before = self.client.set(key, self.holder, px=int(self.ttl_s * 1000), get=True)
             if isinstance(before, bytes) and before != self.holder.encode():
                 self.log.info("identity_taken_over", slot=key, previous=before.decode())
         self._beat()

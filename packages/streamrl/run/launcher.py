@@ -73,7 +73,7 @@ from streamrl.run.supervise import (
     restart_decision,
     terminate,
 )
-from streamrl.transport import make_client, waits_out
+from streamrl.transport import make_client, mget_bytes, waits_out, xrevrange_entries
 from streamrl.wire import TrainMetrics, WireError, decode
 
 STOP_TIMEOUT_S = 20.0
@@ -447,7 +447,7 @@ class Launcher:
         if not running:
             return
         try:
-            raw: Any = client.mget([self.keys.worker_beat(p.name, p.index) for p in running])
+            raw = mget_bytes(client, [self.keys.worker_beat(p.name, p.index) for p in running])
         except redis.RedisError:
             self._watch_from = now
             return
@@ -572,7 +572,7 @@ class Launcher:
 
     def _progress(self, client: redis.Redis) -> None:
         s = self._stats(client)
-        last: Any = client.xrevrange(self.keys.metrics, count=1)
+        last = xrevrange_entries(client, self.keys.metrics, count=1)
         dead = int(client.xlen(self.keys.dead))
         try:
             reward = decode(last[0][1], TrainMetrics).reward_mean if last else float("nan")

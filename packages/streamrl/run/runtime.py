@@ -9,7 +9,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -43,7 +42,7 @@ def refuse_eviction(client: redis.Redis) -> None:
     is full (`maxmemory-policy noeviction`: writes then fail loudly). Any other policy may
     evict the emitted set, a group's members or the tool ledger without an error, which
     breaks exactly-once silently. Read from INFO (no CONFIG right needed)."""
-    info: Any = client.info("memory")
+    info = client.info("memory")
     # A cluster client answers per node.
     nodes = info.values() if "maxmemory_policy" not in info else [info]
     for node in nodes:

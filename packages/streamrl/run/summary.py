@@ -18,6 +18,7 @@ import structlog
 
 from streamrl import counters as c
 from streamrl.names import Keys
+from streamrl.transport import hgetall_bytes, xrange_entries
 from streamrl.wire import Status, TrainMetrics, WireError, decode
 
 # What the launcher prints of the summary when the run ends.
@@ -133,8 +134,7 @@ def progress_line(
 
 def read_stats(client: redis.Redis, keys: Keys) -> dict[str, int | float]:
     """The run's counters: whole ones, and sums of seconds (HINCRBYFLOAT)."""
-    raw: Any = client.hgetall(keys.stats)
-    return {k.decode(): _number(v) for k, v in raw.items()}
+    return {k: _number(v) for k, v in hgetall_bytes(client, keys.stats).items()}
 
 
 def _number(raw: bytes) -> int | float:
@@ -152,8 +152,7 @@ def step_metrics(
     trained again (the stream keeps the entries of the steps it discarded too)."""
     by_step: dict[int, TrainMetrics] = {}
     unreadable = 0
-    raw: Any = client.xrange(keys.metrics)
-    for _id, fields in raw:
+    for _id, fields in xrange_entries(client, keys.metrics):
         try:
             m = decode(fields, TrainMetrics)
         except WireError:
