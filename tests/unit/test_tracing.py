@@ -198,7 +198,7 @@ def test_a_disabled_tracer_records_nothing(tmp_path: Path) -> None:
     t.flush()
     t.close()
     assert t.shared_ns(100) == 100 and t.local_ns(100) == 100
-    disabled = open_tracer(TraceConfig(enabled=False), tmp_path, "rollout-0", client=None)
+    disabled = open_tracer(TraceConfig(enabled=False), tmp_path, "rollout-0", _FakeRedisTime(0))
     assert not disabled.enabled
     assert not (tmp_path / "traces").exists()
 

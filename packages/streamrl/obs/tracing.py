@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 import xxhash
@@ -578,7 +578,14 @@ class Tracer:
             self.flush()
 
 
-def clock_offset_ns(client: Any, tries: int = 5) -> tuple[int, int]:
+class ServerClock(Protocol):
+    """What the clock offset needs of a Redis client: TIME, as (seconds, microseconds), or
+    per node from a cluster client."""
+
+    def time(self) -> tuple[int, int] | dict[str, tuple[int, int]]: ...
+
+
+def clock_offset_ns(client: ServerClock, tries: int = 5) -> tuple[int, int]:
     """(offset, round trip), ns: the Redis server's clock minus this host's wall clock,
     taken at the midpoint of the shortest of `tries` TIME round trips."""
     best: tuple[int, int] | None = None
@@ -600,7 +607,7 @@ def trace_path(run_dir: Path, worker_id: str) -> Path:
     return run_dir / TRACES_DIR / f"{worker_id}{TRACE_SUFFIX}"
 
 
-def open_tracer(cfg: TraceConfig, run_dir: Path, worker_id: str, client: Any) -> Tracer:
+def open_tracer(cfg: TraceConfig, run_dir: Path, worker_id: str, client: ServerClock) -> Tracer:
     """The tracer of worker `worker_id`, writing `RUN_DIR/traces/<worker_id>.pftrace`, its
     clock offset measured against `client`'s server; disabled unless `cfg.enabled`."""
     if not cfg.enabled:

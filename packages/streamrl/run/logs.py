@@ -15,12 +15,12 @@ import logging
 import logging.handlers
 import re
 import sys
-from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 _URL_AUTH = re.compile(r"(?P<scheme>[a-z+]+://)(?P<auth>[^@/]*@)")
 _SECRET_KEYS = ("password", "secret", "token", "requirepass", "redis_url")
@@ -69,7 +69,7 @@ def _is_secret_name(key: str) -> bool:
     return _SECRET_NAME.search(key) is not None
 
 
-def _redact_value(key: str, value: Any, secret_name: bool | None = None) -> Any:
+def _redact_value(key: str, value: object, secret_name: bool | None = None) -> object:
     """`value` of field `key` with its secrets masked, through nested dicts and lists.
     `secret_name`: whether `key` names a secret, if the caller knows (the items of a list
     share their field's name, so a long list asks once)."""
@@ -88,7 +88,7 @@ def _redact_value(key: str, value: Any, secret_name: bool | None = None) -> Any:
     return value
 
 
-def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+def _redact(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
     for key, value in list(event.items()):
         if key != "event":
             event[key] = _redact_value(key, value)
@@ -108,7 +108,7 @@ def configure_logging(
     if file is not None:
         events = file.logger()
 
-        def factory(*_args: Any) -> logging.Logger:
+        def factory(*_args: object) -> logging.Logger:
             return events
 
     structlog.configure(

@@ -9,9 +9,8 @@ import ast
 import operator
 import sys
 from collections.abc import Callable
-from typing import Any
 
-_BIN: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+_BIN: dict[type[ast.operator], Callable[[float, float], float]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -20,7 +19,7 @@ _BIN: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {
     ast.UAdd: operator.pos,
     ast.USub: operator.neg,
 }
@@ -28,11 +27,15 @@ MAX_EXPONENT = 64
 MAX_LENGTH = 256
 
 
-def evaluate(node: ast.AST) -> Any:
+def evaluate(node: ast.AST) -> float:
     """The value of a parsed expression (an int or a float)."""
     if isinstance(node, ast.Expression):
         return evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and type(node.value) in (int, float)
+    ):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
         left, right = evaluate(node.left), evaluate(node.right)

@@ -29,7 +29,6 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -70,7 +69,7 @@ return wrote
 _HIT, _CLAIMED = 1, 2
 
 
-def ledger_key(call_id: str, name: str, arguments: str | Mapping[str, Any]) -> str:
+def ledger_key(call_id: str, name: str, arguments: str | Mapping[str, object]) -> str:
     """`<call_id>#<12 hex digits>`: the call id (stable per trajectory, turn and call index)
     plus a hash of the tool name and its arguments, so that a replay that makes a different
     call at the same place gets a different key. JSON arguments are hashed in canonical form
@@ -79,8 +78,8 @@ def ledger_key(call_id: str, name: str, arguments: str | Mapping[str, Any]) -> s
     return f"{call_id}#{digest.hexdigest()}"
 
 
-def _canonical(arguments: str | Mapping[str, Any]) -> str:
-    value: Any = arguments
+def _canonical(arguments: str | Mapping[str, object]) -> str:
+    value: object = arguments
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments)

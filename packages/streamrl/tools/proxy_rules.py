@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NoReturn
 from urllib.parse import parse_qsl
 
 from streamrl.tools.containers import (
@@ -154,7 +154,7 @@ def body_length(req: Request, max_body: int) -> int:
 
 # -- the rules, as data
 
-Check = Callable[[Any, ProxyConfig], str | None]  # a value's fault, or None when it passes
+Check = Callable[[object, ProxyConfig], str | None]  # a value's fault, or None when it passes
 
 
 @dataclass(frozen=True)
@@ -165,31 +165,31 @@ class Field:
     required: bool = False
 
 
-def _is(expected: Any) -> Check:
+def _is(expected: object) -> Check:
     return lambda v, _: (
         None if v == expected and type(v) is type(expected) else (f"must be {json.dumps(expected)}")
     )
 
 
-def _bool(v: Any, _: ProxyConfig) -> str | None:
+def _bool(v: object, _: ProxyConfig) -> str | None:
     return None if isinstance(v, bool) else "must be true or false"
 
 
-def _str_list(v: Any, _: ProxyConfig) -> str | None:
+def _str_list(v: object, _: ProxyConfig) -> str | None:
     ok = isinstance(v, list) and all(isinstance(s, str) for s in v)
     return None if ok else "must be a list of strings"
 
 
-def _argv(v: Any, cfg: ProxyConfig) -> str | None:
+def _argv(v: object, cfg: ProxyConfig) -> str | None:
     return _str_list(v, cfg) or (None if v else "must not be empty")
 
 
-def _abs_path(v: Any, _: ProxyConfig) -> str | None:
+def _abs_path(v: object, _: ProxyConfig) -> str | None:
     ok = isinstance(v, str) and v.startswith("/") and ".." not in v.split("/")
     return None if ok else "must be an absolute path"
 
 
-def _non_root(v: Any, _: ProxyConfig) -> str | None:
+def _non_root(v: object, _: ProxyConfig) -> str | None:
     m = _USER.match(v) if isinstance(v, str) else None
     if m is None:
         return "must be a numeric uid:gid (a name could resolve to root in the image)"
@@ -197,7 +197,7 @@ def _non_root(v: Any, _: ProxyConfig) -> str | None:
 
 
 def _int_in(low: int, high: Callable[[ProxyConfig], int]) -> Check:
-    def check(v: Any, cfg: ProxyConfig) -> str | None:
+    def check(v: object, cfg: ProxyConfig) -> str | None:
         top = high(cfg)
         ok = isinstance(v, int) and not isinstance(v, bool) and low <= v <= top
         return None if ok else f"must be an integer in [{low}, {top}]"
@@ -205,27 +205,32 @@ def _int_in(low: int, high: Callable[[ProxyConfig], int]) -> Check:
     return check
 
 
-def _sandbox_image(v: Any, cfg: ProxyConfig) -> str | None:
+def _sandbox_image(v: object, cfg: ProxyConfig) -> str | None:
     return None if v in image_names(cfg.image) else f"must be the sandbox image {cfg.image!r}"
 
 
-def _sandbox_labels(v: Any, _: ProxyConfig) -> str | None:
+def _sandbox_labels(v: object, _: ProxyConfig) -> str | None:
     if not isinstance(v, dict) or not all(isinstance(x, str) for x in (*v, *v.values())):
         return "must map strings to strings"
     missing = [k for k in (LABEL, LABEL_WORKER, LABEL_OWNER, LABEL_CREATED) if k not in v]
     return f"must carry the sandbox labels; missing {missing}" if missing else None
 
 
-def _drops_all(v: Any, cfg: ProxyConfig) -> str | None:
-    ok = _str_list(v, cfg) is None and "all" in [c.lower() for c in v]
+def _drops_all(v: object, cfg: ProxyConfig) -> str | None:
+    ok = isinstance(v, list) and _str_list(v, cfg) is None and "all" in [c.lower() for c in v]
     return None if ok else 'must drop "ALL" capabilities'
 
 
 _NO_NEW_PRIVILEGES = ("no-new-privileges", "no-new-privileges:true", "no-new-privileges=true")
 
 
-def _security_opt(v: Any, cfg: ProxyConfig) -> str | None:
-    ok = _str_list(v, cfg) is None and v and all(o in _NO_NEW_PRIVILEGES for o in v)
+def _security_opt(v: object, cfg: ProxyConfig) -> str | None:
+    ok = (
+        isinstance(v, list)
+        and _str_list(v, cfg) is None
+        and v
+        and all(o in _NO_NEW_PRIVILEGES for o in v)
+    )
     return None if ok else 'must be exactly ["no-new-privileges"]'
 
 
@@ -238,7 +243,7 @@ _ULIMIT = {
 }
 
 
-def _ulimits(v: Any, cfg: ProxyConfig) -> str | None:
+def _ulimits(v: object, cfg: ProxyConfig) -> str | None:
     if not isinstance(v, list):
         return "must be a list"
     for i, u in enumerate(v):
@@ -255,7 +260,7 @@ _TMPFS_NEEDED = frozenset({"nosuid", "nodev", "noexec"})
 _TMPFS_OPTION = re.compile(r"^(rw|nosuid|nodev|noexec|size=\d+[kmg]?)$")
 
 
-def _tmpfs(v: Any, _: ProxyConfig) -> str | None:
+def _tmpfs(v: object, _: ProxyConfig) -> str | None:
     if not isinstance(v, dict):
         return "must map mount points to options"
     for path, opts in v.items():
@@ -287,7 +292,7 @@ HOST_CONFIG: Mapping[str, Field] = {
 }
 
 
-def check_host_config(value: Any, cfg: ProxyConfig) -> str | None:
+def check_host_config(value: object, cfg: ProxyConfig) -> str | None:
     if not isinstance(value, dict):
         return "must be an object"
     fault = check_object(value, HOST_CONFIG, cfg)
@@ -330,7 +335,7 @@ EXEC_CREATE: Mapping[str, Field] = {
 EXEC_START: Mapping[str, Field] = {"Tty": Field(_is(False)), "Detach": Field(_bool)}
 
 
-def check_object(value: Any, fields: Mapping[str, Field], cfg: ProxyConfig) -> str:
+def check_object(value: object, fields: Mapping[str, Field], cfg: ProxyConfig) -> str:
     """The first fault of a JSON object against its fields, as "Key fault" or
     "Key.Sub fault" ('' when it passes)."""
     if not isinstance(value, dict):
@@ -346,16 +351,16 @@ def check_object(value: Any, fields: Mapping[str, Field], cfg: ProxyConfig) -> s
     return f"{missing[0]} is required" if missing else ""
 
 
-def parse_json_body(body: bytes) -> Any:
+def parse_json_body(body: bytes) -> object:
     """A request body as JSON; refuses repeated keys (in any letter case) and NaN."""
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
         folded = [k.casefold() for k, _ in items]
         if len(set(folded)) != len(folded):
             raise Refused("a JSON key repeats (the engine matches keys in any case)")
         return dict(items)
 
-    def constant(name: str) -> Any:
+    def constant(name: str) -> NoReturn:
         raise Refused(f"{name} is not JSON")
 
     try:
@@ -385,8 +390,17 @@ class Route:
     upgrade: bool = False
 
 
-def _r(name: str, method: str, path: str, *query: str, **kw: Any) -> Route:
-    return Route(name, method, re.compile(path.replace("{ref}", _REF)), frozenset(query), **kw)
+def _r(
+    name: str,
+    method: str,
+    path: str,
+    *query: str,
+    target: str = "",
+    body: Mapping[str, Field] | None = None,
+    upgrade: bool = False,
+) -> Route:
+    pattern = re.compile(path.replace("{ref}", _REF))
+    return Route(name, method, pattern, frozenset(query), target, body, upgrade)
 
 
 _LIST_QUERY = ("all", "limit", "size", "trunc_cmd", "filters", "since", "before")
@@ -471,7 +485,7 @@ def _check_list_filters(raw: str) -> None:
         raise Refused(f"a container list must filter on the label {LABEL}")
 
 
-def check_container(info: Any, cfg: ProxyConfig) -> str:
+def check_container(info: object, cfg: ProxyConfig) -> str:
     """Why an engine's inspect of a container shows it is no sandbox container ('' if it is)."""
     config = info.get("Config") if isinstance(info, dict) else None
     config = config if isinstance(config, dict) else {}
