@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -41,9 +41,14 @@ from streamrl.agents.tools import ToolArgumentError, parse_arguments
 from streamrl.chat.transcript import ToolCall
 from streamrl.config import Config
 from streamrl.evaluation import stats as evalstats
+from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.names import RunPaths
 from streamrl.tasks.heldout import HELDOUT_CURSOR, heldout_tasks
 from streamrl.wire import Task, ToolResult, Trajectory
+
+if TYPE_CHECKING:
+    from streamrl.chat.hf import HFChat
+    from streamrl.model.llm import DType
 
 RESULT_SCHEMA = 1
 WORKER = "eval"
@@ -186,9 +191,9 @@ def split_digest(tasks: Sequence[Task]) -> str:
 
 @dataclass(frozen=True)
 class LoadedPolicy:
-    chat: Any  # HFChat
-    spec: Any  # ModelSpec
-    params: Any
+    chat: HFChat
+    spec: ModelSpec
+    params: PyTree
     source: str  # what was evaluated, in words
     step: int | None  # the trainer step (0: the initial policy; None: a checkpoint directory)
 
@@ -222,13 +227,13 @@ def load_policy(cfg: Config, checkpoint: Path | None, run_dir: Path | None) -> L
     return LoadedPolicy(start.chat, start.spec, params, str(ck.path), ck.step)
 
 
-def _dtype(cfg: Config) -> Any:
+def _dtype(cfg: Config) -> DType:
     from streamrl.model.checkpoint import policy_dtype
 
     return policy_dtype(cfg.model.dtype)
 
 
-def _trained_params(cfg: Config, state_dir: Path, base: Any) -> Any:
+def _trained_params(cfg: Config, state_dir: Path, base: PyTree) -> PyTree:
     """The policy params in a trainer checkpoint's Orbax state (`base`: the run's model as
     its checkpoint has it, the layout they must have), LoRA adapters merged in."""
     import jax
@@ -275,7 +280,7 @@ def _trained_params(cfg: Config, state_dir: Path, base: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, _dtype(cfg)), params)
 
 
-def _layout(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+def _layout(tree: PyTree) -> list[tuple[str, tuple[int, ...]]]:
     """Each leaf's path and shape: what restored params must share with the model's."""
     import jax
 
