@@ -6,9 +6,11 @@ never type the string again), registered in `FIELDS` with its writer, its reader
 it is exact under retries. A test greps every HINCRBY target in the package's Python and Lua
 against this module; the Lua scripts get the constants as a `C` table (`lua_prelude`).
 
-"Exact" counts are written in the same atomic step as the effect they count (one Lua script,
-or one MULTI/EXEC with the output), so a retried or replayed delivery does not count twice.
-"Approximate" ones can count a retried write again, or miss one lost with a crash.
+"Exact" fields count each effect once, whatever retries, replays and restarts do: a Lua
+script guards them (the grouper's emitted and dropped sets), or they are gauges set to a
+value. "Approximate" ones count an event again when it happens again: a MULTI/EXEC retried
+after a lost reply, a task replayed after its rollout worker died, a trainer restarted
+before its checkpoint setting the same groups aside again.
 
 Per-worker counters (rates, latencies, queue depths sampled by each process) are another
 channel: `streamrl.obs.metrics`. The trainer's per-step metrics are a stream (`Keys.metrics`).
@@ -56,13 +58,13 @@ _SUMMARY = "launcher (summary.json, progress line)"
 
 # -- feeder ------------------------------------------------------------------------------
 TASKS = _field(
-    "tasks", "counter", "feeder", "operators (queues --json)", True,
+    "tasks", "counter", "feeder", "operators (queues --json)", False,
     "tasks the feeder wrote to `tasks` (with the cursor, in one MULTI/EXEC)",
 )  # fmt: skip
 
 # -- rollout -----------------------------------------------------------------------------
 TRAJECTORIES = _field(
-    "trajectories", "counter", "rollout.worker", f"{_SUMMARY}, status", True,
+    "trajectories", "counter", "rollout.worker", f"{_SUMMARY}, status", False,
     "trajectories committed to `trajectories` (re-runs of missing members and the members "
     "of a task replayed after its worker died count again: these are writes)",
 )  # fmt: skip
@@ -75,7 +77,7 @@ def episodes(status: Status) -> str:
 
 def _episodes(status: Status) -> str:
     doc = f"episodes that ended with status `{status}` (committed with their trajectory)"
-    return _field(episodes(status), "counter", "rollout.worker", _SUMMARY, True, doc)
+    return _field(episodes(status), "counter", "rollout.worker", _SUMMARY, False, doc)
 
 
 EPISODES_OK = _episodes("ok")
@@ -83,20 +85,20 @@ EPISODES_TIMEOUT = _episodes("timeout")
 EPISODES_ERROR = _episodes("error")
 EPISODES_TRUNCATED = _episodes("truncated")
 TASKS_DONE = _field(
-    "tasks_done", "counter", "rollout.worker", "operators (queues --json)", True,
+    "tasks_done", "counter", "rollout.worker", "operators (queues --json)", False,
     "feeder tasks whose every member this worker committed (the feeder's backlog is read "
     "from the stream, not from this count)",
 )  # fmt: skip
 RERUN_TASKS_DONE = _field(
-    "rerun_tasks_done", "counter", "rollout.worker", "operators (queues --json)", True,
+    "rerun_tasks_done", "counter", "rollout.worker", "operators (queues --json)", False,
     "re-run tasks (a timed-out group's missing members) whose members were committed",
 )  # fmt: skip
 EPISODES_RESUMED = _field(
-    "episodes_resumed", "counter", "rollout.worker", "operators (queues --json)", True,
+    "episodes_resumed", "counter", "rollout.worker", "operators (queues --json)", False,
     "episodes resumed from their last turn boundary after their worker died",
 )  # fmt: skip
 EPISODES_RESUMED_SAVED_S = _field(
-    "episodes_resumed_saved_s", "sum", "rollout.worker", "operators (queues --json)", True,
+    "episodes_resumed_saved_s", "sum", "rollout.worker", "operators (queues --json)", False,
     "seconds of sampling and tool time the resumed episodes did not redo",
 )  # fmt: skip
 BACKPRESSURE_PAUSES = _field(
@@ -127,11 +129,11 @@ GROUPS = _field(
 )  # fmt: skip
 GROUPS_DROPPED = _field(
     "groups_dropped", "counter", "grouper; trainer (stale)", f"{_SUMMARY}, queues, report, "
-    "rollout sync batches", True,
+    "rollout sync batches", False,
     "groups dropped, each once: by a grouper's rule or timeout, or by the trainer as stale",
 )  # fmt: skip
 TRAJECTORIES_DROPPED = _field(
-    "trajectories_dropped", "counter", "grouper", _SUMMARY, True,
+    "trajectories_dropped", "counter", "grouper", _SUMMARY, False,
     "members of dropped groups (held, or arriving after the drop)",
 )  # fmt: skip
 GROUPS_TIMED_OUT = _field(
@@ -165,7 +167,7 @@ MAX_TRAJECTORY_POLICY_VERSION = _field(
 
 # -- any consumer (transport) --------------------------------------------------------------
 DEAD_LETTERS = _field(
-    "dead_letters", "counter", "transport (every consumer)", "operators (queues --json)", True,
+    "dead_letters", "counter", "transport (every consumer)", "operators (queues --json)", False,
     "entries moved to the dead letters (with their entry's acknowledgement)",
 )  # fmt: skip
 

@@ -6,5 +6,6 @@ FATAL_EXIT_CODE = 3  # a worker that exits with this is not restarted: the run s
 
 
 class FatalError(RuntimeError):
-    """A failure that restarting the worker cannot fix (a tripped circuit breaker, a NaN
-    loss): the worker exits with FATAL_EXIT_CODE and `streamrl up` stops the run with it."""
+    """A failure that restarting the worker cannot fix (a tripped circuit breaker,
+    `trainer.max_nonfinite_steps` non-finite steps in a row): the worker exits with
+    FATAL_EXIT_CODE and `streamrl up` stops the run with it."""

@@ -63,7 +63,7 @@ class Keys:
         """Pattern of the identity slot keys of one worker type (`worker_slot`)."""
         return self._k("worker", worker, "*")
 
-    # Streams (see DESIGN.md, "Streams and keys").
+    # Streams (docs/ARCHITECTURE.md, section 2: who writes and reads each).
     @property
     def tasks(self) -> str:
         return self._k("tasks")

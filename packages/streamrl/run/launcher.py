@@ -8,10 +8,11 @@ crashes is restarted alone after a backoff (1 s, doubling), up to `run.max_resta
 within `run.restart_window_s` (a restarted trainer resumes from its newest complete
 checkpoint); a worker whose liveness beat stops for `run.liveness_timeout_s`
 (`streamrl.run.liveness`) is SIGKILLed and restarted the same way; a worker that exits with a
-fatal error (exit code 3: a tripped circuit breaker, a NaN loss) is not restarted. The
-embedded Redis is restarted from its AOF when it dies; the workers ride out the gap
-(`streamrl.transport.make_client`). Every worker runs in its own session, so stopping one
-kills its whole process group (tool subprocesses included) and nothing is left behind.
+fatal error (exit code 3: a tripped circuit breaker, `trainer.max_nonfinite_steps`
+non-finite steps in a row) is not restarted. The embedded Redis is restarted from its AOF
+when it dies; the workers ride out the gap (`streamrl.transport.make_client`). Every worker
+runs in its own session, so stopping one kills its whole process group (tool subprocesses
+included) and nothing is left behind.
 
 The launcher holds a lock on the run directory and records the processes it starts
 (`streamrl.run.rundir`). `streamrl up --resume RUN_DIR` continues a stopped or crashed run:
