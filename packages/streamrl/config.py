@@ -535,7 +535,10 @@ class RolloutConfig(_Section):
         64,
         ge=1,
         le=1_000_000,
-        description="Backpressure: no new episode starts while more groups wait for the trainer.",
+        description=(
+            "Backpressure: rollout reads no new task while this many groups (or more) wait "
+            "for the trainer."
+        ),
     )
     max_partial_groups: int = Field(
         0,

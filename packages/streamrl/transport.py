@@ -1,11 +1,12 @@
 """Redis streams with consumer groups: at-least-once delivery that loses nothing.
 
-- An input entry is acknowledged only in the same MULTI/EXEC that writes its outputs.
+- An input entry is acknowledged only in the same MULTI/EXEC that writes its outputs
+  (`commit`); a consumer whose output is durable later (the trainer's checkpoint) acks then.
 - Entries pending on a consumer that stopped answering are claimed with XAUTOCLAIM once
   they have been idle for `claim_idle_ms`.
-- An entry that cannot be decoded, carries another schema version, or has been delivered
-  more than `max_deliveries` times moves to the dead-letter stream with its reason, and is
-  acknowledged in the same transaction.
+- An entry that cannot be decoded or carries another schema version moves to the
+  dead-letter stream with its reason, acknowledged in the same transaction; so does one
+  claimed after more than `max_deliveries` deliveries (the count is checked on a claim).
 """
 
 from __future__ import annotations
