@@ -4,6 +4,7 @@ that was SIGKILLed leaves orphans that `--resume` stops first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,7 +141,10 @@ def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path
     run: its workers and its embedded Redis run on (orphans); `--resume` stops them before
     it starts its own, and the run ends with every step."""
     run_dir = tmp_path / "run"
-    steps, sets = 40, ("trainer.checkpoint_every=5",)
+    # Train steps of 0.25 s: the run must outlast the second launcher's start and refusal
+    # (seconds on loaded cores), or the trainer finishes and the launcher stops its workers
+    # before it is killed, and there are no orphans to find.
+    steps, sets = 40, ("trainer.checkpoint_every=5", "model.stub_train_step_s=0.25")
     proc = up(run_dir, steps, *sets, config=STUB)
     try:
         logs = run_dir / "logs"
@@ -156,18 +160,25 @@ def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
-    time.sleep(1.0)
-    orphans = [pid for pid in [*workers.values(), redis_pid] if rundir.start_time(pid)]
-    assert len(orphans) == len(workers) + 1, "the orphans run on"
+    started = {pid: rundir.start_time(pid) for pid in [*workers.values(), redis_pid]}
+    try:
+        time.sleep(1.0)
+        orphans = [pid for pid in started if rundir.start_time(pid)]
+        assert len(orphans) == len(workers) + 1, ("the orphans run on", orphans, workers)
 
-    resumed = _up_resume(run_dir, steps, *sets)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "stopped what the last launcher left running" in resumed.stdout + resumed.stderr
-    for pid in orphans:
-        assert rundir.start_time(pid) is None, f"orphan {pid} still runs"
-    s = summary_of(run_dir)
-    assert s["resumed"] and s["trainer_steps"] == steps
-    assert not set(s["worker_pids"].values()) & set(workers.values())
+        resumed = _up_resume(run_dir, steps, *sets)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "stopped what the last launcher left running" in resumed.stdout + resumed.stderr
+        for pid in orphans:
+            assert rundir.start_time(pid) is None, f"orphan {pid} still runs"
+        s = summary_of(run_dir)
+        assert s["resumed"] and s["trainer_steps"] == steps
+        assert not set(s["worker_pids"].values()) & set(workers.values())
+    finally:  # a failed check leaves none of the first launcher's processes running
+        for pid, start in started.items():
+            if start and rundir.start_time(pid) == start:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(300)
