@@ -99,7 +99,6 @@ class PublishHook:
     every: int
     publisher: WeightPublisher
     adapters: Callable[[TrainState], tuple[PyTree, LoraConfig]] | None = None
-    published: int = 0
     version: int = -1  # the last version published (-1: none yet)
     at_start: ClassVar[bool] = True  # version 0: what rollout starts from
 
@@ -107,11 +106,12 @@ class PublishHook:
     def __call__(self, loop: TrainerLoop, final: bool) -> Published:
         """The first publication is the loop's version (0, or a resumed trainer's); each
         later one the next."""
-        version = self.version + 1 if self.published else loop.version
+        first = self.version < 0
+        version = loop.version if first else self.version + 1
         lora: LoraConfig | None = None
         if self.adapters is None:
             tree = loop.state.params
-        elif not self.published:
+        elif first:
             # Under LoRA training the full version is the frozen base the adapters apply to.
             tree = loop.state.base_params
         else:
@@ -121,7 +121,6 @@ class PublishHook:
         if loop.cluster.leader:
             self.publisher.publish(tree, version, loop.step, lora)
         self.version = version
-        self.published += 1
         loop.trace(Span.WEIGHTS_PUBLISH, start_ns, args={"version": version})
         return Published(version)
 
