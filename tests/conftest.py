@@ -123,8 +123,19 @@ def _wait_cluster_ok(port: int, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One warm-start cache for the session: the warm start runs once, later runs reuse it."""
-    return str(tmp_path_factory.mktemp("warmstart"))
+    """One warm-start cache for the session: the warm start runs once, later runs reuse it.
+
+    Under pytest-xdist the workers share it (the directory above each worker's base
+    temporary directory): warm starts are keyed by content hash and trained under a file
+    lock (streamrl.trainer.warmstart), so the first worker to need one trains it and the
+    others wait for it and read it.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / "warmstart"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 @pytest.fixture
