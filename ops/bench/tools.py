@@ -8,6 +8,9 @@ Needs a container engine (ops/sandbox/setup_host.sh). Measures, side by side in 
                  (the floor: what any framework pays to run a command in a container);
 - sandbox exec:  the same command through `ContainerSandbox.exec` (warm pool, wrapper,
                  limits, output capture, cleanup of the call's leftovers);
+- call server:   the same command through the call server of a warm container
+                 (`streamrl.tools.callserver`, one attached stream; not yet the tool
+                 workers' path), and `python3 -c 'print(1)'` through both;
 - round trip:    a `shell` tool call from the rollout side's `ToolClient` (enqueue on rq in
                  Redis, a tool worker process picks it up, runs it in its container sandbox,
                  pushes the result, BLPOP wakes the caller);
@@ -40,11 +43,12 @@ from streamrl.names import Keys
 from streamrl.run.launcher import worker_command
 from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.tools.client import ToolClient
-from streamrl.tools.containers import ContainerConfig, ContainerSandbox
+from streamrl.tools.containers import WORKDIR, ContainerConfig, ContainerSandbox, attach_server
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny.toml"
 COMMAND = "echo ok"
+PYTHON = ["python3", "-c", "print(1)"]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -81,6 +85,46 @@ def sandbox_exec(n: int, image: str) -> list[float]:
             r = box.exec(["/bin/sh", "-c", COMMAND], b"", 5.0, 4096)
             times.append(time.perf_counter() - t)
             assert r.exit_code == 0 and r.stdout == b"ok\n", r
+        return times[1:]
+    finally:
+        box.close()
+
+
+def call_server(n: int, image: str, argv: list[str]) -> list[float]:
+    """The same calls through the call server of a warm container (issue 28): one attached
+    stream kept open, the call forked by the server (python3 -c forked from its
+    pre-imported interpreter), its leftovers and writable places cleaned after it."""
+    client = docker.from_env()
+    box = ContainerSandbox(ContainerConfig(image=image, namespace="bench", pool_size=0))
+    container = client.containers.create(image, **box.server_options())
+    attached, channel = attach_server(client, container, "bench")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
+    try:
+        channel.ping(timeout_s=30)
+        times = []
+        for _ in range(n + 1):
+            t = time.perf_counter()
+            r = channel.call(argv, b"", 5.0, 4096, env, WORKDIR, 1 << 20)
+            times.append(time.perf_counter() - t)
+            assert r.reusable and r.result.exit_code == 0, r
+        return times[1:]
+    finally:
+        attached.close()
+        container.remove(force=True)
+        box.close()
+        client.close()
+
+
+def sandbox_python(n: int, image: str) -> list[float]:
+    box = ContainerSandbox(ContainerConfig(image=image, namespace="bench", pool_size=1))
+    box.start()
+    try:
+        times = []
+        for _ in range(n + 1):
+            t = time.perf_counter()
+            r = box.exec(PYTHON, b"", 5.0, 4096)
+            times.append(time.perf_counter() - t)
+            assert r.exit_code == 0 and r.stdout == b"1\n", r
         return times[1:]
     finally:
         box.close()
@@ -164,6 +208,9 @@ def main() -> None:
         sys.exit("DOCKER_HOST is not set: run ops/sandbox/setup_host.sh and export it")
     bare = bare_exec(args.calls, args.image)
     box = sandbox_exec(args.calls, args.image)
+    server = call_server(args.calls, args.image, ["/bin/sh", "-c", COMMAND])
+    box_py = sandbox_python(args.calls, args.image)
+    server_py = call_server(args.calls, args.image, PYTHON)
     with tempfile.TemporaryDirectory() as tmp:
         pipe = Pipeline(Path(tmp))
         try:
@@ -181,11 +228,18 @@ def main() -> None:
     base = statistics.median(bare)
     print(f"command: sh -c '{COMMAND}'; {args.calls} sequential calls; cpus {os.cpu_count()}")
     print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'p50 over bare ms':>17}")
-    for name, xs in (("bare exec", bare), ("sandbox exec", box), ("round trip", rt)):
+    for name, xs in (("bare exec", bare), ("sandbox exec", box), ("call server", server),
+                     ("round trip", rt)):  # fmt: skip
         p50 = statistics.median(xs)
         print(
             f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {(p50 - base) * 1e3:>17.2f}"
         )
+    print(f"python3 -c 'print(1)': {args.calls} sequential calls")
+    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'x sandbox exec':>15}")
+    for name, xs in (("sandbox exec", box_py), ("call server", server_py)):
+        p50 = statistics.median(xs)
+        ratio = p50 / statistics.median(box_py)
+        print(f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {ratio:>15.2f}")
     print(f"{'tool workers':<14} {'calls/s':>8} {'x 1 worker':>10}")
     for n, rate in rates.items():
         print(f"{n:<14} {rate:>8.1f} {rate / rates[args.workers[0]]:>10.2f}")

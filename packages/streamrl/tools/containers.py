@@ -41,6 +41,7 @@ import structlog
 from docker.models.containers import Container
 from docker.types import Ulimit
 
+from streamrl.tools.callclient import CallChannel, server_command
 from streamrl.tools.sandbox import ExecResult, SandboxUnavailableError, portable_argv
 
 DEFAULT_IMAGE = "streamrl-sandbox:1"
@@ -49,6 +50,9 @@ LABEL_WORKER = "streamrl.worker"
 LABEL_OWNER = "streamrl.owner"  # host:pid:start ticks of the owning process
 LABEL_CREATED = "streamrl.created"  # unix seconds
 WORKDIR = "/work"
+# Every place a call may write (podman mounts tmpfs on /var/tmp and /dev/shm of a read-only
+# container too): emptied after each call.
+WRITABLE = (WORKDIR, "/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")
 WRAPPER = "/opt/streamrl/sh"
 _DEFAULT_URL = "unix:///var/run/docker.sock"  # the SDK's, when DOCKER_HOST is unset
 SETUP_HINT = "run ops/sandbox/setup_host.sh (as root) and export DOCKER_HOST"
@@ -70,7 +74,7 @@ for d in WRITABLE; do [ -d "$d" ] && set -- "$@" "$d"; done
 } } 2>/dev/null || kill -9 $$
 ipcrm --all 2>/dev/null
 exit $rc
-""".replace("WRITABLE", f"{WORKDIR} /tmp /var/tmp /dev/shm /dev/mqueue")
+""".replace("WRITABLE", " ".join(WRITABLE))
 _GO = b"go\n"
 # Exit statuses after which a container is not reused: the wrapper's own failure (125) and
 # death by a signal (128+n), which is also how a killed wrapper shows.
@@ -368,6 +372,19 @@ class ContainerSandbox:
             },
         }
 
+    def server_options(self) -> dict[str, Any]:
+        """`containers.create` arguments of a container whose main process is the call
+        server (`streamrl.tools.callserver`): the same hardening, limits and labels, but
+        the server runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL (to run each
+        call as `call_user` and stop its leftovers), reading requests on its stdin."""
+        return {
+            **self._run_options(),
+            "command": server_command(WRITABLE, self.cfg.call_user),
+            "user": "0:0",
+            "cap_add": ["SETUID", "SETGID", "KILL"],
+            "stdin_open": True,
+        }
+
     def _remove(self, warm: _Warm, reason: str) -> None:
         try:
             _remove_quietly(warm.container)
@@ -444,6 +461,25 @@ class ContainerSandbox:
                 code = info.get("ExitCode")
                 return None if info.get("Running") or code is None else int(code)
             time.sleep(0.005)
+
+
+def attach_server(
+    client: docker.DockerClient, container: Container, where: str, grace_s: float = 5.0
+) -> tuple[_Attached, CallChannel]:
+    """Attach to a created (not yet started) call-server container's stdio, then start it:
+    the attached stream and the channel over it. Close the stream to end the server."""
+    attached = _Attached(
+        client.api.attach_socket(
+            str(container.id), params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+        ),
+        where,
+    )
+    try:
+        container.start()
+    except BaseException:
+        attached.close()
+        raise
+    return attached, CallChannel(attached.raw, grace_s=grace_s)
 
 
 class _Attached:
