@@ -9,13 +9,14 @@ Needs a container engine (ops/sandbox/setup_host.sh). Measures, side by side in 
 - sandbox exec:  the same command through `ContainerSandbox.exec` (warm pool, wrapper,
                  limits, output capture, cleanup of the call's leftovers);
 - call server:   the same command through the call server of a warm container
-                 (`streamrl.tools.callserver`, one attached stream; not yet the tool
-                 workers' path), and `python3 -c 'print(1)'` through both;
+                 (`streamrl.tools.callserver`, one attached stream), and
+                 `python3 -c 'print(1)'` through both;
 - round trip:    a `shell` tool call from the rollout side's `ToolClient` (enqueue on rq in
                  Redis, a tool worker process picks it up, runs it in its container sandbox,
-                 pushes the result, BLPOP wakes the caller);
+                 pushes the result, BLPOP wakes the caller); `rt via server`: the same with
+                 the tool workers' sandboxes on their call servers (`tools.call_server`);
 - throughput:    calls per second with 1, 2 and 4 tool worker processes, `--inflight` calls
-                 in flight from one rollout-side client.
+                 in flight from one rollout-side client, on both paths.
 
 Latencies are p50/p99 over `--calls` sequential calls; overhead = round trip - bare exec.
 """
@@ -133,8 +134,10 @@ def sandbox_python(n: int, image: str) -> list[float]:
 class Pipeline:
     """An embedded Redis plus tool worker processes of one run namespace."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, call_server: bool) -> None:
         self.tmp = tmp
+        self.sets = ["run.name=bench", "tools.sandbox=container"]
+        self.sets.append(f"tools.call_server={str(call_server).lower()}")
         self.redis = EmbeddedRedis(tmp / "redis", appendonly=False).start()
         self.keys = Keys("bench")
         self.client = redis.Redis.from_url(self.redis.url)
@@ -144,8 +147,7 @@ class Pipeline:
         env = {**os.environ, "REDIS_URL": self.redis.url}
         while len(self.procs) < n:
             i = len(self.procs)
-            cmd = worker_command("tools", i, CONFIG, self.tmp / "run",
-                                 ["run.name=bench", "tools.sandbox=container"])  # fmt: skip
+            cmd = worker_command("tools", i, CONFIG, self.tmp / "run", self.sets)
             log = open(self.tmp / f"tools-{i}.log", "ab")  # noqa: SIM115 - lives with the process
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + 60
@@ -211,8 +213,39 @@ def main() -> None:
     server = call_server(args.calls, args.image, ["/bin/sh", "-c", COMMAND])
     box_py = sandbox_python(args.calls, args.image)
     server_py = call_server(args.calls, args.image, PYTHON)
+    rt: dict[bool, list[float]] = {}
+    rates: dict[bool, dict[int, float]] = {}
+    for server_path in (False, True):
+        rt[server_path], rates[server_path] = pipeline_rows(args, server_path)
+    base = statistics.median(bare)
+    print(f"command: sh -c '{COMMAND}'; {args.calls} sequential calls; cpus {os.cpu_count()}")
+    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'p50 over bare ms':>17}")
+    rows = (("bare exec", bare), ("sandbox exec", box), ("call server", server),
+            ("round trip", rt[False]), ("rt via server", rt[True]))  # fmt: skip
+    for name, xs in rows:
+        p50 = statistics.median(xs)
+        print(
+            f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {(p50 - base) * 1e3:>17.2f}"
+        )
+    print(f"python3 -c 'print(1)': {args.calls} sequential calls")
+    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'x sandbox exec':>15}")
+    for name, xs in (("sandbox exec", box_py), ("call server", server_py)):
+        p50 = statistics.median(xs)
+        ratio = p50 / statistics.median(box_py)
+        print(f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {ratio:>15.2f}")
+    print(f"{'tool workers':<14} {'exec calls/s':>12} {'server calls/s':>14} {'x exec':>7}")
+    for n, rate in rates[False].items():
+        fast = rates[True][n]
+        print(f"{n:<14} {rate:>12.1f} {fast:>14.1f} {fast / rate:>7.2f}")
+
+
+def pipeline_rows(
+    args: argparse.Namespace, call_server: bool
+) -> tuple[list[float], dict[int, float]]:
+    """Round trips and throughput through rq and tool worker processes, whose container
+    sandboxes run calls by exec or through their call server (`tools.call_server`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        pipe = Pipeline(Path(tmp))
+        pipe = Pipeline(Path(tmp), call_server)
         try:
             pipe.scale(1)
             rt = asyncio.run(round_trips(pipe, args.calls))
@@ -225,24 +258,7 @@ def main() -> None:
                 )
         finally:
             pipe.close()
-    base = statistics.median(bare)
-    print(f"command: sh -c '{COMMAND}'; {args.calls} sequential calls; cpus {os.cpu_count()}")
-    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'p50 over bare ms':>17}")
-    for name, xs in (("bare exec", bare), ("sandbox exec", box), ("call server", server),
-                     ("round trip", rt)):  # fmt: skip
-        p50 = statistics.median(xs)
-        print(
-            f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {(p50 - base) * 1e3:>17.2f}"
-        )
-    print(f"python3 -c 'print(1)': {args.calls} sequential calls")
-    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'x sandbox exec':>15}")
-    for name, xs in (("sandbox exec", box_py), ("call server", server_py)):
-        p50 = statistics.median(xs)
-        ratio = p50 / statistics.median(box_py)
-        print(f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {ratio:>15.2f}")
-    print(f"{'tool workers':<14} {'calls/s':>8} {'x 1 worker':>10}")
-    for n, rate in rates.items():
-        print(f"{n:<14} {rate:>8.1f} {rate / rates[args.workers[0]]:>10.2f}")
+    return rt, rates
 
 
 if __name__ == "__main__":

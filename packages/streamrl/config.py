@@ -670,6 +670,16 @@ class ToolsConfig(_Section):
     pids_limit: int = Field(64, ge=8, le=1 << 16, description="Processes of one sandbox.")
     cpus: float = Field(1.0, gt=0, le=1024, description="CPU share of one sandbox container.")
     pool_size: int = Field(1, ge=0, le=1024, description="Warm containers per tool worker.")
+    call_server: bool = Field(
+        False,
+        description=(
+            "Container sandbox: run calls through a call server in each warm container "
+            "(one attached stream, calls forked in the container, `python3 -c` forked from "
+            "a pre-imported interpreter: about 10 ms a call against about 100-200 ms for an "
+            "exec; docs/BENCHMARKS.md) instead of an exec per call. Not through the compose "
+            "stack's sandbox proxy yet (it refuses the server's root user and attach)."
+        ),
+    )
     recycle_after: int = Field(
         200, ge=1, le=1_000_000, description="Calls a container serves before it is replaced."
     )

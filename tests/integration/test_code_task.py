@@ -10,19 +10,23 @@ from collections.abc import Iterator
 import pytest
 
 from streamrl.agents.envs import ToolLimits
-from streamrl.config import TaskConfig, parse_config
+from streamrl.config import SandboxKind, TaskConfig, parse_config
 from streamrl.tasks import code
 from streamrl.tasks.registry import load_episodes
 from streamrl.tools.backends import ClosableSandbox, make_sandbox
+from streamrl.tools.containers import ContainerConfig
 from streamrl.tools.registry import run_call
 from streamrl.tools.sandbox import SandboxUnavailableError
 from streamrl.wire import ToolResult
 
 
-@pytest.fixture(scope="module", params=["subprocess", "container", "bwrap"])
+@pytest.fixture(scope="module", params=["subprocess", "container", "server", "bwrap"])
 def sandbox(request: pytest.FixtureRequest) -> Iterator[ClosableSandbox]:
+    # "server": containers whose call server runs the calls (tools.call_server).
+    kind: SandboxKind = "container" if request.param == "server" else request.param
+    container = ContainerConfig(call_server=request.param == "server")
     try:
-        box = make_sandbox(request.param)
+        box = make_sandbox(kind, container=container)
     except SandboxUnavailableError as err:
         if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
             raise

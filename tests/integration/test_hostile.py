@@ -61,15 +61,33 @@ def engine() -> Iterator[docker.DockerClient]:
     client.close()
 
 
-@pytest.fixture(scope="module")
-def container_sandbox(engine: docker.DockerClient) -> Iterator[ContainerSandbox]:
+def _container_sandbox(
+    engine: docker.DockerClient, call_server: bool
+) -> Iterator[ContainerSandbox]:
     cfg = ContainerConfig(
-        namespace=NS, memory_bytes=MEMORY, pids_limit=32, tmpfs_bytes=8 * 2**20, pool_size=1
+        namespace=NS,
+        memory_bytes=MEMORY,
+        pids_limit=32,
+        tmpfs_bytes=8 * 2**20,
+        pool_size=1,
+        call_server=call_server,
     )
     with ContainerSandbox(cfg) as sb:
         sb.start()
         yield sb
     assert labelled(engine) == []
+
+
+@pytest.fixture(scope="module")
+def container_sandbox(engine: docker.DockerClient) -> Iterator[ContainerSandbox]:
+    """Containers with an exec per call."""
+    yield from _container_sandbox(engine, call_server=False)
+
+
+@pytest.fixture(scope="module")
+def server_sandbox(engine: docker.DockerClient) -> Iterator[ContainerSandbox]:
+    """Containers whose call server runs the calls (issue 28)."""
+    yield from _container_sandbox(engine, call_server=True)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +101,7 @@ def bwrap_sandbox() -> BubblewrapSandbox:
         raise
 
 
-@pytest.fixture(params=["container", "bwrap"])
+@pytest.fixture(params=["container", "server", "bwrap"])
 def sandbox(request: pytest.FixtureRequest) -> Sandbox:
     sb: Sandbox = request.getfixturevalue(f"{request.param}_sandbox")
     return sb

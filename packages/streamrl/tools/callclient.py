@@ -57,6 +57,7 @@ class Reply:
     result: ExecResult
     reusable: bool
     error: str | None  # the server's or the channel's own failure, if any
+    sent: bool = True  # False: the channel was broken before the request left (retry it)
 
 
 class CallChannel:
@@ -110,10 +111,11 @@ class CallChannel:
             env=dict(env),
             cwd=cwd,
         )
+        self._poll()  # a server that died while idle shows as the stream's end, here
         try:
             self._send(callserver.encode_request(call.header(), stdin))
         except CallChannelError as err:
-            return self._failed(start, str(err), timed_out=False)
+            return self._failed(start, str(err), timed_out=False, sent=False)
         frames = self._until_result(start + time_limit_s + self.grace_s)
         if frames is None:
             timed_out = self._broken is None
@@ -151,11 +153,23 @@ class CallChannel:
             result.error,
         )
 
-    def _failed(self, start: float, why: str, timed_out: bool) -> Reply:
+    def _failed(self, start: float, why: str, timed_out: bool, sent: bool = True) -> Reply:
         tail = self.server_stderr.strip()
         message = f"{why}; the call server said: {tail[-500:]}" if tail else why
         result = ExecResult(None, b"", b"", timed_out, False, time.monotonic() - start)
-        return Reply(result, False, message)
+        return Reply(result, False, message, sent)
+
+    def _poll(self) -> None:
+        """Take in what the stream holds now without waiting (between calls: only its end
+        or the server's stderr)."""
+        self.sock.setblocking(False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            while self._broken is None and sel.select(timeout=0):
+                before = len(self._engine) + len(self._out) + len(self._err)
+                self._receive()
+                if len(self._engine) + len(self._out) + len(self._err) == before:
+                    break
 
     def _send(self, data: bytes) -> None:
         if self._broken is not None:

@@ -41,7 +41,7 @@ import structlog
 from docker.models.containers import Container
 from docker.types import Ulimit
 
-from streamrl.tools.callclient import CallChannel, server_command
+from streamrl.tools.callclient import CallChannel, CallChannelError, Reply, server_command
 from streamrl.tools.sandbox import ExecResult, SandboxUnavailableError, portable_argv
 
 DEFAULT_IMAGE = "streamrl-sandbox:1"
@@ -53,6 +53,14 @@ WORKDIR = "/work"
 # Every place a call may write (podman mounts tmpfs on /var/tmp and /dev/shm of a read-only
 # container too): emptied after each call.
 WRITABLE = (WORKDIR, "/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")
+# A call's whole environment on the call-server path (an exec gets the image's PATH and
+# LANG, then these two).
+CALL_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": WORKDIR,
+    "TMPDIR": "/tmp",
+}
 WRAPPER = "/opt/streamrl/sh"
 _DEFAULT_URL = "unix:///var/run/docker.sock"  # the SDK's, when DOCKER_HOST is unset
 SETUP_HINT = "run ops/sandbox/setup_host.sh (as root) and export DOCKER_HOST"
@@ -114,6 +122,9 @@ class ContainerConfig:
     pool_size: int = 1  # warm containers kept idle
     api_timeout_s: float = 30.0  # one Docker API request
     docker_host: str | None = None  # engine URL; None: DOCKER_HOST from the environment
+    # Calls through the call server, the container's main process, over one attached
+    # stream (streamrl.tools.callserver), instead of an exec per call.
+    call_server: bool = False
 
     def __post_init__(self) -> None:
         if not _NAME_OK.match(self.namespace):
@@ -133,6 +144,8 @@ class _Warm:
     container: Container
     started: float  # time.monotonic()
     calls: int = 0
+    attached: _Attached | None = None  # the call server's stdio (call_server only)
+    channel: CallChannel | None = None
 
 
 class ContainerSandbox:
@@ -195,6 +208,8 @@ class ContainerSandbox:
     def exec(
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
     ) -> ExecResult:
+        if self.cfg.call_server:
+            return self._serve(portable_argv(argv, "python3"), stdin, time_limit_s, output_cap)
         start = time.monotonic()
         warm, exec_id, stream = self._attach(portable_argv(argv, "python3"))
         # The limit counts from the call's start, not from a container start before it.
@@ -220,8 +235,7 @@ class ContainerSandbox:
             )
         err = _PODMAN_ATTACH_NOISE.sub(b"", err)
         if status == _SIGKILL_STATUS:
-            mib = self.cfg.memory_bytes >> 20
-            err += f"\n[sandbox: killed by SIGKILL (the memory limit is {mib} MiB)]".encode()
+            err += self._sigkill_note()
         return ExecResult(
             exit_code=_exit_code(status),
             stdout=out,
@@ -230,6 +244,37 @@ class ContainerSandbox:
             truncated=cut,
             duration_s=time.monotonic() - start,
         )
+
+    def _serve(
+        self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
+    ) -> ExecResult:
+        """One call through a warm container's call server. A channel found broken before
+        the call began (the container died while idle) is retried once in a fresh one."""
+        for attempt in range(2):
+            warm = self._acquire()
+            assert warm.channel is not None
+            reply = warm.channel.call(
+                argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR, self.cfg.tmpfs_bytes
+            )
+            warm.calls += 1
+            if reply.reusable and not self._expired(warm):
+                self._release(warm)
+            else:
+                self._recycle(warm, _reason(reply))
+            if reply.sent or attempt:
+                break
+            self.log.warning("sandbox_server_retry", error=reply.error)
+        r = reply.result
+        stderr = r.stderr
+        if r.exit_code == -9 and not (r.timed_out or r.truncated):
+            stderr += self._sigkill_note()
+        if reply.error is not None:
+            stderr += f"\n[sandbox: {reply.error}]".encode()
+        return ExecResult(r.exit_code, r.stdout, stderr, r.timed_out, r.truncated, r.duration_s)
+
+    def _sigkill_note(self) -> bytes:
+        mib = self.cfg.memory_bytes >> 20
+        return f"\n[sandbox: killed by SIGKILL (the memory limit is {mib} MiB)]".encode()
 
     def close(self) -> None:
         """Remove every container of this sandbox; later calls raise."""
@@ -314,8 +359,9 @@ class ContainerSandbox:
 
     def _new_container(self) -> _Warm:
         t = time.monotonic()
+        options = self.server_options() if self.cfg.call_server else self._run_options()
         try:
-            container = self.client.containers.create(self.cfg.image, **self._run_options())
+            container = self.client.containers.create(self.cfg.image, **options)
         except _ENGINE_ERRORS as err:
             raise SandboxUnavailableError(
                 f"cannot create a sandbox container from {self.cfg.image!r} at {self.where}: {err}"
@@ -327,7 +373,10 @@ class ContainerSandbox:
         try:
             if closed:  # close() ran meanwhile: this one must not outlive it
                 raise SandboxUnavailableError("the container sandbox is closed")
-            container.start()
+            if self.cfg.call_server:
+                self._start_server(warm)
+            else:
+                container.start()
         except BaseException as err:
             self._remove(warm, "start_failed")
             if isinstance(err, _ENGINE_ERRORS):
@@ -335,7 +384,12 @@ class ContainerSandbox:
                     f"cannot start a sandbox container at {self.where}: {err}"
                 ) from err
             raise
-        self.log.info("sandbox_container_start", id=container.short_id, s=time.monotonic() - t)
+        self.log.info(
+            "sandbox_container_start",
+            id=container.short_id,
+            s=time.monotonic() - t,
+            call_server=self.cfg.call_server,
+        )
         return warm
 
     def _run_options(self) -> dict[str, Any]:
@@ -372,6 +426,18 @@ class ContainerSandbox:
             },
         }
 
+    def _start_server(self, warm: _Warm) -> None:
+        """Attach to the created container, start it, and wait for its server's answer."""
+        warm.attached, warm.channel = attach_server(
+            self.client, warm.container, self.where, grace_s=self.cfg.api_timeout_s
+        )
+        try:
+            warm.channel.ping(timeout_s=self.cfg.api_timeout_s)
+        except (CallChannelError, ValueError) as err:
+            raise SandboxUnavailableError(
+                f"the call server in {warm.container.short_id} did not answer: {err}"
+            ) from err
+
     def server_options(self) -> dict[str, Any]:
         """`containers.create` arguments of a container whose main process is the call
         server (`streamrl.tools.callserver`): the same hardening, limits and labels, but
@@ -386,6 +452,8 @@ class ContainerSandbox:
         }
 
     def _remove(self, warm: _Warm, reason: str) -> None:
+        if warm.attached is not None:
+            warm.attached.close()  # the server reads EOF
         try:
             _remove_quietly(warm.container)
         except docker.errors.APIError as err:
@@ -504,6 +572,18 @@ class _Attached:
         raw = getattr(self._io, "_sock", None)
         if isinstance(raw, socket.socket):
             raw.close()
+
+
+def _reason(reply: Reply) -> str:
+    """Why a call server's container is retired after a call (or 'expired')."""
+    r = reply.result
+    if reply.error is not None:
+        return "server_error"
+    if r.timed_out or r.truncated:
+        return "timeout" if r.timed_out else "output_cap"
+    if r.exit_code is not None and r.exit_code < 0:
+        return f"signal_{-r.exit_code}"
+    return "expired" if reply.reusable else "unclean"
 
 
 def _connect(cfg: ContainerConfig, url: str, where: str) -> docker.DockerClient:

@@ -82,6 +82,7 @@ def open_sandbox(
         cpus=cfg.cpus,
         pool_size=cfg.pool_size,
         recycle_after=cfg.recycle_after,
+        call_server=cfg.call_server,
     )
     bwrap = BubblewrapConfig(max_processes=max(4, cfg.pids_limit))
     return WorkerSandbox(cfg.sandbox, builder(container=container, bwrap=bwrap, log=log), log)
