@@ -77,7 +77,9 @@ def bare_exec(n: int, image: str) -> list[float]:
 
 
 def sandbox_exec(n: int, image: str) -> list[float]:
-    box = ContainerSandbox(ContainerConfig(image=image, namespace="bench", pool_size=1))
+    box = ContainerSandbox(
+        ContainerConfig(image=image, namespace="bench", pool_size=1, call_server=False)
+    )
     box.start()
     try:
         times = []
@@ -117,7 +119,9 @@ def call_server(n: int, image: str, argv: list[str]) -> list[float]:
 
 
 def sandbox_python(n: int, image: str) -> list[float]:
-    box = ContainerSandbox(ContainerConfig(image=image, namespace="bench", pool_size=1))
+    box = ContainerSandbox(
+        ContainerConfig(image=image, namespace="bench", pool_size=1, call_server=False)
+    )
     box.start()
     try:
         times = []

@@ -671,13 +671,12 @@ class ToolsConfig(_Section):
     cpus: float = Field(1.0, gt=0, le=1024, description="CPU share of one sandbox container.")
     pool_size: int = Field(1, ge=0, le=1024, description="Warm containers per tool worker.")
     call_server: bool = Field(
-        False,
+        True,
         description=(
             "Container sandbox: run calls through a call server in each warm container "
             "(one attached stream, calls forked in the container, `python3 -c` forked from "
             "a pre-imported interpreter: about 10 ms a call against about 100-200 ms for an "
-            "exec; docs/BENCHMARKS.md) instead of an exec per call. Not through the compose "
-            "stack's sandbox proxy yet (it refuses the server's root user and attach)."
+            "exec; docs/BENCHMARKS.md). false: an exec per call."
         ),
     )
     recycle_after: int = Field(

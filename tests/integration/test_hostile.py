@@ -64,8 +64,10 @@ def engine() -> Iterator[docker.DockerClient]:
 def _container_sandbox(
     engine: docker.DockerClient, call_server: bool
 ) -> Iterator[ContainerSandbox]:
+    # Each fixture its own namespace: at teardown, only its own containers must be gone.
+    ns = f"{NS}{'s' if call_server else 'e'}"
     cfg = ContainerConfig(
-        namespace=NS,
+        namespace=ns,
         memory_bytes=MEMORY,
         pids_limit=32,
         tmpfs_bytes=8 * 2**20,
@@ -75,7 +77,7 @@ def _container_sandbox(
     with ContainerSandbox(cfg) as sb:
         sb.start()
         yield sb
-    assert labelled(engine) == []
+    assert labelled(engine, ns) == []
 
 
 @pytest.fixture(scope="module")

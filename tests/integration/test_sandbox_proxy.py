@@ -78,20 +78,15 @@ def labelled(engine: docker.DockerClient, ns: str = NS) -> list[str]:
     return [c.id or "" for c in found]
 
 
-def sandbox_config(url: str | None, ns: str = NS) -> ContainerConfig:
+def sandbox_config(url: str | None, ns: str = NS, call_server: bool = False) -> ContainerConfig:
     return ContainerConfig(
-        namespace=ns, memory_bytes=MEMORY, pids_limit=32, tmpfs_bytes=8 * 2**20, docker_host=url
+        namespace=ns,
+        memory_bytes=MEMORY,
+        pids_limit=32,
+        tmpfs_bytes=8 * 2**20,
+        docker_host=url,
+        call_server=call_server,
     )
-
-
-@pytest.fixture(scope="module")
-def sandbox(proxy: tuple[str, Path], engine: docker.DockerClient) -> Iterator[ContainerSandbox]:
-    """The real container sandbox, whose only engine is the proxy."""
-    with ContainerSandbox(sandbox_config(proxy[0])) as sb:
-        sb.reap_orphans()
-        sb.start()
-        yield sb
-    assert labelled(engine) == []
 
 
 def py(sb: ContainerSandbox, code: str, stdin: bytes = b"", limit: float = 10.0) -> Any:
@@ -100,6 +95,20 @@ def py(sb: ContainerSandbox, code: str, stdin: bytes = b"", limit: float = 10.0)
 
 def test_the_socket_is_group_only(proxy: tuple[str, Path]) -> None:
     assert os.stat(proxy[0].removeprefix("unix://")).st_mode & 0o777 == 0o660
+
+
+@pytest.fixture(scope="module", params=["exec", "call_server"])
+def sandbox(
+    request: pytest.FixtureRequest, proxy: tuple[str, Path], engine: docker.DockerClient
+) -> Iterator[ContainerSandbox]:
+    """The real container sandbox, whose only engine is the proxy: calls by exec, or through
+    each container's call server (tools.call_server: root server, attach)."""
+    cfg = sandbox_config(proxy[0], call_server=request.param == "call_server")
+    with ContainerSandbox(cfg) as sb:
+        sb.reap_orphans()
+        sb.start()
+        yield sb
+    assert labelled(engine) == []
 
 
 def test_tool_calls_run_through_the_proxy(sandbox: ContainerSandbox) -> None:
@@ -134,13 +143,14 @@ def test_what_a_tool_worker_must_not_do_is_refused(
     url, log = proxy
     client = docker.DockerClient(base_url=url, timeout=30)
     hardened = sandbox._run_options()  # what the sandbox sends, varied one thing at a time
-    names = [f"streamrl-{NS}-evil-{i}" for i in range(5)]
+    names = [f"streamrl-{NS}-evil-{i}" for i in range(6)]
     variations: list[tuple[dict[str, Any], str]] = [
         ({"privileged": True}, "HostConfig.Privileged is not allowed"),
         ({"volumes": {"/": {"bind": "/host", "mode": "rw"}}}, "Volumes is not allowed"),
         ({"image": "docker.io/library/alpine:3"}, "Image must be the sandbox image"),
         ({"network_mode": "host"}, 'HostConfig.NetworkMode must be "none"'),
-        ({"user": "0:0"}, "User must not be root"),
+        ({"user": "0:0"}, "User 0:0 and CapAdd are only for the call server"),
+        ({"user": "0:0", "cap_add": ["SETUID"]}, "only for the call server's own command"),
     ]
     unrelated = engine.containers.create(
         sandbox.cfg.image, ["sleep", "infinity"], name=f"unrelated-{NS}"
@@ -179,7 +189,7 @@ def test_what_a_tool_worker_must_not_do_is_refused(
     events = [json.loads(line) for line in log.read_text().splitlines()]
     reasons = [e["reason"] for e in events if e["event"] == "sandbox_proxy_refused"]
     assert any("HostConfig.Privileged is not allowed" in r for r in reasons)
-    assert any("User must not be root" in r for r in reasons)
+    assert any("only for the call server's own command" in r for r in reasons)
 
 
 def _raw(url: str, request: bytes) -> tuple[int, str]:

@@ -179,7 +179,11 @@ CREATE_VARIATIONS = {
     "network default": (_drop("HostConfig", "NetworkMode"), "NetworkMode is required"),
     "writable root": (_set("HostConfig", "ReadonlyRootfs", False), "ReadonlyRootfs must be true"),
     "capabilities kept": (_set("HostConfig", "CapDrop", ["NET_RAW"]), 'must drop "ALL"'),
-    "capability added": (_set("HostConfig", "CapAdd", ["SYS_ADMIN"]), "HostConfig.CapAdd is not"),
+    "capability added": (_set("HostConfig", "CapAdd", ["SYS_ADMIN"]), "HostConfig.CapAdd may"),
+    "server caps, another command": (
+        _set("HostConfig", "CapAdd", ["SETUID"]),
+        "only for the call server's own command",
+    ),
     "seccomp off": (
         _set("HostConfig", "SecurityOpt", ["no-new-privileges", "seccomp=unconfined"]),
         "SecurityOpt must be exactly",
@@ -214,7 +218,8 @@ CREATE_VARIATIONS = {
         "HostConfig.Ulimits[0].Name is not allowed",
     ),
     "another image": (_set("", "Image", "alpine:3"), "Image must be the sandbox image"),
-    "root user": (_set("", "User", "0:0"), "User must not be root"),
+    "root user": (_set("", "User", "0:0"), "User 0:0 and CapAdd are only for the call server"),
+    "root uid, other gid": (_set("", "User", "0:10001"), "User must not be root"),
     "root group": (_set("", "User", "10001:0"), "User must not be root"),
     "named user": (_set("", "User", "root"), "User must be a numeric uid:gid"),
     "default user": (_drop("", "User"), "User is required"),
@@ -227,6 +232,65 @@ CREATE_VARIATIONS = {
     "lower-case key": (_set("HostConfig", "privileged", True), "HostConfig.privileged is not"),
     "no host config": (_drop("", "HostConfig"), "HostConfig is required"),
 }
+
+
+def server_create_request(sb: ContainerSandbox) -> Request:
+    return sdk_request(lambda: sb.client.containers.create(sb.cfg.image, **sb.server_options()))
+
+
+def test_the_call_server_create_and_attach_pass(sandbox: ContainerSandbox) -> None:
+    """tools.call_server: root with SETUID, SETGID and KILL, for the server's own command."""
+    req = server_create_request(sandbox)
+    body = json.loads(req.body)
+    assert body["User"] == "0:0" and body["HostConfig"]["CapAdd"] == ["SETUID", "SETGID", "KILL"]
+    assert check_request(req, CFG).route.name == "container_create"
+    params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+    api: Any = sandbox.client.api
+    api.post = api._post  # the capture: attach_socket posts through requests' own post
+    attach = sdk_request(lambda: sandbox.client.api.attach_socket(CID, params=params))
+    assert attach.upgrade
+    allowed = check_request(attach, CFG)
+    assert allowed.route.name == "container_attach" and allowed.ref == CID
+
+
+def _cmd(change: Callable[[list[str]], None]) -> Callable[[dict[str, Any]], None]:
+    return lambda body: change(body["Cmd"])
+
+
+SERVER_VARIATIONS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "another program as root": (
+        _cmd(lambda cmd: cmd.__setitem__(slice(None), ["/bin/sh", "-c", "id"])),
+        "only for the call server's own command",
+    ),
+    "a changed server source": (
+        _cmd(lambda cmd: cmd.__setitem__(2, cmd[2] + "\nimport os; os.system('sh')")),
+        "only for the call server's own command",
+    ),
+    "calls as root": (
+        _cmd(lambda cmd: cmd.__setitem__(slice(3, 5), ["--call-uid", "0:0"])),
+        "--call-uid must not be root",
+    ),
+    "another flag": (
+        _cmd(lambda cmd: cmd.extend(["--no-python-fork", "/x"])),
+        "'--no-python-fork' is not a call server flag",
+    ),
+    "a relative writable dir": (
+        _cmd(lambda cmd: cmd.extend(["--writable", "etc"])),
+        "is not a call server flag",
+    ),
+    "an odd flag": (_cmd(lambda cmd: cmd.append("--writable")), "flags come in pairs"),
+    "sys_admin for the server": (
+        _set("HostConfig", "CapAdd", ["SETUID", "SYS_ADMIN"]),
+        "HostConfig.CapAdd may only add",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SERVER_VARIATIONS))
+def test_a_changed_call_server_create_is_refused(sandbox: ContainerSandbox, case: str) -> None:
+    change, reason = SERVER_VARIATIONS[case]
+    why = refused(with_body(server_create_request(sandbox), change))
+    assert reason in why and why.startswith("create: "), why
 
 
 @pytest.mark.parametrize("case", sorted(CREATE_VARIATIONS))
@@ -287,7 +351,13 @@ def test_an_exec_start_with_a_tty_is_refused(sandbox: ContainerSandbox) -> None:
         ("GET", f"/v1.41/containers/{CID}/logs", None, "is not a request"),
         ("PUT", f"/v1.41/containers/{CID}/archive", {"path": "/"}, "is not a request"),
         ("GET", f"/v1.41/containers/{CID}/export", None, "is not a request"),
-        ("POST", f"/v1.41/containers/{CID}/attach", None, "is not a request"),
+        (  # the call server's stream, but with the container's past output
+            "POST",
+            f"/v1.41/containers/{CID}/attach",
+            {"stdin": 1, "stream": 1, "logs": 1},
+            "query parameters ['logs']",
+        ),
+        ("POST", f"/v1.41/containers/{CID}/attach/ws", None, "is not a request"),
         ("POST", f"/v1.41/containers/{CID}/update", None, "is not a request"),
         ("POST", "/v1.41/containers/prune", None, "is not a request"),
         ("GET", "/v1.41/events", None, "is not a request"),

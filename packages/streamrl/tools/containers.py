@@ -123,8 +123,8 @@ class ContainerConfig:
     api_timeout_s: float = 30.0  # one Docker API request
     docker_host: str | None = None  # engine URL; None: DOCKER_HOST from the environment
     # Calls through the call server, the container's main process, over one attached
-    # stream (streamrl.tools.callserver), instead of an exec per call.
-    call_server: bool = False
+    # stream (streamrl.tools.callserver); False: an exec per call.
+    call_server: bool = True
 
     def __post_init__(self) -> None:
         if not _NAME_OK.match(self.namespace):

@@ -12,13 +12,16 @@ bodies are bounded; `Transfer-Encoding` on a request is refused (the docker SDK 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 from urllib.parse import parse_qsl
 
+from streamrl.tools import callserver
 from streamrl.tools.containers import (
     DEFAULT_IMAGE,
     LABEL,
@@ -36,6 +39,8 @@ FULL_ID = re.compile(r"^[0-9a-f]{64}$")
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP header name
 _USER = re.compile(r"^(\d+):(\d+)$")
 _NAME = re.compile(r"^streamrl-[A-Za-z0-9_.-]{1,100}$")
+ROOT = "0:0"  # the call server's user: it drops each call to the call uid
+SERVER_CAPS = frozenset({"SETUID", "SETGID", "KILL"})  # what the call server may add
 
 
 class Refused(Exception):
@@ -189,6 +194,17 @@ def _abs_path(v: object, _: ProxyConfig) -> str | None:
     return None if ok else "must be an absolute path"
 
 
+def _user(v: object, cfg: ProxyConfig) -> str | None:
+    """A create's User: non-root, or exactly "0:0" (then only for the call server, which
+    `_check_call_server` checks across the body's fields)."""
+    return None if v == ROOT else _non_root(v, cfg)
+
+
+def _server_caps(v: object, cfg: ProxyConfig) -> str | None:
+    ok = isinstance(v, list) and _str_list(v, cfg) is None and set(v) <= SERVER_CAPS
+    return None if ok else f"may only add {sorted(SERVER_CAPS)} (for the call server)"
+
+
 def _non_root(v: object, _: ProxyConfig) -> str | None:
     m = _USER.match(v) if isinstance(v, str) else None
     if m is None:
@@ -289,6 +305,7 @@ HOST_CONFIG: Mapping[str, Field] = {
     "Init": Field(_bool),
     "Ulimits": Field(_ulimits),
     "Tmpfs": Field(_tmpfs),
+    "CapAdd": Field(_server_caps),
 }
 
 
@@ -304,7 +321,7 @@ def check_host_config(value: object, cfg: ProxyConfig) -> str | None:
 # The top level of a create body: what ContainerSandbox._run_options makes the SDK send.
 CREATE: Mapping[str, Field] = {
     "Image": Field(_sandbox_image, required=True),
-    "User": Field(_non_root, required=True),
+    "User": Field(_user, required=True),
     "Labels": Field(_sandbox_labels, required=True),
     "HostConfig": Field(check_host_config, required=True),
     "Cmd": Field(_argv),
@@ -404,6 +421,7 @@ def _r(
 
 
 _LIST_QUERY = ("all", "limit", "size", "trunc_cmd", "filters", "since", "before")
+_ATTACH_QUERY = ("stdin", "stdout", "stderr", "stream")
 ROUTES: tuple[Route, ...] = (
     _r("ping", "GET", "/_ping"),
     _r("ping", "HEAD", "/_ping"),
@@ -417,6 +435,15 @@ ROUTES: tuple[Route, ...] = (
     _r("container_stop", "POST", "/containers/{ref}/stop", "t", target="container"),
     _r("container_wait", "POST", "/containers/{ref}/wait", "condition", target="container"),
     _r("container_remove", "DELETE", "/containers/{ref}", "v", "force", "link", target="container"),
+    # The call server's stdio (tools.call_server): the one stream to a sandbox's main process.
+    _r(
+        "container_attach",
+        "POST",
+        "/containers/{ref}/attach",
+        *_ATTACH_QUERY,
+        target="container",
+        upgrade=True,
+    ),
     _r("exec_create", "POST", "/containers/{ref}/exec", target="container", body=EXEC_CREATE),
     _r("exec_start", "POST", "/exec/{ref}/start", target="exec", body=EXEC_START, upgrade=True),
     _r("exec_inspect", "GET", "/exec/{ref}/json", target="exec"),
@@ -452,7 +479,10 @@ def check_request(req: Request, cfg: ProxyConfig) -> Allowed:
         if req.body:
             raise Refused(f"{route.name} takes no body")
     else:
-        fault = check_object(parse_json_body(req.body), route.body, cfg)
+        body = parse_json_body(req.body)
+        fault = check_object(body, route.body, cfg)
+        if not fault and route.name == "container_create" and isinstance(body, dict):
+            fault = _check_call_server(body, cfg)
         if fault:
             raise Refused(fault if route.name != "container_create" else f"create: {fault}")
     if "ref" not in route.pattern.groupindex:
@@ -469,6 +499,36 @@ def _match(req: Request) -> tuple[Route, re.Match[str]]:
         if m and route.method == req.method:
             return route, m
     raise Refused(f"{req.method} {req.path[:100]} is not a request the container sandbox makes")
+
+
+def _check_call_server(body: Mapping[str, object], cfg: ProxyConfig) -> str:
+    """A container that runs as root or adds capabilities must be the call server: its
+    command exactly `python3 -c <this streamrl's callserver.py>` with only the server's
+    flags (a non-root call uid, absolute writable dirs), root with only SERVER_CAPS.
+    '' when the body passes."""
+    host = body.get("HostConfig")
+    caps = host.get("CapAdd") if isinstance(host, dict) else None
+    if body.get("User") != ROOT and not caps:
+        return ""
+    cmd = body.get("Cmd")
+    if not isinstance(cmd, list) or cmd[:3] != ["python3", "-c", _server_source()]:
+        return "User 0:0 and CapAdd are only for the call server's own command"
+    flags = cmd[3:]
+    if len(flags) % 2:
+        return "Cmd: the call server's flags come in pairs"
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        if flag == "--call-uid":
+            fault = _non_root(value, cfg)
+            if fault:
+                return f"Cmd: --call-uid {fault}"
+        elif flag != "--writable" or not isinstance(value, str) or not value.startswith("/"):
+            return f"Cmd: {str(flag)[:40]!r} is not a call server flag this proxy allows"
+    return ""
+
+
+@functools.cache
+def _server_source() -> str:
+    return Path(callserver.__file__).read_text()
 
 
 def _check_list_filters(raw: str) -> None:
