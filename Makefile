@@ -7,6 +7,8 @@ CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 # Test processes of `make test` (pytest-xdist). Two on a 2-core machine: a serial run keeps
 # the cores about 60 % busy (tests wait on subprocesses, containers and sleeps); 0: one process.
+# worksteal: an idle process takes tests queued for the other (with `load`, one process got
+# the first chunk, all of the long end-to-end tests, and the other ran out of work).
 TEST_WORKERS ?= 2
 
 .PHONY: demo report test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
@@ -45,7 +47,7 @@ typecheck: $(VENV)/.installed
 # As root, `make test` readies the sandbox host first (make sandbox-host) and requires the
 # sandbox tests to run; where it cannot, they skip and its last line says so and why.
 test: lint typecheck
-	ops/sandbox/with_sandbox.sh $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --durations=30 $(PYTEST_ARGS)
+	ops/sandbox/with_sandbox.sh $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist worksteal --durations=30 $(PYTEST_ARGS)
 	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory compose-test; \
 	else echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"; fi
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,10 @@ def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path) -> None:
             pytest.fail("STREAMRL_REQUIRE_SANDBOX=1 but neither DOCKER_HOST nor bwrap is here")
         pytest.skip("no isolating sandbox here (DOCKER_HOST unset, no bwrap): make sandbox-host")
     run_dir = tmp_path / "run"
-    proc = up(run_dir, 3, f'model.cache_dir="{tmp_path / "cache"}"', "run.name=e2ecode",
+    # A run name of its own: the containers counted at the end are this run's only (a
+    # second suite on the engine, running this test at the same time, has its own).
+    name = f"e2ecode{uuid.uuid4().hex[:8]}"
+    proc = up(run_dir, 3, f'model.cache_dir="{tmp_path / "cache"}"', f"run.name={name}",
               config=REPO / "configs" / "code.toml")  # fmt: skip
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
@@ -224,7 +228,7 @@ def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path) -> None:
                 backends.add(event["kind"])
     if os.environ.get("STREAMRL_REQUIRE_SANDBOX") == "1":
         assert backends == {"container"}
-    assert _sandbox_containers("e2ecode") in (0, None)
+    assert _sandbox_containers(name) in (0, None)
     trajectories = committed_trajectories(run_dir / "logs" / "rollout-0.log")
     assert any(t["status"] == "ok" for t in trajectories)
 
