@@ -112,8 +112,8 @@ def call_server(n: int, image: str, argv: list[str]) -> list[float]:
             assert r.reusable and r.result.exit_code == 0, r
         return times[1:]
     finally:
+        container.remove(force=True)  # killed while attached (see ContainerSandbox._remove)
         attached.close()
-        container.remove(force=True)
         box.close()
         client.close()
 

@@ -452,9 +452,9 @@ class ContainerSandbox:
         }
 
     def _remove(self, warm: _Warm, reason: str) -> None:
-        if warm.attached is not None:
-            warm.attached.close()  # the server reads EOF
         try:
+            # Killed while attached: closing the stream first makes the server exit, and
+            # podman refuses a removal that meets the container stopping on its own.
             _remove_quietly(warm.container)
         except docker.errors.APIError as err:
             # It stays on the books: close() tries again, reap_orphans() after a crash.
@@ -467,6 +467,10 @@ class ContainerSandbox:
             return
         except _ENGINE_ERRORS as err:
             raise SandboxUnavailableError(f"engine at {self.where}: {err}") from err
+        finally:
+            if warm.attached is not None:
+                warm.attached.close()
+                warm.attached = None
         with self._lock:
             self._live.pop(warm.container.id or "", None)
         self.log.info(
