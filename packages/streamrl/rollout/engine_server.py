@@ -164,11 +164,7 @@ class EngineServer:
         finally:
             self._stop.set()
             self._wake.set()
-            # Until the thread is out of the engine: a step (or a compile, slow on loaded
-            # cores) finishes first. A daemon thread left inside XLA at interpreter exit
-            # aborts the process ("terminate called ... exception not rethrown", exit -6),
-            # seen after a 10 s cap here; a truly hung engine is the launcher's to kill.
-            await asyncio.to_thread(thread.join)
+            await asyncio.to_thread(thread.join, 10)
             with self._lock:
                 self._running = False
                 self._take_weights()  # a swap the thread never got to: apply it here
