@@ -44,7 +44,13 @@ from streamrl.names import Keys
 from streamrl.run.launcher import worker_command
 from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.tools.client import ToolClient
-from streamrl.tools.containers import WORKDIR, ContainerConfig, ContainerSandbox, attach_server
+from streamrl.tools.containers import (
+    CALL_ENV,
+    WORKDIR,
+    ContainerConfig,
+    ContainerSandbox,
+    attach_server,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny.toml"
@@ -76,7 +82,8 @@ def bare_exec(n: int, image: str) -> list[float]:
         c.remove(force=True)
 
 
-def sandbox_exec(n: int, image: str) -> list[float]:
+def sandbox_exec(n: int, image: str, argv: list[str], expected: bytes) -> list[float]:
+    """`argv` through `ContainerSandbox.exec` with an exec per call (tools.call_server off)."""
     box = ContainerSandbox(
         ContainerConfig(image=image, namespace="bench", pool_size=1, call_server=False)
     )
@@ -85,9 +92,9 @@ def sandbox_exec(n: int, image: str) -> list[float]:
         times = []
         for _ in range(n + 1):
             t = time.perf_counter()
-            r = box.exec(["/bin/sh", "-c", COMMAND], b"", 5.0, 4096)
+            r = box.exec(argv, b"", 5.0, 4096)
             times.append(time.perf_counter() - t)
-            assert r.exit_code == 0 and r.stdout == b"ok\n", r
+            assert r.exit_code == 0 and r.stdout == expected, r
         return times[1:]
     finally:
         box.close()
@@ -101,13 +108,12 @@ def call_server(n: int, image: str, argv: list[str]) -> list[float]:
     box = ContainerSandbox(ContainerConfig(image=image, namespace="bench", pool_size=0))
     container = client.containers.create(image, **box.server_options())
     attached, channel = attach_server(client, container, "bench")
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
     try:
         channel.ping(timeout_s=30)
         times = []
         for _ in range(n + 1):
             t = time.perf_counter()
-            r = channel.call(argv, b"", 5.0, 4096, env, WORKDIR, 1 << 20)
+            r = channel.call(argv, b"", 5.0, 4096, CALL_ENV, WORKDIR, 1 << 20)
             times.append(time.perf_counter() - t)
             assert r.reusable and r.result.exit_code == 0, r
         return times[1:]
@@ -116,23 +122,6 @@ def call_server(n: int, image: str, argv: list[str]) -> list[float]:
         attached.close()
         box.close()
         client.close()
-
-
-def sandbox_python(n: int, image: str) -> list[float]:
-    box = ContainerSandbox(
-        ContainerConfig(image=image, namespace="bench", pool_size=1, call_server=False)
-    )
-    box.start()
-    try:
-        times = []
-        for _ in range(n + 1):
-            t = time.perf_counter()
-            r = box.exec(PYTHON, b"", 5.0, 4096)
-            times.append(time.perf_counter() - t)
-            assert r.exit_code == 0 and r.stdout == b"1\n", r
-        return times[1:]
-    finally:
-        box.close()
 
 
 class Pipeline:
@@ -213,9 +202,9 @@ def main() -> None:
     if not os.environ.get("DOCKER_HOST"):
         sys.exit("DOCKER_HOST is not set: run ops/sandbox/setup_host.sh and export it")
     bare = bare_exec(args.calls, args.image)
-    box = sandbox_exec(args.calls, args.image)
+    box = sandbox_exec(args.calls, args.image, ["/bin/sh", "-c", COMMAND], b"ok\n")
     server = call_server(args.calls, args.image, ["/bin/sh", "-c", COMMAND])
-    box_py = sandbox_python(args.calls, args.image)
+    box_py = sandbox_exec(args.calls, args.image, PYTHON, b"1\n")
     server_py = call_server(args.calls, args.image, PYTHON)
     rt: dict[bool, list[float]] = {}
     rates: dict[bool, dict[int, float]] = {}
