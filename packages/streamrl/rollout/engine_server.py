@@ -164,7 +164,7 @@ class EngineServer:
         finally:
             self._stop.set()
             self._wake.set()
-            await asyncio.to_thread(thread.join, 10)
+            await _join(thread, 10)
             with self._lock:
                 self._running = False
                 self._take_weights()  # a swap the thread never got to: apply it here
@@ -273,6 +273,22 @@ class EngineServer:
             self.engine.cancel(handle)
             _reject(call, err)
         self._calls.clear()
+
+
+async def _join(thread: threading.Thread, timeout_s: float) -> None:
+    """Join `thread` (at most `timeout_s`) without holding the event loop, to the end even
+    when cancelled meanwhile: a stop cancels until its tasks end (`cancel_and_wait`), and
+    an engine thread left inside XLA aborts the process at exit. A cancel that arrives
+    here is re-raised once the join is over."""
+    joined = asyncio.ensure_future(asyncio.to_thread(thread.join, timeout_s))
+    cancelled = False
+    while not joined.done():
+        try:
+            await asyncio.shield(joined)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:

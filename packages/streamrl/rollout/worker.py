@@ -67,6 +67,7 @@ from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.run.failpoints import EPISODE_SAVED, afailpoint
 from streamrl.run.liveness import Liveness
+from streamrl.run.tasks import cancel_and_wait
 from streamrl.tasks.registry import Episodes
 from streamrl.transport import (
     Delivery,
@@ -339,16 +340,16 @@ class RolloutWorker:
                 raise self._failure
         finally:
             self._stopping = True
-            for t in [*parts, *self._episodes]:
-                t.cancel()
-            await asyncio.gather(*parts, *self._episodes, return_exceptions=True)
+            # Cancelled until they end: a cancel can be lost in a Redis call (run/tasks.py).
+            await cancel_and_wait([*parts, *self._episodes])
             # Episodes that ended before the stop are committed (and logged), not run again;
             # a commit in flight is not cut off between its transaction and its log line.
             self._closing = True
             self._outbox_ready.set()
             if self._failure is not None or committer.done():
-                committer.cancel()
-            await asyncio.gather(committer, return_exceptions=True)
+                await cancel_and_wait([committer])
+            else:
+                await asyncio.gather(committer, return_exceptions=True)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -669,7 +670,7 @@ class RolloutWorker:
         """Touch the tasks this worker still owns, on the async client (no thread pool that
         blocking work could fill may delay it past `claim_idle_ms`)."""
         every = self.cfg.transport.claim_idle_ms / 3000
-        while True:
+        while not self._stopping:  # as well as cancelled: a cancel can be lost (run/tasks.py)
             await asyncio.sleep(every)
             ids = [e for e, r in self._tasks.items() if r.owned]
             if not ids:
