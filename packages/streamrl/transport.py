@@ -533,9 +533,15 @@ class AsyncWaitingRetry(AsyncRetry):
 
 def _options(retry: Retry | AsyncRetry) -> dict[str, Any]:
     """Connection options both clients share: timeouts that fit blocking stream reads,
-    and `retry` on connection errors, LOADING and BUSY."""
+    and `retry` on connection errors, LOADING and BUSY. No socket timeout: redis-py 8's
+    default (5 s) cut every blocking read longer than that (a tool result's BLPOP waits
+    time_limit_s + result_margin_s, 8 s by default; `transport.block_ms` may be 10 s) into
+    timeouts retried 30 times, so a lost tool call was noticed after minutes, not 8 s; and
+    the asyncio client then sends each command under asyncio.wait_for, which on Python
+    3.11 can swallow a cancel (run/tasks.py)."""
     return {
         "socket_connect_timeout": 5,
+        "socket_timeout": None,
         "health_check_interval": 30,
         "retry": retry,
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
@@ -569,8 +575,10 @@ def make_client(
     if cluster:
         # The commands, scripts and one-slot transactions the workers use are the same on
         # both; the callers' annotations name the single-server client.
-        return cast(redis.Redis, RedisCluster.from_url(url, **_cluster_options(retry), **kwargs))
-    return redis.Redis.from_url(url, **_options(retry), **kwargs)
+        return cast(
+            redis.Redis, RedisCluster.from_url(url, **{**_cluster_options(retry), **kwargs})
+        )
+    return redis.Redis.from_url(url, **{**_options(retry), **kwargs})
 
 
 def make_async_client(
@@ -579,9 +587,9 @@ def make_async_client(
     """The asyncio twin of `make_client`."""
     retry = AsyncWaitingRetry(_BACKOFF, _RETRIES, busy_wait_s)
     if cluster:
-        client = AsyncRedisCluster.from_url(url, **_cluster_options(retry), **kwargs)
+        client = AsyncRedisCluster.from_url(url, **{**_cluster_options(retry), **kwargs})
         return cast(aioredis.Redis, client)
-    return aioredis.Redis.from_url(url, **_options(retry), **kwargs)
+    return aioredis.Redis.from_url(url, **{**_options(retry), **kwargs})
 
 
 def is_cluster(client: redis.Redis | aioredis.Redis) -> bool:

@@ -183,3 +183,52 @@ def test_every_claimed_entry_is_checked_against_max_deliveries(
     dead = [decode(f, DeadLetter) for _, f in entries(rclient, keys.dead)]
     assert sorted(d.entry_id for d in dead) == [ids[0], ids[31]]
     assert all(d.deliveries == 11 for d in dead)
+
+
+def test_blocking_reads_outlast_redis_py_default_socket_timeout(redis_url: str) -> None:
+    """The workers' clients wait out a blocking read longer than redis-py 8's default
+    socket timeout (5 s): a tool result's BLPOP (time_limit_s + result_margin_s, 8 s by
+    default) returns None at its own timeout, and a 6 s XREAD BLOCK returns empty. With
+    the default they raised TimeoutError after 5 s, retried 30 times: a lost tool call was
+    noticed after minutes."""
+    from streamrl.transport import make_async_client, make_client
+
+    wait_s = 6
+
+    async def blpop() -> tuple[Any, float]:
+        aclient = make_async_client(redis_url)
+        start = time.monotonic()
+        try:
+            got = await aclient.blpop(["nothing"], timeout=wait_s)
+        finally:
+            await aclient.aclose()
+        return got, time.monotonic() - start
+
+    async def both() -> tuple[tuple[Any, float], tuple[Any, float]]:
+        def xread() -> tuple[Any, float]:
+            client = make_client(redis_url)
+            start = time.monotonic()
+            try:
+                got = client.xread({"nothing-stream": "$"}, block=wait_s * 1000)
+            finally:
+                client.close()
+            return got, time.monotonic() - start
+
+        return await asyncio.gather(blpop(), asyncio.to_thread(xread))
+
+    (got, took), (read, read_took) = asyncio.run(both())
+    assert got is None and wait_s - 0.5 <= took < wait_s + 3
+    assert not read and wait_s - 0.5 <= read_took < wait_s + 3
+
+
+def test_a_caller_may_still_set_a_socket_timeout(redis_url: str) -> None:
+    """`streamrl status` and the health check give their one-shot clients a short socket
+    timeout of their own (a kwarg over the shared options, not a second keyword)."""
+    from streamrl.transport import make_async_client, make_client
+
+    client = make_client(redis_url, socket_timeout=2)
+    assert client.connection_pool.connection_kwargs["socket_timeout"] == 2 and client.ping()
+    client.close()
+    aclient = make_async_client(redis_url, socket_timeout=3)
+    assert aclient.connection_pool.connection_kwargs["socket_timeout"] == 3
+    assert make_client(redis_url).connection_pool.connection_kwargs["socket_timeout"] is None
