@@ -670,6 +670,19 @@ class ToolsConfig(_Section):
     pids_limit: int = Field(64, ge=8, le=1 << 16, description="Processes of one sandbox.")
     cpus: float = Field(1.0, gt=0, le=1024, description="CPU share of one sandbox container.")
     pool_size: int = Field(1, ge=0, le=1024, description="Warm containers per tool worker.")
+    max_containers: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description=(
+            "Containers one tool worker holds at once (idle, running a call or starting); "
+            "a call that finds the cap reached and none idle waits for one. At least "
+            "pool_size + 1."
+        ),
+    )
+    max_starting: int = Field(
+        2, ge=1, le=256, description="Container creates one tool worker has in flight at once."
+    )
     call_server: bool = Field(
         True,
         description=(
@@ -714,6 +727,15 @@ class ToolsConfig(_Section):
             if not rate > 0:
                 raise ValueError(f"rate of tool `{name}` must be > 0 calls per second")
         return v
+
+    @model_validator(mode="after")
+    def _pool_fits(self) -> ToolsConfig:
+        if self.max_containers < self.pool_size + 1:
+            raise ValueError(
+                f"tools.max_containers ({self.max_containers}) must be at least "
+                f"tools.pool_size + 1 ({self.pool_size + 1}): the warm pool and a call"
+            )
+        return self
 
 
 class GrouperConfig(_Section):

@@ -388,6 +388,83 @@ def test_close_removes_own_containers_only(engine: docker.DockerClient) -> None:
     assert labelled(engine, ns) == []
 
 
+@pytest.mark.parametrize("call_server", [False, True], ids=["exec", "server"])
+def test_a_transport_error_mid_call_leaks_no_container(
+    engine: docker.DockerClient, call_server: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review N16: a transport error (an overloaded engine's read timeout) while a call
+    begins used to leave its container neither idle nor removed, one per failed call for
+    the worker's lifetime. Now it goes, and the pool is refilled."""
+    import requests
+
+    ns = f"{NS}-n16{'s' if call_server else 'e'}"
+    cfg = ContainerConfig(namespace=ns, pool_size=1, call_server=call_server)
+    with ContainerSandbox(cfg) as sb:
+        sb.start()
+        [first] = sb.container_ids
+
+        def timeout(*_: object, **__: object) -> None:
+            raise requests.exceptions.ReadTimeout("the engine did not answer in time")
+
+        if call_server:
+            [warm] = sb._idle
+            assert warm.channel is not None
+            monkeypatch.setattr(warm.channel, "call", timeout)
+            error: type[BaseException] = requests.exceptions.ReadTimeout
+        else:
+            monkeypatch.setattr(sb.client.api, "exec_create", timeout)
+            error = SandboxUnavailableError
+        for _ in range(3):
+            with pytest.raises(error):
+                sb.exec(["true"], b"", 5.0, CAP)
+            if call_server:
+                break  # the next call gets a fresh container and its own channel
+        monkeypatch.undo()
+        assert first not in sb.container_ids and len(sb.container_ids) == 1
+        assert sorted(labelled(engine, ns)) == sorted(sb.container_ids)
+        assert sb.exec(["sh", "-c", "echo ok"], b"", 5.0, CAP).stdout == b"ok\n"
+    assert labelled(engine, ns) == []
+
+
+def test_max_containers_holds_and_the_calls_queue(engine: docker.DockerClient) -> None:
+    """Issue 28: with max_containers 4 and 16 threads calling at once (64 calls), at most 4
+    containers of the sandbox exist at any moment (counted on the engine), and every call
+    succeeds: the calls past the cap wait for a container."""
+    import threading
+
+    ns = f"{NS}-cap"
+    cfg = ContainerConfig(namespace=ns, pool_size=1, max_containers=4, max_starting=2)
+    counts: list[int] = []
+    results: list[ExecResult] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            # The low-level list: no inspect per container (one removed meanwhile is a 500).
+            counts.append(len(engine.api.containers(all=True, filters={"label": f"{LABEL}={ns}"})))
+            time.sleep(0.01)
+
+    with ContainerSandbox(cfg) as sb:
+
+        def calls() -> None:
+            for _ in range(4):
+                results.append(sb.exec(["sh", "-c", "sleep 0.05; echo ok"], b"", 10.0, CAP))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        threads = [threading.Thread(target=calls) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        sampler.join()
+        assert len(sb.container_ids) <= 1  # the pool: the others went back as pool_full
+    assert len(results) == 64 and all(r.stdout == b"ok\n" for r in results), results[:3]
+    assert counts and max(counts) <= 4 and max(counts) >= 2, counts
+    assert labelled(engine, ns) == []
+
+
 _OWNER = """
 import sys, time
 from streamrl.tools.containers import ContainerConfig, ContainerSandbox

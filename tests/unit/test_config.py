@@ -178,3 +178,12 @@ def test_the_run_name_rule_and_the_backoff_cap_are_stated_once() -> None:
     backoff = config.RunConfig.model_fields["restart_backoff_s"].description or ""
     assert f"max {config.MAX_BACKOFF_S:g} s" in backoff
     assert supervise.backoff_s(100, 1.0) == config.MAX_BACKOFF_S
+
+
+def test_the_container_cap_must_hold_the_warm_pool_and_a_call() -> None:
+    with pytest.raises(ConfigError, match=r"tools.max_containers \(4\) must be at least"):
+        parse_config({"tools": {"pool_size": 8, "max_containers": 4}})
+    tools = parse_config({"tools": {"pool_size": 3, "max_containers": 4}}).tools
+    assert (tools.max_containers, tools.max_starting) == (4, 2)
+    with pytest.raises(ConfigError, match=r"tools.max_starting"):
+        parse_config({"tools": {"max_starting": 0}})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import selectors
 import socket
@@ -97,6 +98,9 @@ _PODMAN_ATTACH_NOISE = re.compile(
     rb"Error: (?:read|write) unixpacket \S*attach: (?:read|write): connection reset by peer\n\Z"
 )
 _ENGINE_ERRORS = (docker.errors.DockerException, requests.RequestException, OSError)
+# A create that had to wait for a start slot (max_starting) waits up to this much more, so
+# the creates let through together do not all reach the engine in the same instant.
+_START_JITTER_S = 0.02
 
 
 def _own_owner() -> str:
@@ -120,6 +124,10 @@ class ContainerConfig:
     recycle_after: int = 200  # calls before a container is replaced
     max_age_s: float = 3600.0  # a container older than this is replaced at its next use
     pool_size: int = 1  # warm containers kept idle
+    # Containers this sandbox holds at once (idle, running a call or starting): a call
+    # that finds none idle and the cap reached waits for one (up to api_timeout_s).
+    max_containers: int = 8
+    max_starting: int = 2  # container creates and starts in flight at once
     api_timeout_s: float = 30.0  # one Docker API request
     docker_host: str | None = None  # engine URL; None: DOCKER_HOST from the environment
     # Calls through the call server, the container's main process, over one attached
@@ -133,6 +141,11 @@ class ContainerConfig:
             raise ValueError("memory_bytes must be >= 16 MiB and tmpfs_bytes >= 1 MiB")
         if self.pids_limit < 8 or self.recycle_after < 1 or self.pool_size < 0:
             raise ValueError("pids_limit must be >= 8, recycle_after >= 1, pool_size >= 0")
+        if self.max_containers < self.pool_size + 1 or self.max_starting < 1:
+            raise ValueError(
+                f"max_containers ({self.max_containers}) must be >= pool_size + 1 "
+                f"({self.pool_size + 1}: the warm pool and a call) and max_starting >= 1"
+            )
         if not 0.01 <= self.cpus <= 1024 or self.max_age_s <= 0 or self.api_timeout_s <= 0:
             raise ValueError("cpus must be in [0.01, 1024]; max_age_s, api_timeout_s > 0")
         if self.call_user.split(":")[0] == self.keeper_user.split(":")[0]:
@@ -170,6 +183,9 @@ class ContainerSandbox:
         self._idle: list[_Warm] = []
         self._live: dict[str, _Warm] = {}
         self._lock = threading.Lock()
+        self._free = threading.Condition(self._lock)  # a container went idle or left
+        self._creating = 0  # creates reserved under max_containers, not yet in _live
+        self._starts = threading.BoundedSemaphore(config.max_starting)
         self._closed = False
         try:
             self.client.images.get(config.image)
@@ -196,14 +212,16 @@ class ContainerSandbox:
             return list(self._live)
 
     def start(self) -> None:
-        """Fill the pool up to `pool_size` warm containers."""
+        """Fill the pool up to `pool_size` warm containers (as `max_containers` allows)."""
         while True:
             with self._lock:
-                if self._closed or len(self._idle) >= self.cfg.pool_size:
+                if self._closed or len(self._idle) >= self.cfg.pool_size or not self._room():
                     return
+                self._creating += 1
             warm = self._new_container()
             with self._lock:
                 self._idle.append(warm)
+                self._free.notify()
 
     def exec(
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
@@ -253,9 +271,13 @@ class ContainerSandbox:
         for attempt in range(2):
             warm = self._acquire()
             assert warm.channel is not None
-            reply = warm.channel.call(
-                argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR, self.cfg.tmpfs_bytes
-            )
+            try:
+                reply = warm.channel.call(
+                    argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR, self.cfg.tmpfs_bytes
+                )
+            except BaseException:
+                self._recycle(warm, "error")  # neither idle nor kept: not leaked (N16)
+                raise
             warm.calls += 1
             if reply.reusable and not self._expired(warm):
                 self._release(warm)
@@ -282,6 +304,7 @@ class ContainerSandbox:
             self._closed = True
             live = list(self._live.values())
             self._idle.clear()
+            self._free.notify_all()  # calls waiting for a container: the sandbox is closed
         for warm in live:
             self._remove(warm, "close")
         left = self.container_ids
@@ -321,27 +344,56 @@ class ContainerSandbox:
 
     # -- the pool
 
+    def _room(self) -> bool:
+        """Whether one more container fits under `max_containers` (caller holds _lock)."""
+        return len(self._live) + self._creating < self.cfg.max_containers
+
     def _acquire(self) -> _Warm:
+        """A warm container for one call: an idle one, else a new one; with
+        `max_containers` held and none idle, the call waits for one to come free."""
+        deadline = time.monotonic() + self.cfg.api_timeout_s
+        while True:
+            warm, stale, create = self._take(deadline)
+            for s in stale:
+                self._remove(s, "expired")
+            if warm is not None:
+                return warm
+            if create:
+                return self._new_container()
+            # Only expired ones were idle: their removal made room; look again.
+
+    def _take(self, deadline: float) -> tuple[_Warm | None, list[_Warm], bool]:
+        """Under the lock: (an idle container, the expired idle ones met, whether a create
+        is reserved). Waits while the cap is reached and none is idle."""
         stale: list[_Warm] = []
-        warm = None
         with self._lock:
-            if self._closed:
-                raise SandboxUnavailableError("the container sandbox is closed")
-            while self._idle and warm is None:
-                candidate = self._idle.pop()
-                if self._expired(candidate):
+            while True:
+                if self._closed:
+                    raise SandboxUnavailableError("the container sandbox is closed")
+                while self._idle:
+                    candidate = self._idle.pop()
+                    if not self._expired(candidate):
+                        return candidate, stale, False
                     stale.append(candidate)
-                else:
-                    warm = candidate
-        for s in stale:
-            self._remove(s, "expired")
-        return warm or self._new_container()
+                if stale:
+                    return None, stale, False
+                if self._room():
+                    self._creating += 1
+                    return None, stale, True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SandboxUnavailableError(
+                        f"no sandbox container came free in {self.cfg.api_timeout_s:g} s "
+                        f"(tools.max_containers {self.cfg.max_containers}, all busy)"
+                    )
+                self._free.wait(left)
 
     def _release(self, warm: _Warm) -> None:
         with self._lock:
             keep = not self._closed and len(self._idle) < self.cfg.pool_size
             if keep:
                 self._idle.append(warm)
+                self._free.notify()
         if not keep:
             self._remove(warm, "pool_full")
 
@@ -358,17 +410,35 @@ class ContainerSandbox:
         return warm.calls >= self.cfg.recycle_after or age >= self.cfg.max_age_s
 
     def _new_container(self) -> _Warm:
+        """Create and start a container on a reservation (`_creating`) the caller took,
+        with at most `max_starting` creates in flight."""
+        if not self._starts.acquire(blocking=False):
+            self._starts.acquire()
+            time.sleep(random.uniform(0, _START_JITTER_S))
+        try:
+            return self._create_and_start()
+        finally:
+            self._starts.release()
+
+    def _create_and_start(self) -> _Warm:
         t = time.monotonic()
         options = self.server_options() if self.cfg.call_server else self._run_options()
         try:
             container = self.client.containers.create(self.cfg.image, **options)
-        except _ENGINE_ERRORS as err:
-            raise SandboxUnavailableError(
-                f"cannot create a sandbox container from {self.cfg.image!r} at {self.where}: {err}"
-            ) from err
+        except BaseException as err:
+            with self._lock:
+                self._creating -= 1
+                self._free.notify_all()
+            if isinstance(err, _ENGINE_ERRORS):
+                raise SandboxUnavailableError(
+                    f"cannot create a sandbox container from {self.cfg.image!r} at "
+                    f"{self.where}: {err}"
+                ) from err
+            raise
         warm = _Warm(container, time.monotonic())
         with self._lock:
             self._live[container.id or ""] = warm
+            self._creating -= 1
             closed = self._closed
         try:
             if closed:  # close() ran meanwhile: this one must not outlive it
@@ -473,6 +543,7 @@ class ContainerSandbox:
                 warm.attached = None
         with self._lock:
             self._live.pop(warm.container.id or "", None)
+            self._free.notify_all()
         self.log.info(
             "sandbox_container_remove",
             id=warm.container.short_id,
@@ -485,19 +556,22 @@ class ContainerSandbox:
 
     def _attach(self, argv: list[str]) -> tuple[_Warm, str, _Attached]:
         """A container for the call and the call's started exec in it."""
-        warm = self._acquire()
-        try:
-            return warm, *self._begin(warm, argv)
-        except docker.errors.APIError:
-            # The container died between calls (its keep-alive was OOM-killed, say): retry
-            # once in a fresh one; a second refusal is the engine's failure.
-            self._recycle(warm, "exec_refused")
-        warm = self._acquire()
-        try:
-            return warm, *self._begin(warm, argv)
-        except docker.errors.APIError as err:
-            self._recycle(warm, "exec_refused")
-            raise SandboxUnavailableError(f"the engine refuses execs: {err}") from err
+        for attempt in range(2):
+            warm = self._acquire()
+            try:
+                return warm, *self._begin(warm, argv)
+            except docker.errors.APIError as err:
+                # The container died between calls (its keep-alive was OOM-killed, say):
+                # retry once in a fresh one; a second refusal is the engine's failure.
+                self._recycle(warm, "exec_refused")
+                if attempt:
+                    raise SandboxUnavailableError(f"the engine refuses execs: {err}") from err
+            except BaseException:
+                # A transport error (a read timeout of an overloaded engine, say): the
+                # container is neither idle nor kept, so it goes (review N16: it leaked).
+                self._recycle(warm, "exec_failed")
+                raise
+        raise AssertionError("unreachable")
 
     def _begin(self, warm: _Warm, argv: list[str]) -> tuple[str, _Attached]:
         """Create and start the call's exec; returns its id and the attached stream."""

@@ -81,6 +81,8 @@ def open_sandbox(
         pids_limit=cfg.pids_limit,
         cpus=cfg.cpus,
         pool_size=cfg.pool_size,
+        max_containers=cfg.max_containers,
+        max_starting=cfg.max_starting,
         recycle_after=cfg.recycle_after,
         call_server=cfg.call_server,
     )
