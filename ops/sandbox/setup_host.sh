@@ -6,7 +6,7 @@
 #   2. a containers.conf for podman: runc, cgroupfs, default ulimits
 #   3. `podman system service` on $STREAMRL_PODMAN_SOCK, unless it already answers /_ping
 #   4. the sandbox image, unless podman has it: a minbase Debian with python3 and a
-#      non-root user `sandbox` (uid 10001), built by debootstrap; the base rootfs tarball
+#      non-root user `sandbox` (uid 20001), built by debootstrap; the base rootfs tarball
 #      is cached, so only the first run on a machine pays for debootstrap (~30 s)
 # Idempotent: a second run takes about a second. Then, for the code and the tests:
 #   export DOCKER_HOST=unix:///run/streamrl-podman.sock CONTAINERS_CONF=/etc/streamrl/containers.conf
@@ -22,7 +22,7 @@ CACHE=${STREAMRL_CACHE_DIR:-/var/cache/streamrl}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 LOG=${STREAMRL_PODMAN_LOG:-/var/log/streamrl-podman.log}
 PIDFILE=${SOCK%.sock}.pid
-SANDBOX_UID=10001
+SANDBOX_UID=20001  # the calls' uid: no stack process uses it (the images run as 10001)
 export CONTAINERS_CONF=$CONF
 
 if [ "$(id -u)" != 0 ]; then

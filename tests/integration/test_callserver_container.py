@@ -4,7 +4,7 @@ Docker API), reached through the container's attached stdio (issue 28, item 1).
 The container is made as `ContainerSandbox` makes its own (no network, read-only root,
 tmpfs, no-new-privileges, memory and pid limits, an init as PID 1), except that the server
 runs as root with only CAP_SETUID, CAP_SETGID and CAP_KILL, so that it can run each call
-as uid 10001 and stop what the call leaves behind.
+as uid 20001 and stop what the call leaves behind.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def uid(pid):
     except OSError:
         return None
 print(sum(1 for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
-          and uid(p) == "10001"))
+          and uid(p) == "20001"))
 """
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
 
@@ -80,7 +80,7 @@ def served(engine: docker.DockerClient) -> Iterator[Served]:
 
 def test_calls_run_as_the_call_uid_in_a_fresh_workdir(served: Served) -> None:
     info = served.channel.ping(timeout_s=30)
-    assert info["call_uid"] == 10001 and info["python_fork"] is True
+    assert info["call_uid"] == 20001 and info["python_fork"] is True
     # The server's stderr and stdout are two pipes that podman multiplexes onto the one
     # stream: its start-up line may come after the ping's answer (seen once under load).
     deadline = time.monotonic() + 10
@@ -90,7 +90,7 @@ def test_calls_run_as_the_call_uid_in_a_fresh_workdir(served: Served) -> None:
         time.sleep(0.05)
     reply = served.call(["sh", "-c", "id -u; pwd; echo left > /work/f; mkdir /tmp/d"])
     assert reply.result.exit_code == 0 and reply.reusable, reply
-    assert reply.result.stdout == b"10001\n/work\n"
+    assert reply.result.stdout == b"20001\n/work\n"
     # The next call finds the writable places empty again.
     reply = served.call(["sh", "-c", "ls -A /work /tmp; cat", "x"], stdin=b"in")
     assert reply.result.stdout == b"/tmp:\n\n/work:\nin", reply
@@ -99,7 +99,7 @@ def test_calls_run_as_the_call_uid_in_a_fresh_workdir(served: Served) -> None:
 
 def test_python_calls_are_forked_from_the_server(served: Served) -> None:
     reply = served.call(["python3", "-c", "import os, sys; print(os.getuid(), sys.argv)", "a"])
-    assert reply.result.stdout == b"10001 ['-c', 'a']\n", reply
+    assert reply.result.stdout == b"20001 ['-c', 'a']\n", reply
     reply = served.call(["python3", "-c", "raise SystemExit(3)"])
     assert reply.result.exit_code == 3 and reply.reusable
 
@@ -119,7 +119,7 @@ def test_limits_end_the_call_and_retire_the_container(served: Served) -> None:
     reply = served.call(["sh", "-c", "sleep 30 & sleep 30"], limit_s=0.5)
     assert reply.result.timed_out and not reply.reusable
     assert time.monotonic() - start < 10
-    # Nothing of the timed-out call runs on: no process of uid 10001 but this call's.
+    # Nothing of the timed-out call runs on: no process of uid 20001 but this call's.
     reply = served.call(["python3", "-c", COUNT_CALL_UID])
     assert reply.result.stdout == b"0\n", reply
     reply = served.call(["yes"])

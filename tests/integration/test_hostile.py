@@ -388,6 +388,42 @@ def test_close_removes_own_containers_only(engine: docker.DockerClient) -> None:
     assert labelled(engine, ns) == []
 
 
+_BUSY_UID = """
+import threading, time
+for _ in range(1100):
+    threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts threads as the stack's uid (root)")
+@pytest.mark.parametrize("backend", ["container", "server"])
+def test_calls_fork_while_the_stack_uid_is_busy(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    """Review N3: calls ran as uid 10001, the uid of every compose image, with nproc 1024;
+    rootful podman maps no user namespace, so RLIMIT_NPROC counted the rollout's and
+    trainer's threads too, and a big stack made every fork in a sandbox fail. With 1,100
+    tasks of uid 10001 on the host a call still forks: it runs as a uid of its own."""
+    sb: ContainerSandbox = request.getfixturevalue(f"{backend}_sandbox")
+    busy = subprocess.Popen(
+        ["/usr/bin/python3", "-c", _BUSY_UID],
+        user=10001,
+        group=10001,
+        stdout=subprocess.PIPE,
+        cwd="/",
+    )
+    try:
+        assert busy.stdout is not None and busy.stdout.readline() == b"up\n"
+        r = sb.exec(["sh", "-c", "true & wait; echo forked $?; id -u"], b"", 10.0, CAP)
+    finally:
+        busy.kill()
+        busy.communicate()
+    assert r.exit_code == 0 and r.stdout.split() == [b"forked", b"0", b"20001"], r
+    assert b"can't fork" not in r.stderr
+
+
 @pytest.mark.parametrize("call_server", [False, True], ids=["exec", "server"])
 def test_a_transport_error_mid_call_leaks_no_container(
     engine: docker.DockerClient, call_server: bool, monkeypatch: pytest.MonkeyPatch

@@ -113,7 +113,7 @@ def sandbox(
 
 def test_tool_calls_run_through_the_proxy(sandbox: ContainerSandbox) -> None:
     r = py(sandbox, "import os; print(6 * 7, os.getuid())")
-    assert (r.exit_code, r.stdout) == (0, b"42 10001\n")
+    assert (r.exit_code, r.stdout) == (0, b"42 20001\n")
     data = os.urandom(200_000).hex().encode()  # 400 kB: more than one socket buffer
     code = "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())"
     r = py(sandbox, code, stdin=data)

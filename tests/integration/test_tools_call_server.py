@@ -56,7 +56,7 @@ def test_a_tool_worker_serves_calls_through_the_call_server(
     finally:
         assert stop(proc) == 0
     py, shell, listing, boom = results
-    assert py.ok and "45 10001" in py.output, py
+    assert py.ok and "45 20001" in py.output, py
     assert shell.ok and "hi\n/work" in shell.output, shell
     assert listing.ok and "hi" not in listing.output, listing
     # A failing program is the call's answer, not a tool error (as on the exec path).

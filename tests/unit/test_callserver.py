@@ -3,7 +3,7 @@
 Each test starts the server as a subprocess on pipes and talks to it with the small
 blocking client below (the production client lives on the host side). As root the
 server runs in fresh pid and IPC namespaces (`unshare`): its cleanup kills every process
-of the call uid (10001) and removes that uid's SysV IPC objects, and on this host the
+of the call uid (20001) and removes that uid's SysV IPC objects, and on this host the
 sandbox containers' calls run as that same uid. Pids that calls print are then the
 namespace's; a follow-up call checks them in the namespace's /proc.
 
@@ -35,7 +35,7 @@ CALLSERVER = Path(cs.__file__).resolve()
 # The interpreter a sandbox image has (Debian bookworm's python3); the venv's otherwise.
 SERVER_PYTHON = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 ROOT = os.geteuid() == 0
-CALL_UID = 10001  # the server's default --call-uid
+CALL_UID = 20001  # the server's default --call-uid
 OWN_UID = 10002  # a non-root server's uid, in the tests that run one as root
 PATH = "/usr/bin:/bin"
 REPLY_TIMEOUT_S = 60.0

@@ -147,7 +147,9 @@ EXIT_STARTUP = 3  # the server cannot run calls safely (no uid drop)
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 EXIT_FLUSH_FAILED = 120  # as CPython's, when stdout cannot be flushed at exit
-DEFAULT_CALL_UID = "10001:10001"
+# Used by no process of the streamrl stack (its images run as 10001): rootful podman maps
+# no user namespace, so a uid's process count (RLIMIT_NPROC) is host-wide (review N3).
+DEFAULT_CALL_UID = "20001:20001"
 DEFAULT_WRITABLE = ("/work", "/tmp", "/var/tmp", "/dev/shm")
 # Imported by the server at start, so that a forked `python3 -c` call finds them loaded.
 PRELOAD = (

@@ -3,7 +3,7 @@
 A `ContainerSandbox` keeps a small pool of warm containers and runs each call in one of
 them with `exec`. A container has no network, a read-only root, tmpfs /tmp and /work, no
 capabilities, no-new-privileges, an init as PID 1, and memory, pid and CPU limits. Its own
-processes (init, a keep-alive `sleep`) run as nobody; calls run as uid 10001, so a call
+processes (init, a keep-alive `sleep`) run as nobody; calls run as uid 20001, so a call
 can neither signal them nor be signalled by them.
 
 One call runs under a wrapper shell, in the image as /opt/streamrl/sh, execute-only so the
@@ -101,6 +101,8 @@ _ENGINE_ERRORS = (docker.errors.DockerException, requests.RequestException, OSEr
 # A create that had to wait for a start slot (max_starting) waits up to this much more, so
 # the creates let through together do not all reach the engine in the same instant.
 _START_JITTER_S = 0.02
+# RLIMIT_NPROC of a container's processes (see `_run_options`).
+_NPROC = 8192
 
 
 def _own_owner() -> str:
@@ -119,7 +121,8 @@ class ContainerConfig:
     pids_limit: int = 64  # processes and threads in one container, init included
     cpus: float = 1.0  # CPU share of one container
     tmpfs_bytes: int = 64 * 2**20  # size of each of /tmp and /work
-    call_user: str = "10001:10001"  # uid:gid the calls run as
+    # uid:gid the calls run as: none of the stack's (10001), see callserver.DEFAULT_CALL_UID
+    call_user: str = "20001:20001"
     keeper_user: str = "65534:65534"  # uid:gid of the container's init and keep-alive
     recycle_after: int = 200  # calls before a container is replaced
     max_age_s: float = 3600.0  # a container older than this is replaced at its next use
@@ -486,7 +489,12 @@ class ContainerSandbox:
             "ulimits": [
                 Ulimit(name="core", soft=0, hard=0),
                 Ulimit(name="nofile", soft=1024, hard=1024),
-                Ulimit(name="nproc", soft=1024, hard=1024),
+                # RLIMIT_NPROC counts the call uid's processes on the whole host (rootful
+                # podman, no user namespace), across every sandbox: the pids cgroup
+                # (pids_limit) bounds each container, and this leaves room for 128 of them
+                # at their pids limit (64) while staying below what an engine may grant
+                # (runc cannot raise it above the engine's own: 32768 here).
+                Ulimit(name="nproc", soft=_NPROC, hard=_NPROC),
             ],
             "labels": {
                 LABEL: cfg.namespace,
