@@ -28,6 +28,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--mode", default="0660", type=lambda s: int(s, 8), help="the listening socket's mode"
     )
     p.add_argument("--group", default=None, help="group (name or gid) of the listening socket")
+    # The caps a create may ask for, one container; compose sets them to the tools
+    # config's values (review N6: only the proxy's ceilings held before, 16 GiB, 4096 pids,
+    # 64 CPUs).
+    p.add_argument("--max-memory-mb", type=int, default=None, help="memory of one container")
+    p.add_argument("--max-pids", type=int, default=None, help="pids limit of one container")
+    p.add_argument("--max-cpus", type=float, default=None, help="CPUs of one container")
+    p.add_argument(
+        "--max-containers",
+        type=int,
+        default=None,
+        help="live containers created through the proxy; one more create is refused (429)",
+    )
+    p.add_argument(
+        "--stream-idle-s",
+        type=float,
+        default=None,
+        help="close an exec or attach stream that moved no byte this long",
+    )
     p.add_argument(
         "--log-level",
         default="info",
@@ -41,14 +59,21 @@ def main(args: argparse.Namespace) -> int:
     from streamrl.tools.proxy import run
     from streamrl.tools.proxy_rules import ProxyConfig
 
-    image = {"image": args.image} if args.image else {}
+    given = {
+        "image": args.image,
+        "max_memory_bytes": None if args.max_memory_mb is None else args.max_memory_mb * 2**20,
+        "max_pids": args.max_pids,
+        "max_cpus": args.max_cpus,
+        "max_containers": args.max_containers,
+        "stream_idle_s": args.stream_idle_s,
+    }
     try:
         cfg = ProxyConfig(
             upstream=args.upstream,
             listen=args.listen,
             socket_mode=args.mode,
             socket_group=args.group,
-            **image,
+            **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as err:
         print(f"streamrl sandbox-proxy: {err}", file=sys.stderr)

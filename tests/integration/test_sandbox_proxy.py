@@ -53,11 +53,14 @@ def proxy(
     engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Path]]:
     """The proxy CLI serving a temp socket; yields its URL and its log file."""
-    tmp = tmp_path_factory.mktemp("proxy")
+    yield from _serve_proxy(tmp_path_factory.mktemp("proxy"))
+
+
+def _serve_proxy(tmp: Path, *flags: str) -> Iterator[tuple[str, Path]]:
     sock, log = tmp / "docker.sock", tmp / "proxy.log"
     upstream = os.environ["DOCKER_HOST"]
     argv = [sys.executable, "-m", "streamrl_workers.cli", "sandbox-proxy"]
-    argv += ["--upstream", upstream, "--listen", f"unix://{sock}"]
+    argv += ["--upstream", upstream, "--listen", f"unix://{sock}", *flags]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -221,3 +224,45 @@ def test_framing_the_sdk_never_sends_is_refused(proxy: tuple[str, Path]) -> None
     assert status == 413 and "over the 1048576 byte limit" in message
     status, message = _raw(url, b"GET /v1.41/_ping HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (status, message) == (200, "OK")  # and the proxy still serves
+
+
+@pytest.fixture
+def tight_proxy(engine: docker.DockerClient, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A proxy with compose-like caps: 256 MiB, 64 pids, 1 CPU, 2 live containers, streams
+    idle for 2 s closed."""
+    flags = ["--max-memory-mb", "256", "--max-pids", "64", "--max-cpus", "1"]
+    flags += ["--max-containers", "2", "--stream-idle-s", "2"]
+    yield from _serve_proxy(tmp_path, *flags)
+
+
+def test_the_proxy_enforces_its_flags(
+    tight_proxy: tuple[str, Path], engine: docker.DockerClient
+) -> None:
+    """Review N6: caps from flags (a create over them is refused), a live-container quota
+    (the third create is refused, 429, until one is removed), and an attach stream that
+    moves nothing for --stream-idle-s is closed (the call server then ends: its container is
+    replaced at the next call, which still succeeds)."""
+    url, log = tight_proxy
+    ns = f"{NS}-tight"
+    big = ContainerConfig(namespace=ns, docker_host=url, memory_bytes=512 * 2**20, pool_size=0)
+    with ContainerSandbox(big) as sb, pytest.raises(Exception, match="Memory"):
+        sb.exec(["true"], b"", 5.0, CAP)
+    fits = dict(namespace=ns, docker_host=url, memory_bytes=256 * 2**20, pids_limit=64)
+    with ContainerSandbox(ContainerConfig(**fits, pool_size=2)) as two:  # type: ignore[arg-type]
+        two.start()
+        assert len(two.container_ids) == 2
+        third = ContainerSandbox(ContainerConfig(**fits, pool_size=0))  # type: ignore[arg-type]
+        with pytest.raises(Exception, match="quota") as info:
+            third.exec(["true"], b"", 5.0, CAP)
+        assert "429" in str(info.value)
+        # Idle past --stream-idle-s: the proxy closes both call servers' streams.
+        deadline = time.monotonic() + 30
+        while log.read_text().count("sandbox_proxy_stream_idle") < 2:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        r = two.exec(["sh", "-c", "echo still"], b"", 10.0, CAP)
+        assert r.stdout == b"still\n", r
+    # `two` closed: its containers are gone, so the quota has room again.
+    with third:
+        assert third.exec(["sh", "-c", "echo room"], b"", 10.0, CAP).stdout == b"room\n"
+    assert labelled(engine, ns) == []

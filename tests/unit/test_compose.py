@@ -101,3 +101,17 @@ def test_volumes_only_where_needed_and_workers_hardened() -> None:
         assert svc["init"] is True and svc["read_only"] is True, name
         assert svc["restart"].startswith("on-failure:"), name  # a limit on restarts
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
+
+
+def test_the_proxy_caps_fit_the_tools_config_and_nothing_more() -> None:
+    """Review N6: compose could not lower the proxy's per-container ceilings (16 GiB, 4096
+    pids, 64 CPUs). Now its flags are the tools config's own values: what a tool worker of
+    the default config asks for passes, and nothing bigger."""
+    from streamrl.config import load_config
+
+    args = build_parser().parse_args(_compose()["services"]["sandbox-proxy"]["command"])
+    tools = load_config(REPO / "configs" / "tiny.toml").tools
+    assert args.max_memory_mb == tools.memory_mb and args.max_pids == tools.pids_limit
+    assert args.max_cpus == tools.cpus
+    assert args.max_containers >= tools.num_workers * tools.max_containers
+    assert args.stream_idle_s >= tools.time_limit_s + tools.result_margin_s

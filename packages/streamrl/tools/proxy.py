@@ -49,10 +49,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import structlog
 
+from streamrl.run.tasks import cancel_and_wait
+from streamrl.tools.containers import LABEL
 from streamrl.tools.proxy_rules import (
     FULL_ID,
     REFUSED,
@@ -95,6 +97,14 @@ class _Ids:
     def __contains__(self, key: object) -> bool:
         return key in self._ids
 
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def keep_only(self, live: set[str]) -> None:
+        """Forget the ids not in `live`."""
+        for key in [k for k in self._ids if k not in live]:
+            del self._ids[key]
+
 
 @dataclass(frozen=True)
 class _Head:
@@ -112,6 +122,7 @@ class SandboxProxy:
         self.containers = _Ids(cfg.tracked_max)
         self.execs = _Ids(cfg.tracked_max)
         self._active = 0
+        self._creating = 0  # container creates forwarded, not answered yet (the quota's)
 
     async def serve(self, stop: asyncio.Event) -> None:
         path = self.cfg.listen_path
@@ -184,6 +195,9 @@ class SandboxProxy:
                 raise Refused("request not received in time", 408) from None
             allowed = check_request(req, self.cfg)
             target = await self._resolve(allowed)
+            creating = allowed.route.name == "container_create"
+            if creating:
+                await self._reserve_create()
         except Refused as err:
             where = f"{req.method} {req.prefix}{req.path}"[:200] if req else "request"
             self.log.warning(
@@ -191,7 +205,11 @@ class SandboxProxy:
             )
             await _answer(writer, err.status, f"{where} {REFUSED}: {err.reason}")
             return
-        status = await self._forward(req, allowed, target, reader, writer)
+        try:
+            status = await self._forward(req, allowed, target, reader, writer)
+        finally:
+            if creating:
+                self._creating -= 1
         self.log.debug(
             "sandbox_proxy_request",
             route=allowed.route.name,
@@ -200,6 +218,24 @@ class SandboxProxy:
             s=round(time.monotonic() - start, 4),
             **peer,
         )
+
+    async def _reserve_create(self) -> None:
+        """Count a create against `max_containers`, or refuse it (429). At the quota the
+        proxy first forgets the containers the engine no longer has (removed past it, or
+        by the engine itself)."""
+        quota = self.cfg.max_containers
+        if len(self.containers) + self._creating >= quota:
+            filters = quote(json.dumps({"label": [LABEL]}))
+            status, found = await self._upstream_json(
+                "GET", f"/containers/json?all=1&filters={filters}"
+            )
+            if status == 200 and isinstance(found, list):
+                self.containers.keep_only(
+                    {str(c.get("Id", "")) for c in found if isinstance(c, dict)}
+                )
+        if len(self.containers) + self._creating >= quota:
+            raise Refused(f"{quota} sandbox containers are live (the proxy's quota)", 429)
+        self._creating += 1
 
     async def _resolve(self, allowed: Allowed) -> str:
         """The full id of the object the request names, once it is a sandbox object."""
@@ -245,7 +281,11 @@ class SandboxProxy:
             head = await _read_head(up_reader)
             if head.status == 101 and route.upgrade:
                 writer.write(head.raw)
-                await _splice(reader, writer, up_reader, up_writer)
+                if await _splice(reader, writer, up_reader, up_writer, self.cfg.stream_idle_s):
+                    self.log.warning(
+                        "sandbox_proxy_stream_idle", route=route.name, ref=target[:12],
+                        idle_s=self.cfg.stream_idle_s,
+                    )  # fmt: skip
                 return 101
             if route.name in ("container_create", "exec_create") and head.status == 201:
                 await self._relay_created(route.name, head, up_reader, writer)
@@ -370,8 +410,14 @@ async def _read_all(src: asyncio.StreamReader, cap: int) -> bytes:
     return bytes(out)
 
 
-async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, length: int | None) -> None:
-    """Copy `length` bytes (None: until the engine closes) from src to dst."""
+async def _copy(
+    src: asyncio.StreamReader,
+    dst: asyncio.StreamWriter,
+    length: int | None,
+    seen: list[float] | None = None,
+) -> None:
+    """Copy `length` bytes (None: until the engine closes) from src to dst; `seen[0]`:
+    the monotonic time bytes last moved."""
     left = length
     while left is None or left > 0:
         chunk = await src.read(_CHUNK if left is None else min(_CHUNK, left))
@@ -379,8 +425,19 @@ async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, length: in
             break
         dst.write(chunk)
         await dst.drain()
+        if seen is not None:
+            seen[0] = time.monotonic()
         if left is not None:
             left -= len(chunk)
+
+
+async def _idle(seen: list[float], idle_s: float) -> None:
+    """Returns once no byte has moved for `idle_s` (`seen[0]`: when one last did)."""
+    while True:
+        left = seen[0] + idle_s - time.monotonic()
+        if left <= 0:
+            return
+        await asyncio.sleep(left)
 
 
 async def _splice(
@@ -388,15 +445,19 @@ async def _splice(
     writer: asyncio.StreamWriter,
     up_reader: asyncio.StreamReader,
     up_writer: asyncio.StreamWriter,
-) -> None:
-    """Bytes both ways until the engine ends the stream or the client is gone. The
-    client's half-close (its stdin is done) is passed on; the call's output still flows.
-    A client that closed for good (the sandbox gave up on a call past its time limit)
-    closes the engine's side too, as it would have without the proxy."""
+    idle_s: float,
+) -> bool:
+    """Bytes both ways until the engine ends the stream or the client is gone, or no
+    byte moved either way for `idle_s` (returns True then: review N6, held streams used to
+    pile up against max_connections). The client's half-close (its stdin is done) is
+    passed on; the call's output still flows. A client that closed for good (the sandbox
+    gave up on a call past its time limit) closes the engine's side too, as it would have
+    without the proxy."""
+    seen = [time.monotonic()]
 
     async def to_engine() -> bool:
         try:
-            await _copy(reader, up_writer, None)
+            await _copy(reader, up_writer, None, seen)
             if up_writer.can_write_eof():
                 up_writer.write_eof()
         except (ConnectionError, OSError):
@@ -405,19 +466,20 @@ async def _splice(
 
     async def to_client() -> None:
         with contextlib.suppress(ConnectionError, OSError):
-            await _copy(up_reader, writer, None)
+            await _copy(up_reader, writer, None, seen)
 
     tasks = [asyncio.create_task(to_engine()), asyncio.create_task(to_client())]
     up, down = tasks
+    idle = asyncio.create_task(_idle(seen, idle_s))
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if not down.done() and up.result():  # EOF: a half-close, or the client is gone
+        await asyncio.wait([*tasks, idle], return_when=asyncio.FIRST_COMPLETED)
+        if not idle.done() and not down.done() and up.done() and up.result():
+            # EOF: a half-close, or the client is gone
             tasks.append(asyncio.create_task(_hung_up(writer)))
-            await asyncio.wait(tasks[1:], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([*tasks[1:], idle], return_when=asyncio.FIRST_COMPLETED)
+        return idle.done() and not down.done()
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([*tasks, idle])
 
 
 async def _hung_up(writer: asyncio.StreamWriter) -> None:

@@ -68,6 +68,12 @@ class ProxyConfig:
     max_pids: int = 4096  # HostConfig.PidsLimit of one container
     max_cpus: float = 64.0  # HostConfig.NanoCpus / 1e9 of one container
     max_connections: int = 512  # open client connections; more get 503
+    # Live containers created through this proxy (less those removed through it; checked
+    # against the engine when the count reaches it): one more create is refused (429).
+    max_containers: int = 256
+    # An exec or attach stream that moves no byte either way this long is closed (a call
+    # server's stream then ends with it: its container is recycled at its next call).
+    stream_idle_s: float = 3600.0
     head_timeout_s: float = 30.0  # to receive one request's head and body
     tracked_max: int = 100_000  # container and exec ids remembered (oldest forgotten)
 
@@ -77,6 +83,10 @@ class ProxyConfig:
                 raise ValueError(f"{url!r}: only unix:///path sockets are supported")
         if not 0 <= self.socket_mode <= 0o777:
             raise ValueError(f"socket_mode {self.socket_mode:o} is not a permission mode")
+        if self.max_memory_bytes < 16 * 2**20 or self.max_pids < 8 or self.max_cpus <= 0:
+            raise ValueError("max_memory_bytes must be >= 16 MiB, max_pids >= 8, max_cpus > 0")
+        if self.max_containers < 1 or self.stream_idle_s <= 0:
+            raise ValueError("max_containers must be >= 1 and stream_idle_s > 0")
 
     @property
     def upstream_path(self) -> str:
