@@ -15,16 +15,23 @@ Needs a container engine (ops/sandbox/setup_host.sh). Measures, side by side in 
                  Redis, a tool worker process picks it up, runs it in its container sandbox,
                  pushes the result, BLPOP wakes the caller); `rt via server`: the same with
                  the tool workers' sandboxes on their call servers (`tools.call_server`);
+                 and the `python` tool's `print(1)` the same two ways;
 - throughput:    calls per second with 1, 2 and 4 tool worker processes, `--inflight` calls
                  in flight from one rollout-side client, on both paths.
 
 Latencies are p50/p99 over `--calls` sequential calls; overhead = round trip - bare exec.
+`--json` prints one JSON object a line instead of the tables:
+`{"row": "round_trip", "backend": "container", "path": "exec"|"server", "tool": "shell"|"python",
+"p50_ms": ..., "p99_ms": ...}`, `{"row": "throughput", "backend": "container", "path": ...,
+"workers": N, "inflight": M, "calls_per_s": ...}` and `{"row": "sandbox", "path": "bare exec"|
+"sandbox exec"|"call server", "tool": ..., "p50_ms": ..., "p99_ms": ...}` (in-process rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -56,6 +63,11 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny.toml"
 COMMAND = "echo ok"
 PYTHON = ["python3", "-c", "print(1)"]
+# A tool call of each kind through ToolClient: (tool, arguments, what its output ends with).
+TOOL_CALLS = {
+    "shell": ("shell", json.dumps({"command": COMMAND}), "ok"),
+    "python": ("python", json.dumps({"code": "print(1)"}), "1"),
+}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -157,17 +169,18 @@ class Pipeline:
         self.redis.stop()
 
 
-async def round_trips(pipe: Pipeline, n: int) -> list[float]:
+async def round_trips(pipe: Pipeline, n: int, kind: str) -> list[float]:
+    """`n` sequential tool calls of `kind` (TOOL_CALLS) through ToolClient, after 2 warm."""
+    tool, args, expected = TOOL_CALLS[kind]
     aclient = aioredis.Redis.from_url(pipe.redis.url)
     cfg = load_config(CONFIG, ["run.name=bench"]).tools
     tc = ToolClient(pipe.client, aclient, pipe.keys, cfg, structlog.get_logger())
-    args = f'{{"command": "{COMMAND}"}}'
     times = []
     for i in range(n + 2):
         t = time.perf_counter()
-        r = await tc.call("shell", args, f"rt-{i}")
+        r = await tc.call(tool, args, f"rt-{kind}-{i}")
         times.append(time.perf_counter() - t)
-        assert r.ok and r.output.endswith("ok"), r
+        assert r.ok and r.output.strip().endswith(expected), r
     await aclient.aclose()
     return times[2:]
 
@@ -198,7 +211,10 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=16)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--image", default="streamrl-sandbox:1")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of tables")
     args = parser.parse_args()
+    # The sandboxes' log lines go to stderr: stdout holds the tables or the JSON lines.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     if not os.environ.get("DOCKER_HOST"):
         sys.exit("DOCKER_HOST is not set: run ops/sandbox/setup_host.sh and export it")
     bare = bare_exec(args.calls, args.image)
@@ -206,15 +222,18 @@ def main() -> None:
     server = call_server(args.calls, args.image, ["/bin/sh", "-c", COMMAND])
     box_py = sandbox_exec(args.calls, args.image, PYTHON, b"1\n")
     server_py = call_server(args.calls, args.image, PYTHON)
-    rt: dict[bool, list[float]] = {}
+    rt: dict[bool, dict[str, list[float]]] = {}
     rates: dict[bool, dict[int, float]] = {}
     for server_path in (False, True):
         rt[server_path], rates[server_path] = pipeline_rows(args, server_path)
+    if args.json:
+        print_json(args, bare, box, server, box_py, server_py, rt, rates)
+        return
     base = statistics.median(bare)
     print(f"command: sh -c '{COMMAND}'; {args.calls} sequential calls; cpus {os.cpu_count()}")
     print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'p50 over bare ms':>17}")
     rows = (("bare exec", bare), ("sandbox exec", box), ("call server", server),
-            ("round trip", rt[False]), ("rt via server", rt[True]))  # fmt: skip
+            ("round trip", rt[False]["shell"]), ("rt via server", rt[True]["shell"]))  # fmt: skip
     for name, xs in rows:
         p50 = statistics.median(xs)
         print(
@@ -222,7 +241,10 @@ def main() -> None:
         )
     print(f"python3 -c 'print(1)': {args.calls} sequential calls")
     print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'x sandbox exec':>15}")
-    for name, xs in (("sandbox exec", box_py), ("call server", server_py)):
+    py_rt, py_server_rt = rt[False]["python"], rt[True]["python"]
+    py_rows = (("sandbox exec", box_py), ("call server", server_py),
+               ("round trip", py_rt), ("rt via server", py_server_rt))  # fmt: skip
+    for name, xs in py_rows:
         p50 = statistics.median(xs)
         ratio = p50 / statistics.median(box_py)
         print(f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {ratio:>15.2f}")
@@ -232,16 +254,51 @@ def main() -> None:
         print(f"{n:<14} {rate:>12.1f} {fast:>14.1f} {fast / rate:>7.2f}")
 
 
+def print_json(
+    args: argparse.Namespace,
+    bare: list[float],
+    box: list[float],
+    server: list[float],
+    box_py: list[float],
+    server_py: list[float],
+    rt: dict[bool, dict[str, list[float]]],
+    rates: dict[bool, dict[int, float]],
+) -> None:
+    """The rows as JSON lines (see the module doc)."""
+
+    def ms(xs: list[float]) -> dict[str, float]:
+        return {"p50_ms": round(statistics.median(xs) * 1e3, 3),
+                "p99_ms": round(pct(xs, 0.99) * 1e3, 3), "calls": len(xs)}  # fmt: skip
+
+    sandbox = (("bare exec", "shell", bare), ("sandbox exec", "shell", box),
+               ("call server", "shell", server), ("sandbox exec", "python", box_py),
+               ("call server", "python", server_py))  # fmt: skip
+    for path, tool, xs in sandbox:
+        print(json.dumps({"row": "sandbox", "backend": "container", "path": path,
+                          "tool": tool, **ms(xs)}))  # fmt: skip
+    for server_path, by_tool in rt.items():
+        path = "server" if server_path else "exec"
+        for tool, xs in by_tool.items():
+            print(json.dumps({"row": "round_trip", "backend": "container", "path": path,
+                              "tool": tool, **ms(xs)}))  # fmt: skip
+    for server_path, by_workers in rates.items():
+        path = "server" if server_path else "exec"
+        for n, rate in by_workers.items():
+            print(json.dumps({"row": "throughput", "backend": "container", "path": path,
+                              "workers": n, "inflight": args.inflight,
+                              "calls_per_s": round(rate, 2)}))  # fmt: skip
+
+
 def pipeline_rows(
     args: argparse.Namespace, call_server: bool
-) -> tuple[list[float], dict[int, float]]:
+) -> tuple[dict[str, list[float]], dict[int, float]]:
     """Round trips and throughput through rq and tool worker processes, whose container
     sandboxes run calls by exec or through their call server (`tools.call_server`)."""
     with tempfile.TemporaryDirectory() as tmp:
         pipe = Pipeline(Path(tmp), call_server)
         try:
             pipe.scale(1)
-            rt = asyncio.run(round_trips(pipe, args.calls))
+            rt = {kind: asyncio.run(round_trips(pipe, args.calls, kind)) for kind in TOOL_CALLS}
             rates = {}
             for n in args.workers:
                 pipe.scale(n)
