@@ -114,6 +114,40 @@ def test_a_call_cannot_kill_the_server_or_pid_1(served: Served) -> None:
     assert reply.result.exit_code == 1 and b"Permission denied" in reply.result.stderr
 
 
+_REPLACE = """
+import ctypes, os, sys
+pid = int(sys.argv[1])
+tries = {
+    "stdin": lambda: open(f"/proc/{pid}/fd/0", "wb"),
+    "stdout": lambda: open(f"/proc/{pid}/fd/1", "wb"),
+    "mem": lambda: open(f"/proc/{pid}/mem", "r+b"),
+    "exe": lambda: os.readlink(f"/proc/{pid}/exe"),
+}
+for name, attempt in tries.items():
+    try:
+        attempt()
+        print(name, "OPENED")
+    except OSError as err:
+        print(name, type(err).__name__)
+libc = ctypes.CDLL(None, use_errno=True)
+print("ptrace", libc.ptrace(16, pid, None, None), ctypes.get_errno())  # PTRACE_ATTACH
+"""
+
+
+def test_a_call_cannot_replace_or_trace_the_server(served: Served) -> None:
+    """Issue 28: a call tries to take the server's place: write its requests or answers
+    through its stdin or stdout, write its memory, read its executable's path, or ptrace
+    it. Every attempt is refused, and the same server answers afterwards."""
+    pid = served.channel.ping(timeout_s=30)["pid"]
+    reply = served.call(["python3", "-c", _REPLACE, str(pid)])
+    out = reply.result.stdout.decode()
+    assert "OPENED" not in out, out
+    for name in ("stdin", "stdout", "mem", "exe"):
+        assert f"{name} PermissionError" in out, out
+    assert "ptrace -1 1" in out, out  # EPERM
+    assert served.channel.ping(timeout_s=10)["pid"] == pid and reply.reusable
+
+
 def test_limits_end_the_call_and_retire_the_container(served: Served) -> None:
     start = time.monotonic()
     reply = served.call(["sh", "-c", "sleep 30 & sleep 30"], limit_s=0.5)
