@@ -297,17 +297,24 @@ class TaskConfig(_Section):
         description="Operators the arithmetic questions use, from '+-*'.",
         pattern=r"^[+\-*]{1,3}$",
     )
-    max_backlog: int = Field(
+    max_backlog: int | Literal["auto"] = Field(
         64,
-        ge=1,
-        le=1_000_000,
         description=(
             "Feeder keeps at most this many tasks written but not yet rolled out (queued or "
             "in flight). With slow stragglers a group stays open until its last member "
             "ends, so rollout can hold up to one task per running episode: below "
-            "rollout.num_workers x max_concurrency plus a wave, the feeder starves rollout."
+            "rollout.num_workers x max_concurrency plus a wave, the feeder starves rollout. "
+            '"auto": the live rollout workers\' advertised slots C each need C + 2 C / G '
+            "(streamrl.capacity), following workers that join and leave."
         ),
     )
+
+    @field_validator("max_backlog")
+    @classmethod
+    def _backlog_bounds(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 1_000_000:
+            raise ValueError(f'task.max_backlog must be in [1, 1000000] or "auto", got {v}')
+        return v
 
 
 class ModelConfig(_Section):

@@ -10,6 +10,9 @@ The backlog is read from the stream itself: entries not yet delivered to the rol
 workers plus those delivered but not acknowledged. A task that went to the dead letters is
 acknowledged there, so it leaves the backlog (a counter of tasks done would never count it,
 and enough of them would stop the feeder for good).
+
+Its size is `task.max_backlog`; "auto" sizes it to the live rollout workers' advertised
+slots each time it fills (`streamrl.capacity`): workers that join or leave move it.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import redis
 import structlog
 
 from streamrl import counters
+from streamrl.capacity import auto_backlog, live_slots
 from streamrl.config import Config
 from streamrl.names import Keys
-from streamrl.obs.metrics import queue_depth, queue_lag
+from streamrl.obs.metrics import BACKLOG_TARGET, ROLLOUT_SLOTS, queue_depth, queue_lag
 from streamrl.queues import backlog
 from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import TaskSource, task_source
@@ -44,6 +48,24 @@ class Feeder:
         self.log = log
         self.source = source if source is not None else task_source(cfg.task, cfg.run.seed)
         self._ended = False
+        self.target = 0 if cfg.task.max_backlog == "auto" else int(cfg.task.max_backlog)
+        self.rollout_slots: list[int] = []  # the live workers' slots, as last read (auto)
+
+    def _update_target(self) -> int:
+        """The backlog to keep now: the configured number, or what the live rollout
+        capacity needs ("auto"; logged when it changes)."""
+        if self.cfg.task.max_backlog != "auto":
+            return self.target
+        ttl_ms = max(3 * self.cfg.transport.claim_idle_ms, 5_000)
+        slots = live_slots(self.client, self.keys.rollout_capacity, ttl_ms)
+        target = auto_backlog(slots, self.cfg.rollout.num_generations)
+        if target != self.target or len(slots) != len(self.rollout_slots):
+            self.log.info(
+                "feeder_backlog_target", target=target, rollout_workers=len(slots),
+                slots=sum(slots),
+            )  # fmt: skip
+        self.target, self.rollout_slots = target, slots
+        return target
 
     def backlog(self) -> tuple[int, int]:
         """(cursor, tasks written but not yet rolled out: undelivered plus pending)."""
@@ -57,18 +79,23 @@ class Feeder:
     def _tasks_backlog(self) -> tuple[int, int]:
         """The rollout group's (lag, pending) in `tasks`, the lag counted up to one past
         the backlog bound where Redis does not say it."""
-        return backlog(self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.cfg.task.max_backlog + 1)
+        return backlog(self.client, self.keys.tasks, Keys.CG_ROLLOUT, self.target + 1)
 
     def queue_probe(self) -> dict[str, float]:
         """The tasks queue as counters (`streamrl.obs.metrics`): its depth (what the rollout
         workers have not finished) and lag (not yet delivered to them)."""
         lag, pending = self._tasks_backlog()
-        return {queue_depth("tasks"): lag + pending, queue_lag("tasks"): lag}
+        out: dict[str, float] = {queue_depth("tasks"): lag + pending, queue_lag("tasks"): lag}
+        out[BACKLOG_TARGET] = self.target
+        if self.cfg.task.max_backlog == "auto":
+            out[ROLLOUT_SLOTS] = sum(self.rollout_slots)
+        return out
 
     def fill(self) -> int:
         """Write tasks until the backlog is full; returns how many were written."""
+        target = self._update_target()
         cursor, backlog = self.backlog()
-        room = max(0, self.cfg.task.max_backlog - backlog)
+        room = max(0, target - backlog)
         end = self.source.end
         if end is not None and cursor + room >= end:
             room = max(0, end - cursor)

@@ -144,6 +144,12 @@ class Keys:
         return self._k("weights", "chunks")
 
     @property
+    def rollout_capacity(self) -> str:
+        """Hash rollout worker -> "<episode slots>:<ms, Redis clock>" its heartbeat renews:
+        the live rollout capacity the feeder sizes its backlog to (`streamrl.capacity`)."""
+        return self._k("rollout", "capacity")
+
+    @property
     def feeder_cursor(self) -> str:
         """Next data-set position the feeder writes."""
         return self._k("feeder", "cursor")

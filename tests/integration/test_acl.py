@@ -278,3 +278,17 @@ def test_up_refuses_a_password_on_the_command_line(tmp_path: Path) -> None:
     assert p.returncode == 2
     assert "REDIS_URL" in p.stderr and "redis.password_file" in p.stderr
     assert "hunter2" not in p.stderr and not (tmp_path / "run").exists()
+
+
+def test_rollout_advertises_its_slots_and_the_feeder_reads_them(connect: Connect) -> None:
+    """task.max_backlog = "auto": a rollout worker's heartbeat writes its slots to the
+    capacity hash and the feeder's script reads them and deletes stale ones, each under its
+    own ACL user; the tools user may not touch the hash."""
+    from streamrl.capacity import ADVERTISE_SCRIPT, live_slots
+
+    rollout, feeder = connect("rollout"), connect("feeder")
+    rollout.eval(ADVERTISE_SCRIPT, 1, KEYS.rollout_capacity, "rollout-0", 16)
+    feeder.hset(KEYS.rollout_capacity, "gone", "8:0")  # advertised at ms 0: stale
+    assert live_slots(feeder, KEYS.rollout_capacity, 5_000) == [16]
+    assert feeder.hkeys(KEYS.rollout_capacity) == [b"rollout-0"]
+    assert denied(connect("tools"), "HSET", KEYS.rollout_capacity, "x", "1:1")

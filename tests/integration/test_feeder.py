@@ -79,3 +79,49 @@ def test_the_feeder_never_writes_a_held_out_task(rclient: redis.Redis, keys: Key
     fed = {decode(fields, Task).prompt for _, fields in entries}
     held = {t.prompt for t in heldout_tasks(cfg.task, cfg.run.seed, 40, 4)}
     assert len(fed) > 60 and len(held) == 40 and not fed & held
+
+
+def test_an_auto_backlog_follows_the_live_rollout_workers(rclient: redis.Redis, keys: Keys) -> None:
+    """task.max_backlog = "auto" (issue 29): the feeder keeps C + 2 C / G tasks for each
+    rollout worker that advertised its slots within the time-to-live (Redis's clock), none
+    while no worker is live, more when a second joins, and fewer once one stops renewing."""
+    from streamrl.capacity import ADVERTISE_SCRIPT
+
+    cfg = parse_config(
+        {
+            "task": {"max_backlog": "auto"},
+            "rollout": {"num_generations": 4, "max_concurrency": 8},
+            "transport": {"claim_idle_ms": 100},  # ttl: max(3 x 100 ms, 5 s) = 5 s
+        }
+    )
+    feeder = Feeder(rclient, keys, cfg, LOG)
+    assert feeder.fill() == 0 and feeder.target == 0  # no rollout worker yet
+
+    def advertise(worker: str, slots: int) -> None:
+        rclient.eval(ADVERTISE_SCRIPT, 1, keys.rollout_capacity, worker, slots)
+
+    advertise("rollout-0", 8)
+    assert feeder.fill() == 8 + 2 * 2 and feeder.fill() == 0  # 12 tasks, then full
+    advertise("rollout-1", 8)
+    assert feeder.fill() == 12 and feeder.target == 24  # the second worker's share
+    # rollout-0 stops renewing: its advertisement ages past the ttl (set it 6 s back).
+    raw = rclient.hget(keys.rollout_capacity, "rollout-0")
+    assert isinstance(raw, bytes)
+    slots, at = raw.decode().split(":")
+    rclient.hset(keys.rollout_capacity, "rollout-0", f"{slots}:{int(at) - 6_000}")
+    assert feeder.fill() == 0 and feeder.target == 12  # 24 written, 12 needed now
+    assert rclient.hkeys(keys.rollout_capacity) == [b"rollout-1"]  # the stale one deleted
+    # A number still sizes it as before, whatever the workers advertise.
+    fixed = Feeder(rclient, keys, parse_config({"task": {"max_backlog": 30}}), LOG)
+    assert fixed.fill() == 6 and fixed.target == 30
+
+
+def test_max_backlog_is_a_number_in_range_or_auto() -> None:
+    import pytest
+
+    from streamrl.config import ConfigError
+
+    assert parse_config({"task": {"max_backlog": "auto"}}).task.max_backlog == "auto"
+    for bad in (0, "many"):
+        with pytest.raises(ConfigError, match="max_backlog"):
+            parse_config({"task": {"max_backlog": bad}})

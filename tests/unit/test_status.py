@@ -79,6 +79,31 @@ def test_a_frame_shows_workers_queues_and_the_pipeline() -> None:
     assert "0.99 @ step 10" in out.getvalue()
 
 
+def _feeder(values: dict[str, float]) -> WorkerState:
+    return WorkerState("feeder-0", "h:6", "h:6 1", 0.1, values)
+
+
+def _backlog_row(*workers: WorkerState) -> str:
+    snap = Snapshot("demo", [*_workers(), *workers], {}, {}, 0.0)
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(render(snap))
+    lines = {ln.split("│")[1].strip(): ln for ln in out.getvalue().splitlines() if "│" in ln}
+    return lines["tasks backlog / target"].split("│")[2].strip()
+
+
+def test_status_says_whether_the_backlog_or_rollout_is_the_limit() -> None:
+    """Issue 29: capacity, backlog and which side holds the run back."""
+    depth, lag = m.queue_depth("tasks"), m.queue_lag("tasks")
+    full = _feeder({depth: 96.0, lag: 0.0, m.BACKLOG_TARGET: 96.0, m.ROLLOUT_SLOTS: 64.0})
+    assert _backlog_row(full) == "96 / 96 (the backlog is the limit)"
+    queued = _feeder({depth: 96.0, lag: 30.0, m.BACKLOG_TARGET: 96.0})
+    assert _backlog_row(queued) == "96 / 96 (rollout is the limit)"
+    assert _backlog_row(_feeder({depth: 10.0, lag: 0.0, m.BACKLOG_TARGET: 96.0})).endswith(
+        "(feeder keeps up)"
+    )
+    assert _backlog_row() == "-"  # no feeder sample
+
+
 def _args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["status", *argv])
 

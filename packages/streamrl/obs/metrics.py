@@ -71,6 +71,8 @@ DEVICE_MEM_MB = "device_mem_mb"
 DEVICE_MEM_PEAK_MB = "device_mem_peak_mb"
 REWARD_MEAN = "reward_mean"
 SOLVE_RATE = "solve_rate"
+BACKLOG_TARGET = "backlog_target"  # feeder: the tasks backlog it keeps (task.max_backlog)
+ROLLOUT_SLOTS = "rollout_slots"  # feeder, auto backlog: the live rollout workers' slots
 
 # Raw series behind the names above (what the hot path records).
 TRAJECTORIES = "trajectories"

@@ -249,6 +249,24 @@ def _heldout(result: dict[str, Any] | None) -> str:
     return f"{float(result['solve_rate']):.2f} @ step {int(result['step'])}"
 
 
+def _backlog(snap: Snapshot) -> str:
+    """The feeder's tasks backlog against the size it keeps, and which side holds the
+    run back: tasks queued for rollout (rollout is), or none queued with the backlog full
+    (the feeder's backlog is: raise task.max_backlog, or set it to "auto")."""
+    depth = largest(snap.workers, m.queue_depth("tasks"))
+    lag = largest(snap.workers, m.queue_lag("tasks"))
+    target = largest(snap.workers, m.BACKLOG_TARGET)
+    if depth is None or target is None:
+        return "-"
+    if lag:
+        limit = "rollout is the limit"
+    elif depth >= target:
+        limit = "the backlog is the limit"
+    else:
+        limit = "feeder keeps up"
+    return f"{depth:.0f} / {target:.0f} ({limit})"
+
+
 def _pipeline_table(snap: Snapshot) -> Table:
     ws = snap.workers
     trainers = [w for w in ws if w.kind in ("trainer", "colocated")]
@@ -280,6 +298,8 @@ def _pipeline_table(snap: Snapshot) -> Table:
             f"{_fmt(average(rollouts, m.TOOL_ERROR_RATE), '.1%')} / "
             f"{_fmt(average(rollouts, m.TOOL_TIMEOUT_RATE), '.1%')}",
         ),
+        ("rollout slots (advertised)", _fmt(largest(ws, m.ROLLOUT_SLOTS), ".0f")),
+        ("tasks backlog / target", _backlog(snap)),
         ("held-out solve rate", _heldout(snap.heldout)),
         ("trainer steps (run)", snap.stats.get(counters.TRAINER_STEPS, "-")),
         ("groups (run)", snap.stats.get(counters.GROUPS, "-")),

@@ -49,6 +49,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from streamrl import counters
+from streamrl.capacity import ADVERTISE_SCRIPT
 from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.obs.metrics import (
@@ -290,6 +291,7 @@ class RolloutWorker:
         self.paused_reads = 0
         self.started = 0
         self._touch = aclient.register_script(_TOUCH_OWN)
+        self._advertise = aclient.register_script(ADVERTISE_SCRIPT)
         self._changed = asyncio.Condition()  # slots freed, members queued, pause lifted
         self._tasks: dict[str, _Running] = {}  # entry id -> task read, not yet acknowledged
         # Members without a slot, each with its saved state if it has one.
@@ -668,9 +670,14 @@ class RolloutWorker:
 
     async def _heartbeat(self) -> None:
         """Touch the tasks this worker still owns, on the async client (no thread pool that
-        blocking work could fill may delay it past `claim_idle_ms`)."""
+        blocking work could fill may delay it past `claim_idle_ms`), and advertise its
+        episode slots to the feeder (`streamrl.capacity`: task.max_backlog = "auto")."""
         every = self.cfg.transport.claim_idle_ms / 3000
         while not self._stopping:  # as well as cancelled: a cancel can be lost (run/tasks.py)
+            await self._advertise(
+                keys=[self.keys.rollout_capacity],
+                args=[self.input.name, self.cfg.rollout.max_concurrency],
+            )
             await asyncio.sleep(every)
             ids = [e for e, r in self._tasks.items() if r.owned]
             if not ids:

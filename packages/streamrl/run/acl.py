@@ -92,8 +92,10 @@ def roles(keys: Keys) -> dict[str, Role]:
     ledger = (k.tool_ledger, f"{k.tool_ledger}:*")  # the hash and its claim keys
     members = k.group_members("*")
     feeder = Role(
-        keys=(k.tasks, k.feeder_cursor, k.stats),
+        # rollout_capacity: read, and its stale fields deleted, in a script (the backlog)
+        keys=(k.tasks, k.feeder_cursor, k.stats, k.rollout_capacity),
         categories=("stream", "string", "hash"),
+        commands=(*_SCRIPTS, "+time"),
     )
     rollout = Role(
         keys=(
@@ -102,6 +104,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.dead,
             k.stats,
             k.episodes,
+            k.rollout_capacity,  # its slots, for the feeder's backlog
             *ledger,
             k.tool_result_pattern,
             RQ_KEYS,
