@@ -284,7 +284,10 @@ class TaskConfig(_Section):
         0,
         ge=0,
         le=1_000_000,
-        description="Passes over the dataset, then the feeder stops writing; 0: no end.",
+        description=(
+            "Passes over the dataset (or the num_prompts generated prompts), then the feeder "
+            "stops writing: exactly rows (or num_prompts) x epochs tasks; 0: no end."
+        ),
     )
     num_prompts: int = Field(
         10_000, ge=1, le=10_000_000, description="Distinct generated prompts (cycled)."

@@ -18,6 +18,7 @@ from streamrl.names import Keys
 from streamrl.tasks.heldout import heldout_tasks
 from streamrl.transport import RedisStreamConsumer
 from streamrl.wire import Task, decode
+from tests.conftest import entries
 
 LOG = structlog.get_logger()
 
@@ -62,6 +63,18 @@ def test_dataset_epochs_end_the_feed(rclient: redis.Redis, keys: Keys, tmp_path:
     assert restarted.fill() == 2 and restarted.fill() == 0
     assert restarted.backlog()[0] == 6
     assert rclient.hget(keys.stats, "tasks") == b"6"
+
+
+def test_generated_prompts_end_after_their_epochs(rclient: redis.Redis, keys: Keys) -> None:
+    """Issue 29: `task.epochs` ends generated prompts as it ends a dataset: exactly
+    num_prompts x epochs tasks, each prompt once per epoch (it used to be ignored)."""
+    cfg = parse_config({"task": {"num_prompts": 5, "epochs": 2, "max_backlog": 100}})
+    feeder = Feeder(rclient, keys, cfg, LOG)
+    assert feeder.fill() == 10 and feeder.fill() == 0
+    tasks = [decode(f, Task) for _, f in entries(rclient, keys.tasks)]
+    prompts = [t.prompt for t in tasks]
+    assert prompts[:5] == prompts[5:] and len(set(prompts[:5])) == 5
+    assert [t.cursor for t in tasks] == list(range(10))
 
 
 def test_burst_feeder_fills_the_backlog_once(rclient: redis.Redis, keys: Keys) -> None:

@@ -74,8 +74,11 @@ class TaskSource:
 
     @property
     def end(self) -> int | None:
-        """The first cursor with no task (after `task.epochs` passes), or None."""
-        return self.data.end if self.data is not None else None
+        """The first cursor with no task (after `task.epochs` passes over the dataset, or
+        over the `num_prompts` generated prompts), or None (`task.epochs = 0`)."""
+        if self.data is not None:
+            return self.data.end
+        return self.cfg.epochs * self.cfg.num_prompts if self.cfg.epochs else None
 
     def task(self, cursor: int, num_generations: int) -> Task:
         """The task at `cursor` (the same for ever)."""
