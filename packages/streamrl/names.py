@@ -154,6 +154,13 @@ class Keys:
         """Next data-set position the feeder writes."""
         return self._k("feeder", "cursor")
 
+    @property
+    def feeder_end(self) -> str:
+        """The first cursor with no task (`task.epochs`), set by the feeder once it wrote
+        the last task: the trainer ends the run when everything before it is trained or
+        dropped."""
+        return self._k("feeder", "end")
+
     def group_members(self, group_id: str) -> str:
         """Hash member index -> encoded trajectory of a group being assembled."""
         return self._k("group", group_id, "members")

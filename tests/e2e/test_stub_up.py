@@ -91,6 +91,33 @@ def test_stub_up_runs_a_thousand_groups(tmp_path: Path) -> None:
     assert stop["engine_steps"] == 2 * 4 * GROUPS  # two model calls per episode
 
 
+@pytest.mark.timeout(180)
+def test_a_run_of_generated_prompts_ends_when_its_epochs_do(tmp_path: Path) -> None:
+    """Issue 29: `task.epochs = 1` with 110 generated prompts and no `--steps`: the feeder
+    writes exactly 110 tasks, and the run ends by itself once every group is trained (4
+    steps of 25, then a short one of 10), with its summary."""
+    prompts = 110
+    run_dir = tmp_path / "run"
+    proc = up(
+        run_dir,
+        0,  # no step limit
+        f"task.num_prompts={prompts}",
+        "task.epochs=1",
+        f'model.cache_dir="{tmp_path / "cache"}"',
+        config=STUB,
+    )
+    out, _ = proc.communicate(timeout=170)
+    assert proc.returncode == 0, out
+    assert "the data's end" in out
+    s = summary_of(run_dir)
+    assert s["groups"] == s["groups_trained"] == prompts and s["trainer_steps"] == 5
+    assert s["trajectories"] == 4 * prompts and s["groups_dropped"] == 0
+    steps = _events(run_dir / "logs" / "trainer-0.log", "train_step")
+    assert [e["num_groups"] for e in steps] == [PER_STEP] * 4 + [10]
+    assert _events(run_dir / "logs" / "trainer-0.log", "data_drained")
+    assert_nothing_left(s, config=STUB)
+
+
 WORKERS = ("feeder-0", "rollout-0", "tools-0", "tools-1", "grouper-0", "trainer-0")
 # Launch order of `streamrl up` (Launcher._plan): each worker's Prometheus port offset.
 PORT_OFFSET = {"tools-0": 0, "tools-1": 1, "grouper-0": 2, "trainer-0": 3, "rollout-0": 4}

@@ -302,3 +302,39 @@ def test_the_summary_takes_each_step_s_metrics_once(rclient: redis.Redis, keys: 
         got = step_metrics(rclient, keys, structlog.get_logger())
     assert [(x.step, x.reward_mean) for x in got] == [(1, 0.1), (2, 0.25), (3, 0.35), (4, 0.4)]
     assert [e["entries"] for e in logs if e["event"] == "metrics_unreadable"] == [1]
+
+
+def test_the_data_is_drained_only_when_nothing_can_come_again(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """Issue 29 (runs that end): the trainer ends the run only once the feeder wrote its
+    last task (feeder_end), every task and trajectory is acknowledged, no group is half
+    filled and every group reached it; each of those alone keeps the run going."""
+    from streamrl.transport import ensure_group
+
+    cfg = parse_config({"trainer": {"groups_per_step": 2}})
+    loop = make_loop(cfg, rclient, keys, tmp_path / "ckpt", lambda s, b: (s, None), checkpointer)
+
+    def drained() -> bool:
+        loop._next_drain_check = 0.0  # the once-a-second limit, not under test
+        return loop._drained()
+
+    assert not drained()  # no end: the data goes on (task.epochs = 0)
+    rclient.set(keys.feeder_end, 2)
+    rclient.set(keys.feeder_cursor, 1)
+    assert not drained()  # the feeder has a task left to write
+    rclient.set(keys.feeder_cursor, 2)
+    ensure_group(rclient, keys.tasks, keys.CG_ROLLOUT)
+    task_id = rclient.xadd(keys.tasks, {"t": "1"})
+    assert not drained()  # a task not yet read by rollout
+    rclient.xreadgroup(keys.CG_ROLLOUT, "r0", {keys.tasks: ">"})
+    assert not drained()  # read, its episodes running (not acknowledged)
+    rclient.xack(keys.tasks, keys.CG_ROLLOUT, task_id)
+    rclient.hset(keys.groups_started, "g0", 1)
+    assert not drained()  # a half-filled group
+    rclient.hdel(keys.groups_started, "g0")
+    ensure_group(rclient, keys.groups, keys.CG_TRAINER)
+    rclient.xadd(keys.groups, {"g": "1"})
+    assert not drained()  # a group not yet delivered to the trainer
+    rclient.xreadgroup(keys.CG_TRAINER, "trainer", {keys.groups: ">"})
+    assert drained()  # delivered (held until its checkpoint acknowledges it): done

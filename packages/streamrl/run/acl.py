@@ -93,7 +93,7 @@ def roles(keys: Keys) -> dict[str, Role]:
     members = k.group_members("*")
     feeder = Role(
         # rollout_capacity: read, and its stale fields deleted, in a script (the backlog)
-        keys=(k.tasks, k.feeder_cursor, k.stats, k.rollout_capacity),
+        keys=(k.tasks, k.feeder_cursor, k.feeder_end, k.stats, k.rollout_capacity),
         categories=("stream", "string", "hash"),
         commands=(*_SCRIPTS, "+time"),
     )
@@ -165,6 +165,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.tool_ledger,
             k.episodes,
             k.feeder_cursor,
+            k.feeder_end,  # read: the data ended (the run ends once it is all trained)
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
         categories=("stream", "string", "hash", "set", "keyspace"),

@@ -429,7 +429,10 @@ class Launcher:
             if p.name in TRAINS and rc == 0:
                 if p.index > 0:
                     continue  # a trainer process other than 0: the leader says when
-                return f"trainer finished {self.steps} steps", 0
+                if self.steps:
+                    return f"trainer finished {self.steps} steps", 0
+                # trainer.max_steps, or the data ended (task.epochs) and all was trained
+                return "trainer finished: its step limit, or the data's end", 0
             failed = self._supervise(p, rc, log)
             if failed is not None:
                 print(f"\nstreamrl: {failed}", file=sys.stderr)

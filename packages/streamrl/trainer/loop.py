@@ -44,6 +44,7 @@ from streamrl.errors import FatalError
 from streamrl.names import Keys
 from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
 from streamrl.obs.tracing import GROUP_FLOW, Arg, Span, Tracer, flow_id
+from streamrl.queues import backlog
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.run.liveness import Liveness
 from streamrl.trainer import resume as resumption
@@ -123,6 +124,8 @@ class TrainerLoop:
 
     def __post_init__(self) -> None:
         self.track = self.tracer.track("trainer", "loop")
+        self.data_done = False  # the data ended and the pipeline is drained
+        self._next_drain_check = 0.0
         if not self.cluster.leader:
             return  # only the leader reads groups
         self.input = RedisStreamConsumer(
@@ -149,10 +152,38 @@ class TrainerLoop:
         out: list[Delivery[Group]] = []
         while len(out) < want and not self.stop():
             self.liveness.tick()
-            for d in self.input.read(count=want - len(out)):
+            got = self.input.read(count=want - len(out))
+            for d in got:
                 if self._admit(d, out):
                     out.append(d)
+            if not got and self._drained():
+                self.data_done = True
+                self.log.info("data_drained", step=self.step, last_groups=len(out))
+                break
         return out
+
+    def _drained(self) -> bool:
+        """Whether nothing will ever come again (checked at most once a second): the feeder
+        wrote its last task (`task.epochs`: it set `feeder_end`), every task and trajectory
+        is acknowledged, no group is half filled, and every group was delivered here. The
+        groups this loop holds unacknowledged (until its next checkpoint) do not count."""
+        now = time.monotonic()
+        if now < self._next_drain_check:
+            return False
+        self._next_drain_check = now + 1.0
+        k, c = self.keys, self.client
+        end, cursor = c.mget([k.feeder_end, k.feeder_cursor])
+        if end is None or int(cursor or 0) < int(end) or c.hlen(k.groups_started):
+            return False
+        for stream, group, pending_ok in (
+            (k.tasks, k.CG_ROLLOUT, False),
+            (k.trajectories, k.CG_GROUPER, False),
+            (k.groups, k.CG_TRAINER, True),
+        ):
+            lag, pending = backlog(c, stream, group, 1)
+            if lag or (pending and not pending_ok):
+                return False
+        return True
 
     def _admit(self, d: Delivery[Group], taken: list[Delivery[Group]]) -> bool:
         """Whether to train on `d`. Each group is judged on its own, so a bad one never
@@ -434,9 +465,9 @@ class TrainerLoop:
         groups = None
         if self.cluster.leader:
             done = self.stop() or (self.max_steps != 0 and self.step >= self.max_steps)
-            groups = [] if done else self.collect()
-            if len(groups) < self.cfg.trainer.groups_per_step:
-                groups = None  # stopped while waiting
+            groups = [] if done or self.data_done else self.collect()
+            if len(groups) < self.cfg.trainer.groups_per_step and not (self.data_done and groups):
+                groups = None  # stopped while waiting (the data's last groups: a short step)
         with self.liveness.busy():  # the others wait here while the leader collects
             go = self.cluster.broadcast(np.array([groups is not None]))
         if not bool(go[0]):
