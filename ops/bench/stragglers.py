@@ -348,18 +348,25 @@ def whole_steps(groups: int) -> int:
     return max(1, math.ceil(groups / GROUPS_PER_STEP)) * GROUPS_PER_STEP
 
 
-def base_sets(c: int, g: int, model_s: float, extra: list[str]) -> list[str]:
-    # The backlog bound and the ready-groups bound are opened past what C episodes can
-    # use, so only max_concurrency limits the async run; nothing is dropped as stale (a
-    # trainer taking 25 groups per step in no time publishes a version every ~0.1 s at
-    # C = 256, and a 2 s straggler would be 17 behind configs/stub.toml's bound of 16).
+def tuned_backlog(c: int, g: int) -> int:
+    """The backlog this bench set by hand before `task.max_backlog = "auto"`: up to one
+    open task per running episode (a group stays open until its slowest member ends),
+    plus two waves queued (less gave 0.77 instead of 0.9 of the bound at C = 256)."""
+    return max(64, c + 2 * c // g)
+
+
+def base_sets(c: int, g: int, model_s: float, extra: list[str], backlog: str = "auto") -> list[str]:
+    # The ready-groups bound is opened past what C episodes can use, so only
+    # max_concurrency limits the async run; nothing is dropped as stale (a trainer taking
+    # 25 groups per step in no time publishes a version every ~0.1 s at C = 256, and a 2 s
+    # straggler would be 17 behind configs/stub.toml's bound of 16). The backlog is the
+    # config's "auto" (the rollout worker's advertised slots), or with `--backlogs tuned`
+    # the number this bench used to set by hand.
+    size = "auto" if backlog == "auto" else str(tuned_backlog(c, g))
     return [
         f"rollout.max_concurrency={c}",
         f"rollout.num_generations={g}",
-        # The backlog counts tasks in flight too, and with stragglers a group stays open
-        # until its slowest member ends: up to one open task per running episode, plus
-        # two waves queued. Less starves rollout (0.77 instead of 0.9 at C = 256).
-        f"task.max_backlog={max(64, c + 2 * c // g)}",
+        f'task.max_backlog="{size}"' if size == "auto" else f"task.max_backlog={size}",
         f"rollout.max_ready_groups={max(50, 2 * c // g + 2 * GROUPS_PER_STEP)}",
         "grouper.off_policy_steps=1000000",
         f"model.stub_latency_s={model_s}",
@@ -372,13 +379,15 @@ def option_sets(opts: dict[str, Any]) -> list[str]:
     return [f"task.options.{k}={json.dumps(v)}" for k, v in opts.items()]
 
 
-def run_point(args: argparse.Namespace, work: Path, mix: str, c: int) -> dict[str, Any]:
+def run_point(
+    args: argparse.Namespace, work: Path, mix: str, c: int, backlog: str = "auto"
+) -> dict[str, Any]:
     g, model_s = args.generations, args.model_ms / 1000
     opts_d = MIXES[mix][1]
     opts = SyntheticOptions(turns=TURNS, **opts_d)
     episode_s = TURNS * (step_mean_s(opts) + model_s)
     bound = c / episode_s / g  # groups/s
-    row: dict[str, Any] = {"mix": mix, "C": c, "G": g, "episode_s": episode_s}
+    row: dict[str, Any] = {"mix": mix, "C": c, "G": g, "episode_s": episode_s, "backlog": backlog}
     row["bound_gpm"] = bound * 60
     groups = args.groups or whole_steps(math.ceil(args.waves * c / g))
     groups = whole_steps(groups)
@@ -391,8 +400,8 @@ def run_point(args: argparse.Namespace, work: Path, mix: str, c: int) -> dict[st
         return row
     expected = groups / bound
     limit = args.timeout_s or 120 + 4 * expected
-    run_dir = work / f"{mix}-c{c}"
-    sets = base_sets(c, g, model_s, [*option_sets(opts_d), *args.set])
+    run_dir = work / f"{mix}-c{c}-{backlog}"
+    sets = base_sets(c, g, model_s, [*option_sets(opts_d), *args.set], backlog)
     r = up(run_dir, groups, sets, limit)
     row["wall_s"] = r.wall_s
     if r.timed_out or r.returncode != 0:
@@ -441,17 +450,21 @@ def print_mix(mix: str, rows: list[dict[str, Any]], model_ms: float) -> None:
     print(f"\n### {MIXES[mix][0]} ({mix}), {TURNS} steps + {TURNS} model calls of {model_ms:g} ms")
     print(f"episode time T = {rows[0]['episode_s'] * 1000:.0f} ms\n")
     print(
-        "| C | groups | bound g/min | async g/min (whole / steady) | efficiency (whole / steady)"
-        " | ideal async eff. | barrier g/min | speedup | latency p50 / p99 (s) | in flight |"
+        "| C | backlog | groups | bound g/min | async g/min (whole / steady)"
+        " | efficiency (whole / steady) | ideal async eff. | barrier g/min | speedup"
+        " | latency p50 / p99 (s) | in flight |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        b = r.get("backlog", "auto")
         if "skipped" in r or "failed" in r:
             why = r.get("skipped") or r["failed"]
-            print(f"| {r['C']} | {r.get('groups', '-')} | {r['bound_gpm']:.0f} | {why} ||||||")
+            print(
+                f"| {r['C']} | {b} | {r.get('groups', '-')} | {r['bound_gpm']:.0f} | {why} ||||||"
+            )
             continue
         print(
-            f"| {r['C']} | {r['groups']} | {r['bound_gpm']:.0f} "
+            f"| {r['C']} | {b} | {r['groups']} | {r['bound_gpm']:.0f} "
             f"| {fmt(r.get('async_gpm'), '.0f')} / {fmt(r.get('steady_gpm'), '.0f')} "
             f"| {fmt(r.get('efficiency'), '.2f')} / {fmt(r.get('steady_efficiency'), '.2f')} "
             f"| {r['ideal_async_gpm'] / r['bound_gpm']:.2f} "
@@ -498,7 +511,15 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="more config overrides")
     p.add_argument("--out", type=Path, help="write every figure as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument(
+        "--backlogs",
+        default="auto",
+        help='comma list: "auto" (the default config) and/or "tuned" (C + 2C/G, set by hand)',
+    )
     args = p.parse_args()
+    args.backlogs = [b for b in args.backlogs.split(",") if b]
+    if not set(args.backlogs) <= {"auto", "tuned"}:
+        p.error(f"unknown backlog: {args.backlogs}")
     args.modes = args.modes.split(",")
     mixes = [m for m in args.mixes.split(",") if m]
     unknown = [m for m in mixes if m not in MIXES] + [
@@ -512,11 +533,11 @@ def main() -> None:
         work = Path(tmp)
         for mix in mixes:
             rows = []
-            for c in args.concurrency:
-                rows.append(run_point(args, work, mix, c))
+            for c, backlog in [(c, b) for c in args.concurrency for b in args.backlogs]:
+                rows.append(run_point(args, work, mix, c, backlog))
                 r = rows[-1]
                 print(
-                    f"# {mix} C={c}: "
+                    f"# {mix} C={c} backlog {backlog}: "
                     + ", ".join(
                         f"{k} {r[k]:.3g}"
                         for k in ("async_gpm", "bound_gpm", "efficiency", "wall_s")

@@ -301,7 +301,7 @@ class TaskConfig(_Section):
         pattern=r"^[+\-*]{1,3}$",
     )
     max_backlog: int | Literal["auto"] = Field(
-        64,
+        "auto",
         description=(
             "Feeder keeps at most this many tasks written but not yet rolled out (queued or "
             "in flight). With slow stragglers a group stays open until its last member "

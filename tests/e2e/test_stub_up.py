@@ -210,7 +210,9 @@ def test_stub_up_counters_and_status(tmp_path: Path) -> None:
         assert g["queue.groups.depth"] >= 0 and g["groups_half_filled"] >= 0
         assert t["examples_total"] > 0 and t["examples_per_min"] > 0
         assert t["policy_version"] >= 1 and t["policy_age"] >= 0
-        assert 0 <= last["feeder-0"]["queue.tasks.depth"] <= 64 + 1  # task.max_backlog
+        f = last["feeder-0"]  # task.max_backlog = "auto": C + 2 C / G for the one worker
+        assert f["rollout_slots"] == 128 and f["backlog_target"] == 128 + 2 * 32
+        assert 0 <= f["queue.tasks.depth"] <= f["backlog_target"] + 1
         assert last["tools-0"]["queue.tools.depth"] == 0  # the synthetic task calls no tool
         assert not any(k.startswith("device_mem") for v in last.values() for k in v)  # CPU
 
