@@ -362,7 +362,7 @@ def base_sets(c: int, g: int, model_s: float, extra: list[str], backlog: str = "
     # straggler would be 17 behind configs/stub.toml's bound of 16). The backlog is the
     # config's "auto" (the rollout worker's advertised slots), or with `--backlogs tuned`
     # the number this bench used to set by hand.
-    size = "auto" if backlog == "auto" else str(tuned_backlog(c, g))
+    size = {"auto": "auto", "tuned": str(tuned_backlog(c, g))}.get(backlog, backlog)
     return [
         f"rollout.max_concurrency={c}",
         f"rollout.num_generations={g}",
@@ -514,11 +514,12 @@ def main() -> None:
     p.add_argument(
         "--backlogs",
         default="auto",
-        help='comma list: "auto" (the default config) and/or "tuned" (C + 2C/G, set by hand)',
+        help='comma list of "auto" (the default config), "tuned" (C + 2C/G, what this bench '
+        "set by hand before) and fixed numbers (64: the default before auto)",
     )
     args = p.parse_args()
     args.backlogs = [b for b in args.backlogs.split(",") if b]
-    if not set(args.backlogs) <= {"auto", "tuned"}:
+    if not all(b in ("auto", "tuned") or b.isdigit() for b in args.backlogs):
         p.error(f"unknown backlog: {args.backlogs}")
     args.modes = args.modes.split(",")
     mixes = [m for m in args.mixes.split(",") if m]
