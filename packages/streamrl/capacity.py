@@ -20,19 +20,27 @@ from __future__ import annotations
 
 import redis
 
-# KEYS: the capacity hash. ARGV: this worker's field, its slots.
-_ADVERTISE = """
+# Both scripts start by reading Redis's clock, in ms.
+_NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# Run by the rollout worker's heartbeat (asyncio client).
+# KEYS: the capacity hash. ARGV: this worker's field, its slots.
+ADVERTISE_SCRIPT = (
+    _NOW
+    + """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. now)
 return now
 """
+)
 
 # KEYS: the capacity hash. ARGV: the time-to-live in ms.
 # Returns the slots of every live field, flat; deletes the fields past their ttl.
-_LIVE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_LIVE = (
+    _NOW
+    + """
 local ttl = tonumber(ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
 local live = {}
@@ -46,6 +54,7 @@ for i = 1, #all, 2 do
 end
 return live
 """
+)
 
 
 def auto_backlog(slots: list[int], group_size: int) -> int:
@@ -62,6 +71,3 @@ def live_slots(client: redis.Redis, key: str, ttl_ms: int) -> list[int]:
     (by Redis's clock); older ones are deleted."""
     out = client.eval(_LIVE, 1, key, ttl_ms)
     return [int(x) for x in out or []]
-
-
-ADVERTISE_SCRIPT = _ADVERTISE  # run by the rollout worker's heartbeat (asyncio client)

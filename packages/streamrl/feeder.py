@@ -97,9 +97,9 @@ class Feeder:
         cursor, backlog = self.backlog()
         room = max(0, target - backlog)
         end = self.source.end
-        last = end is not None and cursor + room >= end
-        if end is not None and last:
-            room = max(0, end - cursor)
+        last = None  # the data's end, when this fill writes up to it
+        if end is not None and cursor + room >= end:
+            room, last = max(0, end - cursor), end
         for i in range(room):
             task = self.source.task(cursor + i, self.cfg.rollout.num_generations)
             pipe = self.client.pipeline(transaction=True)
@@ -107,11 +107,11 @@ class Feeder:
             pipe.set(self.keys.feeder_cursor, cursor + i + 1)
             pipe.hincrby(self.keys.stats, counters.TASKS, 1)
             pipe.execute()
-        if end is not None and last and not self._ended:
+        if last is not None and not self._ended:
             # After the last write: the trainer ends the run once all before it is done.
-            self.client.set(self.keys.feeder_end, end)
+            self.client.set(self.keys.feeder_end, last)
             self._ended = True
-            self.log.info("feeder_data_end", cursor=end, epochs=self.cfg.task.epochs)
+            self.log.info("feeder_data_end", cursor=last, epochs=self.cfg.task.epochs)
         return room
 
     def run(
