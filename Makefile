@@ -7,8 +7,8 @@ CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 # Test processes of `make test` (pytest-xdist). Two on a 2-core machine: a serial run keeps
 # the cores about 60 % busy (tests wait on subprocesses, containers and sleeps); 0: one process.
-# worksteal: an idle process takes tests queued for the other (with `load`, one process got
-# the first chunk, all of the long end-to-end tests, and the other ran out of work).
+# Each takes whole test files, the longest first (tests/scheduling.py, tests/durations.json):
+# in collection order, the long end-to-end files could be left for the end, or all land on one.
 TEST_WORKERS ?= 2
 
 .PHONY: demo report test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
@@ -44,12 +44,13 @@ fmt: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
-# As root, `make test` readies the sandbox host first (make sandbox-host) and requires the
-# sandbox tests to run; where it cannot, they skip and its last line says so and why.
-test: lint typecheck
-	ops/sandbox/with_sandbox.sh $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist worksteal --durations=30 $(PYTEST_ARGS)
-	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory compose-test; \
-	else echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"; fi
+# ruff, mypy and pytest (everything not marked slow); as root also the sandbox host (first,
+# beside ruff and mypy; the sandbox tests must then run) and the compose test (its images
+# built beside pytest). Where there is no root, the sandbox and compose tests skip and the
+# last lines say so and why. ops/make_test.sh runs and times the steps.
+test:
+	VENV=$(VENV) TEST_WORKERS=$(TEST_WORKERS) PYTEST_ARGS="$(PYTEST_ARGS)" CONFIG=$(CONFIG) \
+	  ops/make_test.sh
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -20,6 +20,7 @@ from streamrl.names import Keys
 from streamrl.run.redis_server import EmbeddedRedis, redis_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.scheduling"]  # longest test files first under xdist
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -123,13 +124,25 @@ def _wait_cluster_ok(port: int, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One warm-start cache for the session: the warm start runs once, later runs reuse it.
+    """One warm-start cache: the warm start of a config runs once, later runs reuse it.
 
-    Under pytest-xdist the workers share it (the directory above each worker's base
-    temporary directory): warm starts are keyed by content hash and trained under a file
-    lock (streamrl.trainer.warmstart), so the first worker to need one trains it and the
-    others wait for it and read it.
+    Entries are keyed by a hash of everything that shapes them (streamrl.trainer.warmstart,
+    like the JAX cache above), so by default the cache persists in build/model-cache across
+    sessions: a fresh clone (CI) trains each warm start once, and `make compose-test` seeds
+    the stack's model volume with the tiny one instead of training it again in a container.
+    Under pytest-xdist the workers share it: warm starts are trained under a file lock, so
+    the first worker to need one trains it and the others wait for it and read it. With
+    STREAMRL_TEST_MODEL_CACHE= (empty) each session gets a fresh one (the directory above
+    each xdist worker's base temporary directory).
     """
+    # Imported here, not at the top: nothing this module loads may pull JAX in before
+    # pytest_configure has set its cache.
+    from tests.helpers import model_cache_dir
+
+    persistent = model_cache_dir()
+    if persistent is not None:
+        persistent.mkdir(parents=True, exist_ok=True)
+        return str(persistent)
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent

@@ -25,6 +25,15 @@ TINY = REPO / "configs" / "tiny.toml"
 NO_EVALUATOR = "trainer.eval_every=0"
 
 
+def model_cache_dir() -> Path | None:
+    """The persistent model cache of this checkout (built-in checkpoints and warm starts),
+    shared by every test session (the `warm_cache` fixture), or None when
+    STREAMRL_TEST_MODEL_CACHE= (empty) turns it off. tests/compose seeds the stack's model
+    volume from it."""
+    path = os.environ.get("STREAMRL_TEST_MODEL_CACHE", str(REPO / "build" / "model-cache"))
+    return Path(path).resolve() if path else None
+
+
 def spawn_worker(
     name: str,
     redis_url: str,

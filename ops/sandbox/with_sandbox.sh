@@ -7,7 +7,9 @@
 # run fails instead of skipping. Not root, an engine already answering at $DOCKER_HOST
 # counts as ready. Otherwise CMD runs without the sandbox, and the last line printed says
 # that the sandbox tests were skipped and why. With STREAMRL_REQUIRE_SANDBOX=1 already set
-# (CI), a host that cannot be readied is an error instead. Exits with CMD's status.
+# (CI), a host that cannot be readied is an error instead. STREAMRL_SANDBOX_HOST_READY=1:
+# the caller ran setup_host.sh itself and it succeeded (ops/make_test.sh), so it is not run
+# again. Exits with CMD's status.
 set -uo pipefail
 
 SOCK=${STREAMRL_PODMAN_SOCK:-/run/streamrl-podman.sock}
@@ -22,7 +24,7 @@ answers() { # answers URL: the Docker API at unix://PATH replies to /_ping
 
 why=""
 if [ "$(id -u)" = 0 ]; then
-  if "$HERE/setup_host.sh"; then
+  if [ "${STREAMRL_SANDBOX_HOST_READY:-}" = 1 ] || "$HERE/setup_host.sh"; then
     export DOCKER_HOST="unix://$SOCK" CONTAINERS_CONF="$CONF"
   else
     why="make sandbox-host (ops/sandbox/setup_host.sh) failed, see its output above"

@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 from streamrl.config import load_config
-from tests.helpers import REPO
+from streamrl.model.tiny import ensure_checkpoint
+from streamrl.trainer.warmstart import cache_path
+from tests.helpers import REPO, model_cache_dir
 
 # slow too: `make test` runs it through `make compose-test`, after the images are built
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
@@ -29,7 +31,9 @@ pytestmark = [pytest.mark.compose, pytest.mark.slow]
 PROJECT = "streamrl-ci"
 COMPOSE_FILE = REPO / "compose" / "compose.yaml"
 CONFIG = "configs/tiny.toml"
-STEPS = 10  # long enough that the scaling and the kills happen while it trains
+# Long enough that the scaling and the kills happen while it trains: from a seeded warm start
+# (seed_model_cache) training begins at once, and 10 steps took 40 s from `up`.
+STEPS = 16
 ENGINE = os.environ.get("STREAMRL_ENGINE_SOCKET", "/run/streamrl-podman.sock")
 SECRETS = Path(os.environ.get("STREAMRL_SECRETS", REPO / "build" / "compose-secrets"))
 PODMAN_COMPOSE = os.environ.get("PODMAN_COMPOSE", str(REPO / ".venv" / "bin" / "podman-compose"))
@@ -132,6 +136,34 @@ def teardown() -> None:
         run("podman", "network", "rm", "-f", f"{PROJECT}_default", check=False)
 
 
+def seed_model_cache() -> bool:
+    """Copy the config's built-in checkpoint and warm start from the test sessions' model
+    cache (tests/helpers.py, `model_cache_dir`) into the stack's model volume, owned by the
+    images' user: the stack's trainer and rollout then read the warm start that pytest
+    trained instead of training it again in a container (about 100 s of these 2 cores).
+    Entries are keyed by content, so they are the stack's own. False (and the stack trains
+    it, as a user's first run does) when that cache is off or has no such warm start."""
+    cache = model_cache_dir()
+    if cache is None:
+        return False
+    cfg = load_config(REPO / CONFIG, [f'model.cache_dir="{cache}"'])
+    warm = cache_path(cfg)
+    if not (warm / "config.json").is_file():
+        return False
+    ckpt = ensure_checkpoint(cfg)
+    volume = f"{PROJECT}_model-cache"
+    run("podman", "volume", "create", volume)
+    copy = "cp -R /src/. /cache/ && chown -R 10001:10001 /cache && chmod 0700 /cache"
+    run("podman", "run", "--rm", "--pull=never", "--network=none", "--user", "0",
+        "-v", f"{volume}:/cache", "-v", f"{ckpt}:/src/{ckpt.name}:ro",
+        "-v", f"{warm}:/src/{warm.name}:ro", "--entrypoint", "sh", "localhost/streamrl-light:1",
+        "-c", copy)  # fmt: skip
+    return True
+
+
+SEEDED: list[bool] = []  # whether the stack started from the seeded warm start
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[None]:
     if os.geteuid() != 0 or shutil.which("podman") is None:
@@ -142,6 +174,8 @@ def stack() -> Iterator[None]:
     if not (SECRETS / "users.acl").is_file():
         pytest.fail(f"no secrets in {SECRETS}: run it through `make compose-test`")
     teardown()  # a previous run's leftovers
+    SEEDED.append(seed_model_cache())
+    print(f"compose stack: model volume seeded from the test cache: {SEEDED[-1]}")
     try:
         yield
     finally:
@@ -198,6 +232,7 @@ def test_stack_trains_scales_and_survives(stack: None) -> None:
         120,
     )
     assert trainer_exit() is None, "the run ended before the stack was scaled: raise STEPS"
+    scaled_s = time.monotonic() - start
     # Kill one of each: the restart policy brings it back, its identity with it.
     victims = [names("tools")[1], names("grouper")[0]]
     restarts = {v: _restarts(v) for v in victims}
@@ -211,7 +246,11 @@ def test_stack_trains_scales_and_survives(stack: None) -> None:
     (code,) = wait_for("the trainer to finish", trainer_exit, 900, every_s=5)
     assert code == 0, _logs()
     elapsed = time.monotonic() - start
-    print(f"compose stack: {STEPS} trainer steps in {elapsed:.0f} s")
+    print(f"compose stack: {STEPS} trainer steps in {elapsed:.0f} s (scaled at {scaled_s:.0f} s)")
+    # The trainer read the seeded warm start, or trained it (and the rollout waited for it).
+    [trainer] = names("trainer", running=False)
+    trainer_log = run("podman", "logs", trainer, check=False).stdout
+    assert ('"warmstart.cache_hit"' if SEEDED[-1] else '"warmstart.trained"') in trainer_log
 
     # Every replica got a distinct identity (the heartbeat slots of the live ones).
     for service, n in (("tools", 3), ("grouper", 2)):

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# make_test.sh: the steps of `make test` (and so of CI), overlapped where they do not depend
+# on each other, each timed:
+#   1. the virtual environment, then ruff and mypy, while (as root) the sandbox host is
+#      readied beside them (ops/sandbox/setup_host.sh: podman, the sandbox image);
+#   2. pytest on everything not marked slow, in TEST_WORKERS processes that take whole test
+#      files, the longest first (tests/scheduling.py), while (as root) the
+#      compose stack's images and secrets are built beside it (ops/images/build.sh: mostly
+#      downloads and disk; its log is build/logs/images.log, printed when it fails);
+#   3. (as root) the compose test, `make compose-test`, once the images are there.
+# Any step that fails stops the rest (a background step is waited for first) and the script
+# exits with its status. Not root: no sandbox host unless one already answers at DOCKER_HOST
+# (ops/sandbox/with_sandbox.sh says what was skipped), no images, no compose test.
+# Environment (set by the Makefile): VENV, TEST_WORKERS, PYTEST_ARGS, CONFIG.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=$VENV/bin/python
+TEST_WORKERS=${TEST_WORKERS:-2}
+PYTEST_ARGS=${PYTEST_ARGS:-}
+LOGS=build/logs
+mkdir -p "$LOGS"
+T0=$SECONDS
+ROOT=0
+[ "$(id -u)" = 0 ] && ROOT=1
+
+say() { echo "make test: $* (at $((SECONDS - T0)) s)"; }
+fail() { # fail STATUS WHAT: waits for background steps, then exits
+  say "FAILED: $2 (exit $1)"
+  [ -n "${bg:-}" ] && wait "$bg" 2>/dev/null
+  exit "$1"
+}
+show() { # show LOG: a background step's log, indented
+  sed 's/^/  | /' "$1"
+}
+
+# 1. The venv, ruff and mypy; the sandbox host beside them.
+bg=""
+if [ $ROOT = 1 ]; then
+  ops/sandbox/setup_host.sh >"$LOGS/sandbox-host.log" 2>&1 &
+  bg=$!
+fi
+make --no-print-directory "VENV=$VENV" "$VENV/.installed" || fail $? "the virtual environment"
+say "venv ready"
+"$VENV/bin/ruff" format --check . || fail $? "ruff format --check"
+"$VENV/bin/ruff" check . || fail $? "ruff check"
+"$VENV/bin/mypy" || fail $? "mypy"
+say "ruff and mypy passed"
+if [ $ROOT = 1 ]; then
+  wait "$bg"
+  rc=$?
+  bg=""
+  show "$LOGS/sandbox-host.log"
+  if [ $rc != 0 ]; then
+    # with_sandbox.sh tries again and decides: an error under STREAMRL_REQUIRE_SANDBOX=1
+    # (CI), else the sandbox tests skip and it says why
+    say "the sandbox host could not be readied (exit $rc)"
+  else
+    export STREAMRL_SANDBOX_HOST_READY=1
+    say "sandbox host ready"
+  fi
+fi
+
+# 2. pytest; the images and the compose secrets beside it.
+if [ $ROOT = 1 ]; then
+  (VENV=$VENV ops/images/build.sh &&
+    make --no-print-directory "VENV=$VENV" ${CONFIG:+"CONFIG=$CONFIG"} compose-secrets) \
+    >"$LOGS/images.log" 2>&1 &
+  bg=$!
+fi
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+ops/sandbox/with_sandbox.sh "$PY" -m pytest -m "not slow" -n "$TEST_WORKERS" --dist loadfile \
+  --no-loadscope-reorder --durations=30 $PYTEST_ARGS || fail $? "pytest"
+say "pytest passed"
+if [ $ROOT = 0 ]; then
+  echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"
+  exit 0
+fi
+
+# 3. The compose test, once its images are built.
+wait "$bg"
+rc=$?
+bg=""
+show "$LOGS/images.log"
+[ $rc = 0 ] || fail $rc "the compose images or secrets (above)"
+say "images and secrets ready"
+make --no-print-directory "VENV=$VENV" ${CONFIG:+"CONFIG=$CONFIG"} compose-test \
+  || fail $? "the compose test"
+say "all passed"
