@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from streamrl.config import ConfigError, load_config
+from streamrl.config import Config, ConfigError, load_config
 from streamrl.run.runtime import NoRedisError
 from streamrl_workers import (
     aclcli,
@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start Redis and every worker; stop after --steps")
     _common(up)
+    up.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the values the config implies (episodes and groups in flight, backlog, "
+        "policy lag against grouper.off_policy_steps) and whether it fits; start nothing",
+    )
     up.add_argument(
         "--resume",
         metavar="RUN_DIR",
@@ -72,6 +78,24 @@ NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _fit_gate(args: argparse.Namespace, cfg: Config) -> int | None:
+    """`up --explain`: the values the config implies, and exit (2 when it is refused).
+    Otherwise an exit code when the config would drop most of its own work as stale (it
+    starts nothing), else None."""
+    from streamrl.fit import check_fit, fit
+
+    if getattr(args, "explain", False):
+        explained = fit(cfg)
+        print(explained.explain())
+        return 2 if explained.problems() else 0
+    try:
+        check_fit(cfg)
+    except ConfigError as err:
+        print(f"streamrl: {err} (streamrl up --explain shows the arithmetic)", file=sys.stderr)
+        return 2
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in NO_CONFIG:
@@ -94,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(resume or args.run_dir or Path("runs") / cfg.run.name)
     if args.command == "queues":
         return int(queuescli.main(args, cfg, run_dir))
+    if args.command in ("up", "worker") and (code := _fit_gate(args, cfg)) is not None:
+        return code
     if args.command == "up":
         from streamrl.run.launcher import Launcher
         from streamrl.tasks.registry import check_plugins

@@ -23,6 +23,7 @@ def _up(run_dir: Path, base: Path, *sets: str) -> tuple[int, str]:
     proc = up(
         run_dir, 2, f'model.checkpoint="{base}"', 'model.init="checkpoint"',
         "rollout.num_generations=2", "rollout.max_turn_tokens=16", "trainer.groups_per_step=2",
+        "rollout.max_concurrency=8",  # 4 groups of 2 in flight: 2 steps' worth (streamrl.fit)
         *sets,
     )  # fmt: skip
     out, _ = proc.communicate(timeout=300)

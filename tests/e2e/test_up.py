@@ -350,6 +350,36 @@ def test_unknown_config_key_fails_fast(tmp_path: Path) -> None:
     assert time.monotonic() - start < 10
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_config_that_drops_most_work_as_stale_starts_nothing(tmp_path: Path) -> None:
+    """Issue 29's combination (C 64, G 4, B 4, K 2: 16 groups in flight, 4 steps while one
+    runs) is refused by `up` and by a worker alone, with the arithmetic; `up --explain`
+    prints the derived values and the same refusal; a fitting config explains with exit 0."""
+    run_dir = tmp_path / "run"
+    bad = ("--set", "rollout.max_concurrency=64")
+    start = time.monotonic()
+    r = _cli("up", "--config", str(TINY), "--run-dir", str(run_dir), "--steps", "1", *bad)
+    assert r.returncode == 2, r.stderr
+    assert "1 x 64 / 4 = 16 groups in flight" in r.stderr
+    assert "trainer.groups_per_step >= 6" in r.stderr and "--explain" in r.stderr
+    assert not run_dir.exists()  # nothing started
+    w = _cli("worker", "feeder", "--config", str(TINY), "--run-dir", str(run_dir), *bad)
+    assert w.returncode == 2 and "dropped as stale" in w.stderr, w.stderr
+    assert time.monotonic() - start < 20
+    explained = _cli("up", "--config", str(TINY), "--explain", *bad)
+    assert explained.returncode == 2
+    assert "policy lag, rollout the limit  4 versions" in explained.stdout
+    assert "REFUSED: most groups would be dropped as stale" in explained.stdout
+    ok = _cli("up", "--config", str(TINY), "--explain")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "groups in flight               4 (groups of 4)" in ok.stdout
+    assert "fits:" in ok.stdout and not run_dir.exists()
+
+
 def test_stalled_trainer_pauses_rollout(
     tmp_path: Path, warm_cache: str, redis_url: str, rclient: redis.Redis, keys: Keys
 ) -> None:
