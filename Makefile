@@ -7,8 +7,12 @@ CONFIG ?= configs/tiny.toml
 PYTEST_ARGS ?=
 # Test processes of `make test` (pytest-xdist). Two on a 2-core machine: a serial run keeps
 # the cores about 60 % busy (tests wait on subprocesses, containers and sleeps); 0: one process.
-# Each takes whole test files, the longest first (tests/scheduling.py, tests/durations.json):
-# in collection order, the long end-to-end files could be left for the end, or all land on one.
+# worksteal: an idle process takes tests queued for the other (with `load`, one process got
+# the first chunk, all of the long end-to-end tests, and the other ran out of work). The
+# collection order is the right mix: one process starts on the end-to-end files (many
+# worker processes each) while the other runs the in-process tests; whole files sorted
+# longest first (tried) put two end-to-end runs side by side: 2 min slower on 2 cores, and
+# the timing-sensitive backpressure and cancel tests failed under that load.
 TEST_WORKERS ?= 2
 
 .PHONY: demo report test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host

@@ -3,8 +3,7 @@
 # on each other, each timed:
 #   1. the virtual environment, then ruff and mypy, while (as root) the sandbox host is
 #      readied beside them (ops/sandbox/setup_host.sh: podman, the sandbox image);
-#   2. pytest on everything not marked slow, in TEST_WORKERS processes that take whole test
-#      files, the longest first (tests/scheduling.py), while (as root) the
+#   2. pytest on everything not marked slow, in TEST_WORKERS processes, while (as root) the
 #      compose stack's images and secrets are built beside it (ops/images/build.sh: mostly
 #      downloads and disk; its log is build/logs/images.log, printed when it fails);
 #   3. (as root) the compose test, `make compose-test`, once the images are there.
@@ -70,8 +69,8 @@ if [ $ROOT = 1 ]; then
   bg=$!
 fi
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-ops/sandbox/with_sandbox.sh "$PY" -m pytest -m "not slow" -n "$TEST_WORKERS" --dist loadfile \
-  --no-loadscope-reorder --durations=30 $PYTEST_ARGS || fail $? "pytest"
+ops/sandbox/with_sandbox.sh "$PY" -m pytest -m "not slow" -n "$TEST_WORKERS" --dist worksteal \
+  --durations=30 $PYTEST_ARGS || fail $? "pytest"
 say "pytest passed"
 if [ $ROOT = 0 ]; then
   echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"

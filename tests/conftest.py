@@ -20,7 +20,6 @@ from streamrl.names import Keys
 from streamrl.run.redis_server import EmbeddedRedis, redis_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
-pytest_plugins = ["tests.scheduling"]  # longest test files first under xdist
 
 
 def pytest_configure(config: pytest.Config) -> None:
