@@ -197,6 +197,7 @@ def _sandbox_containers(namespace: str) -> int | None:
         client.close()
 
 
+@pytest.mark.early
 def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path, warm_cache: str) -> None:
     """The code task: its own (short) warm start, then episodes whose reward comes from
     hidden tests run in the sandbox; containers when an engine answers (CI), and none is
@@ -211,8 +212,10 @@ def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path, warm_cache: str) -> 
     # A run name of its own: the containers counted at the end are this run's only (a
     # second suite on the engine, running this test at the same time, has its own).
     name = f"e2ecode{uuid.uuid4().hex[:8]}"
+    # 250 warm-start steps (the config's 400 are for learning): 46 tool calls in a run here,
+    # where 120 made none. The test needs calls, not skill.
     proc = up(run_dir, 3, f'model.cache_dir="{warm_cache}"', f"run.name={name}",
-              config=REPO / "configs" / "code.toml")  # fmt: skip
+              "model.warmstart_steps=250", config=REPO / "configs" / "code.toml")  # fmt: skip
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     s = summary_of(run_dir)
