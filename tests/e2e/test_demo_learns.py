@@ -41,7 +41,6 @@ def _eval(cache: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
 
 
-@pytest.mark.early
 @pytest.mark.timeout(900)  # the session's warm start (about 100 s), when it runs first
 def test_the_demo_learns_and_the_gate_holds(tmp_path: Path, warm_cache: str) -> None:
     run_dir = tmp_path / "run"

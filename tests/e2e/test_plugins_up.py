@@ -30,7 +30,6 @@ def events(path: Path, name: str) -> list[dict[str, Any]]:
     return [e for e in (json.loads(x) for x in lines if x[:1] == "{") if e.get("event") == name]
 
 
-@pytest.mark.early
 def test_example_task_trains_with_its_own_tool(tmp_path: Path, warm_cache: str) -> None:
     """examples/unitconv from its own config: the task by its entry-point name, its options,
     its environment in the rollout worker and its `convert` tool in the tool workers."""

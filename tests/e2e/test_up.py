@@ -197,7 +197,6 @@ def _sandbox_containers(namespace: str) -> int | None:
         client.close()
 
 
-@pytest.mark.early
 def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path, warm_cache: str) -> None:
     """The code task: its own (short) warm start, then episodes whose reward comes from
     hidden tests run in the sandbox; containers when an engine answers (CI), and none is

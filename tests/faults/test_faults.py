@@ -339,7 +339,6 @@ def restarts(logs: Logs) -> dict[str, int]:
     return out
 
 
-@pytest.mark.early
 def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: str) -> None:
     ns = f"faults{os.getpid()}"
     sets = [f'model.cache_dir="{warm_cache}"', f"run.name={ns}", *SETS]
