@@ -327,11 +327,15 @@ class ContainerSandbox:
         """
         removed = 0
         try:
-            found = self.client.containers.list(all=True, filters={"label": LABEL})
+            # sparse: the list's own entries (labels included), no inspect of each one. A
+            # full list inspects every container it found, and one removed meanwhile (by
+            # another worker) failed the whole list: podman answers 500, not 404, so the
+            # SDK's ignore_removed does not help; `auto` then fell back to bwrap (CI).
+            found = self.client.containers.list(all=True, filters={"label": LABEL}, sparse=True)
         except _ENGINE_ERRORS as err:
             raise SandboxUnavailableError(f"cannot list containers: {err}") from err
         for c in found:
-            labels = c.labels
+            labels: dict[str, str] = c.attrs.get("Labels") or {}
             alive = _owner_alive(labels.get(LABEL_OWNER, ""))
             age = time.time() - float(labels.get(LABEL_CREATED, "0"))
             stale = labels.get(LABEL) == self.cfg.namespace and age > 2 * self.cfg.max_age_s
