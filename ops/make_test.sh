@@ -2,7 +2,9 @@
 # make_test.sh: the steps of `make test` (and so of CI), overlapped where they do not depend
 # on each other, each timed:
 #   1. the virtual environment, then ruff and mypy, while (as root) the sandbox host is
-#      readied beside them (ops/sandbox/setup_host.sh: podman, the sandbox image);
+#      readied beside them (ops/sandbox/setup_host.sh: podman, the sandbox image) and the
+#      default config's warm start is trained into the tests' model cache (ops/prewarm.py,
+#      its log build/logs/prewarm.log; it may run on into pytest, whose tests wait for it);
 #   2. pytest on everything not marked slow, in TEST_WORKERS processes, while (as root) the
 #      compose stack's images and secrets are built beside it (ops/images/build.sh: mostly
 #      downloads and disk; its log is build/logs/images.log, printed when it fails);
@@ -28,6 +30,7 @@ say() { echo "make test: $* (at $((SECONDS - T0)) s)"; }
 fail() { # fail STATUS WHAT: waits for background steps, then exits
   say "FAILED: $2 (exit $1)"
   [ -n "${bg:-}" ] && wait "$bg" 2>/dev/null
+  [ -n "${warm:-}" ] && wait "$warm" 2>/dev/null
   exit "$1"
 }
 show() { # show LOG: a background step's log, indented
@@ -42,6 +45,21 @@ if [ $ROOT = 1 ]; then
 fi
 make --no-print-directory "VENV=$VENV" "$VENV/.installed" || fail $? "the virtual environment"
 say "venv ready"
+# The default config's warm start, trained into the tests' persistent model cache beside ruff,
+# mypy and the sandbox host (ops/prewarm.py; a cache hit when it is there already). Not a
+# step that can fail the run: a test that needs it trains it (or waits on its lock).
+MODEL_CACHE=${STREAMRL_TEST_MODEL_CACHE-$PWD/build/model-cache}
+JAX_CACHE=${STREAMRL_TEST_JAX_CACHE-$PWD/build/jax-cache}
+warm=""
+if [ -n "$MODEL_CACHE" ]; then
+  (
+    if [ -n "$JAX_CACHE" ]; then
+      export JAX_COMPILATION_CACHE_DIR=$JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+    fi
+    exec "$PY" ops/prewarm.py "${CONFIG:-configs/tiny.toml}" "$MODEL_CACHE"
+  ) >"$LOGS/prewarm.log" 2>&1 &
+  warm=$!
+fi
 "$VENV/bin/ruff" format --check . || fail $? "ruff format --check"
 "$VENV/bin/ruff" check . || fail $? "ruff check"
 "$VENV/bin/mypy" || fail $? "mypy"
@@ -68,9 +86,22 @@ if [ $ROOT = 1 ]; then
     >"$LOGS/images.log" 2>&1 &
   bg=$!
 fi
+# The test timeline (tests/conftest.py): where the wall time went, printed after the
+# durations table whether pytest passed or not.
+export STREAMRL_TEST_TIMELINE=$PWD/$LOGS/timeline
+rm -rf "$STREAMRL_TEST_TIMELINE"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
 ops/sandbox/with_sandbox.sh "$PY" -m pytest -m "not slow" -n "$TEST_WORKERS" --dist worksteal \
-  --durations=30 $PYTEST_ARGS || fail $? "pytest"
+  --durations=30 $PYTEST_ARGS
+rc=$?
+"$PY" ops/test_timeline.py "$STREAMRL_TEST_TIMELINE" || true
+unset STREAMRL_TEST_TIMELINE
+if [ -n "$warm" ]; then
+  wait "$warm" || say "the warm start ahead of the tests failed (the tests trained it):" \
+    "$(tail -1 "$LOGS/prewarm.log")"
+  warm=""
+fi
+[ $rc = 0 ] || fail $rc "pytest"
 say "pytest passed"
 if [ $ROOT = 0 ]; then
   echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"

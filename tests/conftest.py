@@ -3,6 +3,7 @@ and one persistent JAX compilation cache for every test process and the workers 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -31,10 +32,45 @@ def pytest_configure(config: pytest.Config) -> None:
     if cache:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.abspath(cache))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    _XDIST_CONTROLLER.append(
+        not os.environ.get("PYTEST_XDIST_WORKER")
+        and bool(getattr(config.option, "numprocesses", None))
+    )
     import jax
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     jax.config.update("jax_platforms", "cpu")
+
+
+# The test timeline (`make test` sets STREAMRL_TEST_TIMELINE to a directory): when each test
+# started and ended, in which test process, one JSON line each in DIR/timeline-<process>.jsonl
+# (ops/test_timeline.py reads them: each process's busy and idle time, the tests that ran alone
+# at the end). CI prints its summary beside the durations table, so a slow run says where its
+# wall time went. Written by the process that ran the test (under pytest-xdist the controlling
+# process also sees every test's start and end, later, and writes nothing).
+_TIMELINE: dict[str, float] = {}
+_XDIST_CONTROLLER: list[bool] = []  # [True] in pytest-xdist's controlling process
+
+
+def _timeline_dir() -> Path | None:
+    path = os.environ.get("STREAMRL_TEST_TIMELINE")
+    return Path(path) if path else None
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    _TIMELINE[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    start = _TIMELINE.pop(nodeid, None)
+    out = _timeline_dir()
+    if start is None or out is None or any(_XDIST_CONTROLLER):
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    out.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"test": nodeid, "worker": worker, "start": start, "end": time.time()})
+    with open(out / f"timeline-{worker}.jsonl", "a") as f:
+        f.write(line + "\n")
 
 
 @pytest.fixture(scope="session")

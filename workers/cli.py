@@ -96,6 +96,18 @@ def _fit_gate(args: argparse.Namespace, cfg: Config) -> int | None:
     return None
 
 
+def keep_torch_out() -> None:
+    """Hide torch from this process: streamrl never runs it (JAX does the math; transformers
+    only tokenizes and reads checkpoint formats), but transformers 5 imports torch whenever it
+    is installed (`AutoTokenizer` -> `configuration_utils` -> `modeling_rope_utils`), about a
+    second of start-up in every rollout, trainer and evaluator process of an environment that
+    has torch for other reasons (the dev extra's test references). Marked absent, it is not
+    found (`importlib.util.find_spec` -> None) and transformers runs without it, as it does
+    in a runtime install. Nothing is hidden from a process that already imported torch."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in NO_CONFIG:
@@ -138,5 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> int:
+    """The `streamrl` command and `python -m streamrl_workers.cli` (every worker process the
+    launcher starts): `main` in a process of its own, torch kept out (`keep_torch_out`).
+    Tests call `main` in their own process, where torch stays importable."""
+    keep_torch_out()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

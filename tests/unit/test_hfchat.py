@@ -387,3 +387,26 @@ def test_chatml_needs_its_turn_tokens(tmp_path: Path) -> None:
     assert HFChat.from_dir(tmp_path).stop_ids == (0,)  # raw text is fine
     with pytest.raises(ChatError, match=r"<\|im_start\|> and <\|im_end\|> are not tokens"):
         HFChat.for_model(tmp_path, ModelConfig(chat_template="chatml"))
+
+
+def test_a_worker_process_loads_chat_without_torch(tmp_path: Path) -> None:
+    """Worker processes keep torch out (`streamrl_workers.cli.keep_torch_out`): transformers 5
+    imports it whenever it is installed (this venv has it for test references), a second of
+    start-up per rollout, trainer and evaluator process. Chat still loads and round-trips."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from streamrl_workers.cli import keep_torch_out; keep_torch_out(); "
+        "from streamrl.chat.hf import HFChat; from streamrl.chat.tiny_tokenizer import "
+        "build_tiny_tokenizer; from streamrl.config import ModelConfig; "
+        f"build_tiny_tokenizer({str(tmp_path)!r}); "
+        f"chat = HFChat.for_model({str(tmp_path)!r}, ModelConfig()); "
+        "ids = chat.encode('1+2'); assert chat.decode(ids) == '1+2', chat.decode(ids); "
+        "print('torch', sys.modules.get('torch'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch None"
