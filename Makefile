@@ -51,9 +51,10 @@ typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # ruff, mypy and pytest (everything not marked slow); as root also the sandbox host (first,
-# beside ruff and mypy; the sandbox tests must then run) and the compose test (its images
-# built beside pytest). Where there is no root, the sandbox and compose tests skip and the
-# last lines say so and why. ops/make_test.sh runs and times the steps.
+# beside ruff and mypy; the sandbox tests must then run) and the compose tests (in the same
+# pytest session, last, their images built beside the other tests). Where there is no root,
+# the sandbox and compose tests skip and the last lines say so and why. ops/make_test.sh
+# runs and times the steps.
 test:
 	VENV=$(VENV) TEST_WORKERS=$(TEST_WORKERS) PYTEST_ARGS="$(PYTEST_ARGS)" CONFIG=$(CONFIG) \
 	  ops/make_test.sh

@@ -6,9 +6,12 @@
 #      default config's warm start is trained into the tests' model cache (ops/prewarm.py,
 #      its log build/logs/prewarm.log; it may run on into pytest, whose tests wait for it);
 #   2. pytest on everything not marked slow, in TEST_WORKERS processes, while (as root) the
-#      compose stack's images and secrets are built beside it (ops/images/build.sh: mostly
-#      downloads and disk; its log is build/logs/images.log, printed when it fails);
-#   3. (as root) the compose test, `make compose-test`, once the images are there.
+#      compose stack's images and secrets are built beside it (ops/images/build.sh; its log
+#      is build/logs/images.log, printed when it fails); as root the compose tests (what
+#      `make compose-test` runs) are in the same session, collected last, and wait there
+#      for the images (tests/compose/conftest.py): one test process runs them while the
+#      other runs its last tests, rather than after every other test. A timeline of the
+#      session follows the durations table (ops/test_timeline.py).
 # Any step that fails stops the rest (a background step is waited for first) and the script
 # exits with its status. Not root: no sandbox host unless one already answers at DOCKER_HOST
 # (ops/sandbox/with_sandbox.sh says what was skipped), no images, no compose test.
@@ -79,19 +82,31 @@ if [ $ROOT = 1 ]; then
   fi
 fi
 
-# 2. pytest; the images and the compose secrets beside it.
+# 2. pytest; as root the compose stack's images and secrets are built beside it, and the
+# compose tests run in the same pytest session, last (tests/compose/conftest.py waits for
+# the images: the build writes its exit status to STREAMRL_IMAGES_READY when it ends).
+MARKS="not slow"
 if [ $ROOT = 1 ]; then
-  (VENV=$VENV ops/images/build.sh &&
-    make --no-print-directory "VENV=$VENV" ${CONFIG:+"CONFIG=$CONFIG"} compose-secrets) \
-    >"$LOGS/images.log" 2>&1 &
+  export STREAMRL_IMAGES_READY=$PWD/$LOGS/images.ready
+  rm -f "$STREAMRL_IMAGES_READY"
+  (
+    VENV=$VENV ops/images/build.sh &&
+      make --no-print-directory "VENV=$VENV" ${CONFIG:+"CONFIG=$CONFIG"} compose-secrets
+    rc=$?
+    printf '%s %s\n' "$rc" "$PWD/$LOGS/images.log" >"$STREAMRL_IMAGES_READY"
+    exit $rc
+  ) >"$LOGS/images.log" 2>&1 &
   bg=$!
+  MARKS="not slow or compose"
+  export CONTAINERS_CONF=${CONTAINERS_CONF:-/etc/streamrl/containers.conf}
+  export STREAMRL_SECRETS=$PWD/${COMPOSE_SECRETS:-build/compose-secrets}
 fi
 # The test timeline (tests/conftest.py): where the wall time went, printed after the
 # durations table whether pytest passed or not.
 export STREAMRL_TEST_TIMELINE=$PWD/$LOGS/timeline
 rm -rf "$STREAMRL_TEST_TIMELINE"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-ops/sandbox/with_sandbox.sh "$PY" -m pytest -m "not slow" -n "$TEST_WORKERS" --dist worksteal \
+ops/sandbox/with_sandbox.sh "$PY" -m pytest -m "$MARKS" -n "$TEST_WORKERS" --dist worksteal \
   --durations=30 $PYTEST_ARGS
 rc=$?
 "$PY" ops/test_timeline.py "$STREAMRL_TEST_TIMELINE" || true
@@ -101,20 +116,19 @@ if [ -n "$warm" ]; then
     "$(tail -1 "$LOGS/prewarm.log")"
   warm=""
 fi
+if [ -n "$bg" ]; then
+  wait "$bg"
+  brc=$?
+  bg=""
+  if [ $brc != 0 ]; then
+    show "$LOGS/images.log"
+    fail $brc "the compose images or secrets (above)"
+  fi
+fi
 [ $rc = 0 ] || fail $rc "pytest"
-say "pytest passed"
 if [ $ROOT = 0 ]; then
+  say "pytest passed"
   echo "make test: the compose test was SKIPPED (it needs root: make compose-test)"
   exit 0
 fi
-
-# 3. The compose test, once its images are built.
-wait "$bg"
-rc=$?
-bg=""
-show "$LOGS/images.log"
-[ $rc = 0 ] || fail $rc "the compose images or secrets (above)"
-say "images and secrets ready"
-make --no-print-directory "VENV=$VENV" ${CONFIG:+"CONFIG=$CONFIG"} compose-test \
-  || fail $? "the compose test"
-say "all passed"
+say "all passed (the compose tests with the rest)"

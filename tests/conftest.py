@@ -42,6 +42,20 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fault run, then the compose tests, last (`make test` runs the compose tests only
+    as root): pytest-xdist's worksteal gives each process a half of the list in order, and
+    these long tests at its end run beside the other process's last tests, which would
+    otherwise run alone. The compose tests also wait there for their images, built beside
+    the earlier tests (tests/compose/conftest.py)."""
+
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        return 2 if "/tests/compose/" in path else 1 if "/tests/faults/" in path else 0
+
+    items.sort(key=rank)  # stable: the order within each rank stays
+
+
 # The test timeline (`make test` sets STREAMRL_TEST_TIMELINE to a directory): when each test
 # started and ended, in which test process, one JSON line each in DIR/timeline-<process>.jsonl
 # (ops/test_timeline.py reads them: each process's busy and idle time, the tests that ran alone

@@ -9,6 +9,7 @@ Config is parsed before any heavy import, so a bad flag or key fails in millisec
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +107,9 @@ def keep_torch_out() -> None:
     in a runtime install. Nothing is hidden from a process that already imported torch."""
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
+    # ... and then it would print "PyTorch was not found. Models won't be available" to
+    # every worker's stderr (as it does in a runtime install): an advice for model users.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:

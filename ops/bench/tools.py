@@ -2,7 +2,8 @@
 
     DOCKER_HOST=unix:///run/streamrl-podman.sock .venv/bin/python ops/bench/tools.py
 
-Needs a container engine (ops/sandbox/setup_host.sh). Measures, side by side in one run:
+Needs a container engine and bubblewrap (ops/sandbox/setup_host.sh; `--backends bwrap`
+needs no engine). Measures, side by side in one run, for the container backend:
 
 - bare exec:     `exec_run` of the command in a warm container through the docker SDK
                  (the floor: what any framework pays to run a command in a container);
@@ -17,14 +18,18 @@ Needs a container engine (ops/sandbox/setup_host.sh). Measures, side by side in 
                  the tool workers' sandboxes on their call servers (`tools.call_server`);
                  and the `python` tool's `print(1)` the same two ways;
 - throughput:    calls per second with 1, 2 and 4 tool worker processes, `--inflight` calls
-                 in flight from one rollout-side client, on both paths.
+                 in flight from one rollout-side client, on both paths;
+and for the bubblewrap backend the same rows but the bare exec: `exec` is fresh namespaces
+per call (`BubblewrapSandbox` with `call_server` false), `server` the call server of a warm
+namespace (issue 28, item 3).
 
 Latencies are p50/p99 over `--calls` sequential calls; overhead = round trip - bare exec.
 `--json` prints one JSON object a line instead of the tables:
-`{"row": "round_trip", "backend": "container", "path": "exec"|"server", "tool": "shell"|"python",
-"p50_ms": ..., "p99_ms": ...}`, `{"row": "throughput", "backend": "container", "path": ...,
-"workers": N, "inflight": M, "calls_per_s": ...}` and `{"row": "sandbox", "path": "bare exec"|
-"sandbox exec"|"call server", "tool": ..., "p50_ms": ..., "p99_ms": ...}` (in-process rows).
+`{"row": "round_trip", "backend": "container"|"bwrap", "path": "exec"|"server", "tool":
+"shell"|"python", "p50_ms": ..., "p99_ms": ...}`, `{"row": "throughput", "backend": ...,
+"path": ..., "workers": N, "inflight": M, "calls_per_s": ...}` and `{"row": "sandbox",
+"backend": ..., "path": "bare exec"|"exec"|"server", "tool": ..., "p50_ms": ..., "p99_ms":
+...}` (in-process rows: the sandbox object alone, no Redis).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from streamrl.config import load_config
 from streamrl.names import Keys
 from streamrl.run.launcher import worker_command
 from streamrl.run.redis_server import EmbeddedRedis
+from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
 from streamrl.tools.client import ToolClient
 from streamrl.tools.containers import (
     CALL_ENV,
@@ -58,9 +64,11 @@ from streamrl.tools.containers import (
     ContainerSandbox,
     attach_server,
 )
+from streamrl.tools.sandbox import Sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny.toml"
+BACKENDS = ("container", "bwrap")
 COMMAND = "echo ok"
 PYTHON = ["python3", "-c", "print(1)"]
 # A tool call of each kind through ToolClient: (tool, arguments, what its output ends with).
@@ -101,15 +109,21 @@ def sandbox_exec(n: int, image: str, argv: list[str], expected: bytes) -> list[f
     )
     box.start()
     try:
-        times = []
-        for _ in range(n + 1):
-            t = time.perf_counter()
-            r = box.exec(argv, b"", 5.0, 4096)
-            times.append(time.perf_counter() - t)
-            assert r.exit_code == 0 and r.stdout == expected, r
-        return times[1:]
+        return timed_calls(box, n, argv, expected)
     finally:
         box.close()
+
+
+def timed_calls(box: Sandbox, n: int, argv: list[str], expected: bytes) -> list[float]:
+    """Seconds of each of `n` sequential calls of `argv` in `box` (after one not counted),
+    each checked for exit 0 and `expected` on stdout."""
+    times = []
+    for _ in range(n + 1):
+        t = time.perf_counter()
+        r = box.exec(argv, b"", 5.0, 4096)
+        times.append(time.perf_counter() - t)
+        assert r.exit_code == 0 and r.stdout == expected, r
+    return times[1:]
 
 
 def call_server(n: int, image: str, argv: list[str]) -> list[float]:
@@ -139,9 +153,9 @@ def call_server(n: int, image: str, argv: list[str]) -> list[float]:
 class Pipeline:
     """An embedded Redis plus tool worker processes of one run namespace."""
 
-    def __init__(self, tmp: Path, call_server: bool) -> None:
+    def __init__(self, tmp: Path, backend: str, call_server: bool) -> None:
         self.tmp = tmp
-        self.sets = ["run.name=bench", "tools.sandbox=container"]
+        self.sets = ["run.name=bench", f"tools.sandbox={backend}"]
         self.sets.append(f"tools.call_server={str(call_server).lower()}")
         self.redis = EmbeddedRedis(tmp / "redis", appendonly=False).start()
         self.keys = Keys("bench")
@@ -204,6 +218,9 @@ async def throughput(pipe: Pipeline, calls: int, inflight: int, tag: str) -> flo
     return rate
 
 
+PATHS = ("exec", "server")  # tools.call_server false / true
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=200, help="sequential calls per latency")
@@ -211,58 +228,64 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=16)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--image", default="streamrl-sandbox:1")
+    parser.add_argument(
+        "--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+        help="sandbox backends measured (default both)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="JSON lines instead of tables")
     args = parser.parse_args()
     # The sandboxes' log lines go to stderr: stdout holds the tables or the JSON lines.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    if not os.environ.get("DOCKER_HOST"):
+    if "container" in args.backends and not os.environ.get("DOCKER_HOST"):
         sys.exit("DOCKER_HOST is not set: run ops/sandbox/setup_host.sh and export it")
-    bare = bare_exec(args.calls, args.image)
-    box = sandbox_exec(args.calls, args.image, ["/bin/sh", "-c", COMMAND], b"ok\n")
-    server = call_server(args.calls, args.image, ["/bin/sh", "-c", COMMAND])
-    box_py = sandbox_exec(args.calls, args.image, PYTHON, b"1\n")
-    server_py = call_server(args.calls, args.image, PYTHON)
-    rt: dict[bool, dict[str, list[float]]] = {}
-    rates: dict[bool, dict[int, float]] = {}
-    for server_path in (False, True):
-        rt[server_path], rates[server_path] = pipeline_rows(args, server_path)
+    # In-process rows: (backend, path, tool) -> latencies.
+    inproc: dict[tuple[str, str, str], list[float]] = {}
+    shell = ["/bin/sh", "-c", COMMAND]
+    if "container" in args.backends:
+        inproc["container", "bare exec", "shell"] = bare_exec(args.calls, args.image)
+        inproc["container", "exec", "shell"] = sandbox_exec(args.calls, args.image, shell, b"ok\n")
+        inproc["container", "server", "shell"] = call_server(args.calls, args.image, shell)
+        inproc["container", "exec", "python"] = sandbox_exec(args.calls, args.image, PYTHON, b"1\n")
+        inproc["container", "server", "python"] = call_server(args.calls, args.image, PYTHON)
+    if "bwrap" in args.backends:
+        for path in PATHS:
+            for tool, argv, out in (("shell", shell, b"ok\n"), ("python", PYTHON, b"1\n")):
+                inproc["bwrap", path, tool] = bwrap_exec(args.calls, argv, out, path == "server")
+    # Pipeline rows: (backend, path) -> (round trips by tool, calls/s by workers).
+    piped = {(b, path): pipeline_rows(args, b, path == "server")
+             for b in args.backends for path in PATHS}  # fmt: skip
     if args.json:
-        print_json(args, bare, box, server, box_py, server_py, rt, rates)
+        print_json(args, inproc, piped)
         return
-    base = statistics.median(bare)
-    print(f"command: sh -c '{COMMAND}'; {args.calls} sequential calls; cpus {os.cpu_count()}")
-    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'p50 over bare ms':>17}")
-    rows = (("bare exec", bare), ("sandbox exec", box), ("call server", server),
-            ("round trip", rt[False]["shell"]), ("rt via server", rt[True]["shell"]))  # fmt: skip
-    for name, xs in rows:
-        p50 = statistics.median(xs)
-        print(
-            f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {(p50 - base) * 1e3:>17.2f}"
-        )
-    print(f"python3 -c 'print(1)': {args.calls} sequential calls")
-    print(f"{'path':<14} {'p50 ms':>8} {'p99 ms':>8} {'x sandbox exec':>15}")
-    py_rt, py_server_rt = rt[False]["python"], rt[True]["python"]
-    py_rows = (("sandbox exec", box_py), ("call server", server_py),
-               ("round trip", py_rt), ("rt via server", py_server_rt))  # fmt: skip
-    for name, xs in py_rows:
-        p50 = statistics.median(xs)
-        ratio = p50 / statistics.median(box_py)
-        print(f"{name:<14} {p50 * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f} {ratio:>15.2f}")
-    print(f"{'tool workers':<14} {'exec calls/s':>12} {'server calls/s':>14} {'x exec':>7}")
-    for n, rate in rates[False].items():
-        fast = rates[True][n]
-        print(f"{n:<14} {rate:>12.1f} {fast:>14.1f} {fast / rate:>7.2f}")
+    print(f"{args.calls} sequential calls; cpus {os.cpu_count()}; p50 / p99 ms")
+    print(f"{'backend':<10} {'tool':<7} {'path':<10} {'sandbox':>16} {'round trip':>16}")
+    for (backend, path, tool), xs in inproc.items():
+        rt = piped[backend, path][0].get(tool) if path in PATHS else None
+        rts = f"{statistics.median(rt) * 1e3:.2f} / {pct(rt, 0.99) * 1e3:.2f}" if rt else "-"
+        lat = f"{statistics.median(xs) * 1e3:.2f} / {pct(xs, 0.99) * 1e3:.2f}"
+        print(f"{backend:<10} {tool:<7} {path:<10} {lat:>16} {rts:>16}")
+    print(f"throughput: {args.throughput_calls} calls, {args.inflight} in flight; calls/s")
+    print(f"{'backend':<10} {'workers':>7} {'exec':>8} {'server':>8} {'x exec':>7}")
+    for backend in args.backends:
+        for n in args.workers:
+            slow, fast = piped[backend, "exec"][1][n], piped[backend, "server"][1][n]
+            print(f"{backend:<10} {n:>7} {slow:>8.1f} {fast:>8.1f} {fast / slow:>7.2f}")
+
+
+def bwrap_exec(n: int, argv: list[str], expected: bytes, server: bool) -> list[float]:
+    """`argv` through `BubblewrapSandbox.exec`: fresh namespaces per call, or the call
+    server of a warm namespace (issue 28, item 3)."""
+    box = BubblewrapSandbox(BubblewrapConfig(call_server=server))
+    try:
+        return timed_calls(box, n, argv, expected)
+    finally:
+        box.close()
 
 
 def print_json(
     args: argparse.Namespace,
-    bare: list[float],
-    box: list[float],
-    server: list[float],
-    box_py: list[float],
-    server_py: list[float],
-    rt: dict[bool, dict[str, list[float]]],
-    rates: dict[bool, dict[int, float]],
+    inproc: dict[tuple[str, str, str], list[float]],
+    piped: dict[tuple[str, str], tuple[dict[str, list[float]], dict[int, float]]],
 ) -> None:
     """The rows as JSON lines (see the module doc)."""
 
@@ -270,32 +293,27 @@ def print_json(
         return {"p50_ms": round(statistics.median(xs) * 1e3, 3),
                 "p99_ms": round(pct(xs, 0.99) * 1e3, 3), "calls": len(xs)}  # fmt: skip
 
-    sandbox = (("bare exec", "shell", bare), ("sandbox exec", "shell", box),
-               ("call server", "shell", server), ("sandbox exec", "python", box_py),
-               ("call server", "python", server_py))  # fmt: skip
-    for path, tool, xs in sandbox:
-        print(json.dumps({"row": "sandbox", "backend": "container", "path": path,
+    for (backend, path, tool), xs in inproc.items():
+        print(json.dumps({"row": "sandbox", "backend": backend, "path": path,
                           "tool": tool, **ms(xs)}))  # fmt: skip
-    for server_path, by_tool in rt.items():
-        path = "server" if server_path else "exec"
-        for tool, xs in by_tool.items():
-            print(json.dumps({"row": "round_trip", "backend": "container", "path": path,
+    for (backend, path), (rt, rates) in piped.items():
+        for tool, xs in rt.items():
+            print(json.dumps({"row": "round_trip", "backend": backend, "path": path,
                               "tool": tool, **ms(xs)}))  # fmt: skip
-    for server_path, by_workers in rates.items():
-        path = "server" if server_path else "exec"
-        for n, rate in by_workers.items():
-            print(json.dumps({"row": "throughput", "backend": "container", "path": path,
+        for n, rate in rates.items():
+            print(json.dumps({"row": "throughput", "backend": backend, "path": path,
                               "workers": n, "inflight": args.inflight,
                               "calls_per_s": round(rate, 2)}))  # fmt: skip
 
 
 def pipeline_rows(
-    args: argparse.Namespace, call_server: bool
+    args: argparse.Namespace, backend: str, call_server: bool
 ) -> tuple[dict[str, list[float]], dict[int, float]]:
-    """Round trips and throughput through rq and tool worker processes, whose container
-    sandboxes run calls by exec or through their call server (`tools.call_server`)."""
+    """Round trips and throughput through rq and tool worker processes, whose sandboxes
+    (`tools.sandbox` = backend) run calls by exec / fresh namespaces or through their call
+    servers (`tools.call_server`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        pipe = Pipeline(Path(tmp), call_server)
+        pipe = Pipeline(Path(tmp), backend, call_server)
         try:
             pipe.scale(1)
             rt = {kind: asyncio.run(round_trips(pipe, args.calls, kind)) for kind in TOOL_CALLS}

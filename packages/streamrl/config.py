@@ -696,14 +696,19 @@ class ToolsConfig(_Section):
     call_server: bool = Field(
         True,
         description=(
-            "Container sandbox: run calls through a call server in each warm container "
-            "(one attached stream, calls forked in the container, `python3 -c` forked from "
-            "a pre-imported interpreter: about 10 ms a call against about 100-200 ms for an "
-            "exec; docs/BENCHMARKS.md). false: an exec per call."
+            "Run calls through a call server in each warm sandbox: a container's main "
+            "process (one attached stream, calls forked in the container, `python3 -c` forked "
+            "from a pre-imported interpreter: about 10 ms a call against about 100-200 ms for "
+            "an exec), or PID 1 of a warm bubblewrap namespace (about 10 ms against 30-45 ms "
+            "for fresh namespaces; docs/BENCHMARKS.md). false: an exec per container call, "
+            "fresh namespaces per bubblewrap call."
         ),
     )
     recycle_after: int = Field(
-        200, ge=1, le=1_000_000, description="Calls a container serves before it is replaced."
+        200,
+        ge=1,
+        le=1_000_000,
+        description="Calls a container or warm bubblewrap namespace serves before it is replaced.",
     )
     non_idempotent: list[str] = Field(
         default_factory=list,

@@ -1,8 +1,10 @@
 """The compose images, built (`ops/images/build.sh`, what `make images` runs) and run the way
 the compose stack runs them: read-only root, /tmp a tmpfs, no network, as uid 10001.
 
-Needs root and podman (`make sandbox-host`); run by `make compose-test`. Marked slow as well
-as compose, so that `make test` (`-m "not slow"`) leaves it out."""
+Needs root and podman (`make sandbox-host`); run by `make compose-test`, and by `make test`
+as root (`-m "not slow or compose"`, collected last, once the images are built beside the
+other tests: tests/compose/conftest.py). Marked slow as well as compose, so that a plain
+`-m "not slow"` run leaves it out."""
 
 from __future__ import annotations
 

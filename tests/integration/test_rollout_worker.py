@@ -48,10 +48,16 @@ def config(claim_idle_ms: int = 100, **rollout: Any) -> Config:
 
 
 class SleepyRunner:
-    """Stands in for the EpisodeRunner: each episode sleeps `episode_s`, then ends ok."""
+    """Stands in for the EpisodeRunner: each episode sleeps `episode_s`, then ends ok.
 
-    def __init__(self, episode_s: float) -> None:
+    `together`: the members of a task end at one moment (`episode_s` after the first one
+    started), woken by one future, so all of them end in the same turn of the event loop;
+    else each sleeps on its own, and on a loaded machine they may end turns apart."""
+
+    def __init__(self, episode_s: float, together: bool = False) -> None:
         self.episode_s = episode_s
+        self.together = together
+        self._ends: dict[str, asyncio.Future[None]] = {}
         self.ran: list[tuple[str, int]] = []
         self.running = 0
         self.most_running = 0
@@ -61,7 +67,14 @@ class SleepyRunner:
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
-            await asyncio.sleep(self.episode_s)
+            if self.together:
+                if t.task_id not in self._ends:
+                    loop = asyncio.get_running_loop()
+                    end = self._ends[t.task_id] = loop.create_future()
+                    loop.call_later(self.episode_s, end.set_result, None)
+                await asyncio.shield(self._ends[t.task_id])
+            else:
+                await asyncio.sleep(self.episode_s)
         finally:
             self.running -= 1
         return traj(t, member, float(member))
@@ -287,7 +300,7 @@ def test_backpressure_counts_groups_ended_but_not_yet_committed(
     counts it, or a burst of ending episodes would read a whole wave past the bound."""
     cfg = config(max_concurrency=G, max_ready_groups=1)
     write_tasks(rclient, keys, cfg, 3)
-    runner = SleepyRunner(0.5)
+    runner = SleepyRunner(0.5, together=True)  # a burst: every member ends in one turn
     worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
     release = asyncio.Event()
     real_commit = worker.input.acommit

@@ -410,3 +410,4 @@ def test_a_worker_process_loads_chat_without_torch(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch None"
+    assert "PyTorch" not in out.stderr, out.stderr  # no advice printed to worker logs

@@ -213,6 +213,18 @@ CREATE_VARIATIONS = {
         _set("HostConfig", "Tmpfs", {"/tmp": "rw,nosuid,nodev,noexec,size=1,uid=0"}),
         "HostConfig.Tmpfs options for /tmp must be from",
     ),
+    # Review N6: a tmpfs is memory; the mounts together may not pass the container's.
+    "tmpfs larger than memory": (
+        _set(
+            "HostConfig",
+            "Tmpfs",
+            {
+                "/tmp": "rw,nosuid,nodev,noexec,size=300m",
+                "/work": "rw,nosuid,nodev,noexec,size=64m",
+            },
+        ),
+        "HostConfig.Tmpfs sizes add up to 364 MiB, more than Memory (256 MiB)",
+    ),
     "ulimit memlock": (
         _set("HostConfig", "Ulimits", [{"Name": "memlock", "Soft": 1, "Hard": 1}]),
         "HostConfig.Ulimits[0].Name is not allowed",
@@ -433,3 +445,27 @@ def test_check_container_wants_the_label_and_the_image() -> None:
     other = copy.deepcopy(sandbox)
     other["Config"]["Image"] = "postgres:16"
     assert "does not run the sandbox image" in check_container(other, CFG)
+
+
+def test_a_container_config_whose_tmpfs_outgrows_its_memory_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the proxy refuses (review N6) fails at the config: the two tmpfs mounts must
+    fit in the container's memory; `tools.memory_mb` below 256 shrinks them to a quarter."""
+    with pytest.raises(ValueError, match=r"tmpfs_bytes \(67108864\) x 2"):
+        ContainerConfig(memory_bytes=64 * 2**20)
+    ContainerConfig(memory_bytes=128 * 2**20)  # 2 x 64 MiB: fits exactly
+    from streamrl.config import ToolsConfig
+    from streamrl.tools import jobs
+
+    built: dict[str, Any] = {}
+
+    def builder(**kw: Any) -> Callable[[str], Any]:
+        built.update(kw)
+        return lambda kind: None
+
+    monkeypatch.setattr(jobs, "builder", builder)
+    monkeypatch.setattr(jobs, "WorkerSandbox", lambda *a: a)
+    jobs.open_sandbox(ToolsConfig(memory_mb=32), "ns", "w", cast(Any, None))
+    assert built["container"].tmpfs_bytes == 8 * 2**20
+    assert built["container"].memory_bytes == 32 * 2**20

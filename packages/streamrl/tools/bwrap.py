@@ -1,12 +1,39 @@
-"""The bubblewrap sandbox: a tool call in fresh Linux namespaces, for hosts with no engine.
+"""The bubblewrap sandbox: tool calls in Linux namespaces, for hosts with no engine.
 
-Each call runs under `bwrap` in new user, pid, network, ipc, uts and cgroup namespaces
-(no network at all, further user namespaces disallowed), with every capability dropped, a
-clean environment, a new session (no terminal injection), and a root that holds only
-/usr (read-only, with the /bin and /lib* links), a private /proc and /dev, and size-capped
-tmpfs /tmp and /work; the root itself is remounted read-only. rlimits come from `prlimit`
-as in `SubprocessSandbox`. A root worker drops the call to an unprivileged uid (`setpriv`)
-before bwrap.
+Two ways (`BubblewrapConfig.call_server`, from `tools.call_server`):
+
+Warm namespaces (the default; issue 28). A namespace lives for up to `recycle_after`
+calls with the call server (`streamrl.tools.callserver`, the container backend's) as its
+PID 1, reached through a socket that is its stdin and stdout; each call is forked by the
+server, `python3 -c` from its pre-imported interpreter (about 10 ms a call, against 30-45 ms
+for fresh namespaces). One namespace per call in flight: a pool of idle ones, a new one
+when none is idle. The server empties /work and /tmp after every call, kills what the call
+left and enforces its time limit, output cap and rlimits (CPU, address space
+`memory_bytes`, file size); a limit hit, a death by a signal, an unclean cleanup or a broken
+stream retires the namespace (bwrap killed: as PID 1 the server takes every process of the
+namespace with it), as do `recycle_after` calls.
+  - As root: no user namespace (a namespace that bwrap makes as root maps one uid, and the
+    server must be another uid than its calls). Every capability is dropped but
+    CAP_SETUID, CAP_SETGID and CAP_KILL, which the server keeps and each call loses when
+    it drops to the namespace's call uid: one of a range (`call_uid_base`), claimed under
+    a file lock so that no other namespace on the host has it, which makes RLIMIT_NPROC
+    (`max_processes`) count this namespace's calls alone. No new privileges, nosuid
+    mounts; /tmp and /work are 1777.
+    A call cannot signal, trace or replace the server (another uid, not dumpable). What
+    fresh namespaces have and this has not: nested user namespaces are not disabled (a call
+    may make one: inside the same empty network, read-only /usr, no new privileges).
+  - Not root: the user namespace and its limits of a fresh call (nested user namespaces
+    disabled), and the calls run as the server's own uid: a call can kill the server (the
+    namespace is then retired and the call reported as failed) but not trace it; the
+    process limit is that uid's tasks when the namespace was made plus `max_processes`.
+
+Fresh namespaces (`call_server` false). Each call runs under `bwrap` in new user, pid,
+network, ipc, uts and cgroup namespaces (no network at all, further user namespaces
+disallowed), with every capability dropped, a clean environment, a new session (no terminal
+injection), and a root that holds only /usr (read-only, with the /bin and /lib* links), a
+private /proc and /dev, and size-capped tmpfs /tmp and /work; the root itself is remounted
+read-only. rlimits come from `prlimit` as in `SubprocessSandbox`. A root worker drops the
+call to an unprivileged uid (`setpriv`) before bwrap.
 
 The deadline, the kill and the output cap are `SubprocessSandbox`'s. The command is PID 1
 of its pid namespace (`--as-pid-1`): when it exits or bwrap is killed
@@ -30,10 +57,20 @@ with bwrap's message as its stderr. The call cannot fake it: its code runs only 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import random
 import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
 
+from streamrl.tools.callclient import CallChannel, CallChannelError, server_command
 from streamrl.tools.sandbox import (
     ExecResult,
     SandboxUnavailableError,
@@ -43,6 +80,9 @@ from streamrl.tools.sandbox import (
 )
 
 WORKDIR = "/work"
+UID_DIR = Path("/run/streamrl/bwrap-uids")  # a root worker's claims on call uids
+# A call's whole environment (what a fresh call's bwrap sets with --clearenv --setenv).
+CALL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
@@ -53,14 +93,30 @@ class BubblewrapConfig:
     memory_bytes: int = 512 * 2**20  # address space of each process (RLIMIT_AS)
     max_processes: int = 64  # tasks one call may add to its uid's on the host (RLIMIT_NPROC)
     tmpfs_bytes: int = 64 * 2**20  # size of each of /tmp and /work
-    run_as_uid: int = 65534  # uid and gid a root worker drops the call to
+    run_as_uid: int = 65534  # uid and gid a root worker drops a fresh call to
     python: str = "/usr/bin/python3"  # the interpreter a python tool runs with (under /usr)
+    call_server: bool = True  # calls through a call server in a warm namespace (module doc)
+    # A root worker's warm namespaces each run their calls as a uid of their own from this
+    # range (claimed under a lock in UID_DIR), so that RLIMIT_NPROC counts that namespace's
+    # calls alone. Used by nothing else on the host.
+    call_uid_base: int = 1_900_000_000
+    call_uid_slots: int = 65536
+    recycle_after: int = 200  # calls one warm namespace serves before it is replaced
+    start_timeout_s: float = 10.0  # a new namespace's server must answer its ping by then
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 16 * 2**20 or self.tmpfs_bytes < 2**20:
             raise ValueError("memory_bytes must be >= 16 MiB and tmpfs_bytes >= 1 MiB")
         if self.max_processes < 4 or self.run_as_uid <= 0:
             raise ValueError("max_processes must be >= 4 and run_as_uid > 0")
+        if not (
+            self.call_uid_base >= 1000 and self.call_uid_base + self.call_uid_slots < 2**32 - 1
+        ):
+            raise ValueError("call uids must lie in [1000, 2**32 - 1)")
+        if self.recycle_after < 1 or self.start_timeout_s <= 0 or self.call_uid_slots < 1:
+            raise ValueError(
+                "recycle_after and call_uid_slots must be >= 1 and start_timeout_s > 0"
+            )
         if not self.python.startswith("/usr/"):
             raise ValueError("python must live under /usr: nothing else is in the sandbox")
 
@@ -82,6 +138,9 @@ class BubblewrapSandbox:
                 f"the bubblewrap sandbox needs {', '.join(missing)} (apt-get install "
                 "bubblewrap util-linux, or run ops/sandbox/setup_host.sh)"
             )
+        self._lock = threading.Lock()
+        self._idle: list[_Server] = []  # warm namespaces between calls (call_server)
+        self._closed = False
         self._bwrap = str(tools["bwrap"])
         self._prlimit = str(tools["prlimit"])
         self._setpriv = tools["setpriv"]
@@ -100,6 +159,16 @@ class BubblewrapSandbox:
     ) -> ExecResult:
         """Run one call; raises `SandboxUnavailableError` when bubblewrap could not start
         it (see the module doc)."""
+        if self.cfg.call_server:
+            return self._serve(
+                portable_argv(argv, self.cfg.python), stdin, time_limit_s, output_cap
+            )
+        return self._exec_fresh(argv, stdin, time_limit_s, output_cap)
+
+    def _exec_fresh(
+        self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
+    ) -> ExecResult:
+        """One call in namespaces of its own (`call_server` false)."""
         status_r, status_w = os.pipe()
         try:
             cmd = self._command(portable_argv(argv, self.cfg.python), time_limit_s, status_w)
@@ -119,7 +188,155 @@ class BubblewrapSandbox:
         return result
 
     def close(self) -> None:
-        """Nothing to release: a call's namespaces die with it."""
+        """Stop every warm namespace (a fresh call's namespaces die with it)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._closed = True
+        for server in idle:
+            server.stop()
+
+    def _serve(
+        self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
+    ) -> ExecResult:
+        """One call through a warm namespace's call server. A server found gone before the
+        request left (killed while idle) is replaced and the call sent once more."""
+        for attempt in range(2):
+            server = self._acquire()
+            try:
+                reply = server.channel.call(
+                    argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR,
+                    self.cfg.tmpfs_bytes, memory_bytes=self.cfg.memory_bytes,
+                )  # fmt: skip
+            except BaseException:
+                server.stop()
+                raise
+            server.calls += 1
+            if reply.reusable and server.calls < self.cfg.recycle_after:
+                self._release(server)
+            else:
+                server.stop()
+            if reply.sent or attempt:
+                break
+        r = reply.result
+        stderr = r.stderr
+        if reply.error is not None:
+            stderr += f"\n[sandbox: {reply.error}]".encode()
+        return ExecResult(r.exit_code, r.stdout, stderr, r.timed_out, r.truncated, r.duration_s)
+
+    def _acquire(self) -> _Server:
+        with self._lock:
+            if self._closed:
+                raise SandboxUnavailableError("the bubblewrap sandbox is closed")
+            if self._idle:
+                return self._idle.pop()
+        return self._start_server()
+
+    def _release(self, server: _Server) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(server)
+                return
+        server.stop()
+
+    def _start_server(self) -> _Server:
+        """A new warm namespace with the call server as its PID 1, answering a ping."""
+        claim = self._claim_uid() if os.geteuid() == 0 else None
+        uid = claim[0] if claim else os.getuid()
+        parent, child = socket.socketpair()
+        err = tempfile.TemporaryFile()  # noqa: SIM115  (kept open for the server's life)
+        try:
+            proc = subprocess.Popen(
+                self._server_command(uid),
+                stdin=child.fileno(),
+                stdout=child.fileno(),
+                stderr=err,
+                cwd="/",
+                close_fds=True,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            parent.close()
+            err.close()
+            if claim:
+                claim[1].close()
+            raise SandboxUnavailableError(f"cannot start bubblewrap: {exc}") from exc
+        finally:
+            child.close()
+        channel = CallChannel(parent, grace_s=5.0, engine_frames=False,
+                              stderr_tail=lambda: _tail(err))  # fmt: skip
+        server = _Server(proc, parent, err, channel, claim[1] if claim else None)
+        try:
+            channel.ping(timeout_s=self.cfg.start_timeout_s)
+        except (CallChannelError, ValueError) as exc:
+            said = channel.server_stderr.strip()[-500:]
+            server.stop()
+            raise SandboxUnavailableError(
+                f"the call server in bubblewrap did not answer: {exc}"
+                + (f"; it said: {said}" if said else "")
+            ) from exc
+        return server
+
+    def _claim_uid(self) -> tuple[int, IO[str]]:
+        """A call uid of the range no live namespace on this host uses, and its lock file
+        (held while the namespace lives; released with the file, or when this process
+        dies). Tried from a random slot, so that workers starting together spread out."""
+        cfg = self.cfg
+        UID_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        first = random.randrange(cfg.call_uid_slots)
+        for k in range(cfg.call_uid_slots):
+            uid = cfg.call_uid_base + (first + k) % cfg.call_uid_slots
+            lock = open(UID_DIR / str(uid), "a")  # noqa: SIM115  (held by the namespace)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            return uid, lock
+        raise SandboxUnavailableError(f"all {cfg.call_uid_slots} call uids are in use")
+
+    def _server_command(self, uid: int) -> list[str]:
+        """prlimit, then bwrap with the call server as PID 1 of its namespaces; calls run as
+        `uid`. As root: no user namespace, every capability dropped but CAP_SETUID,
+        CAP_SETGID and CAP_KILL (the server runs each call as `uid`, which has none and
+        which no other process uses, so RLIMIT_NPROC = `max_processes` counts this
+        namespace's calls alone; the server, root, is not held to it); /tmp and /work mode
+        1777. Not root: a user namespace as for a fresh call, nested ones disabled, and the
+        calls run as the server's own uid (the worker's), whose tasks now plus
+        `max_processes` is the limit."""
+        cfg = self.cfg
+        root = os.geteuid() == 0
+        size = str(cfg.tmpfs_bytes)
+        nproc = cfg.max_processes if root else tasks_of(uid) + cfg.max_processes
+        cmd = [self._prlimit, f"--nproc={nproc}", "--core=0", "--", self._bwrap]
+        if root:
+            cmd += [
+                "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                "--unshare-cgroup-try",
+                "--cap-drop", "ALL",
+                "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL",
+            ]  # fmt: skip
+        else:
+            cmd += ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+        perms = ["--perms", "1777"] if root else []
+        cmd += [
+            "--die-with-parent",
+            "--as-pid-1",
+            "--new-session",
+            "--clearenv",
+            *[a for k, v in CALL_ENV.items() for a in ("--setenv", k, v)],
+            "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr",
+            *_top_dirs(),
+            "--proc", "/proc",
+            "--dev", "/dev",
+            *perms, "--size", size, "--tmpfs", "/tmp",
+            *perms, "--size", size, "--tmpfs", WORKDIR,
+            "--chdir", WORKDIR,
+            "--remount-ro", "/",
+            "--",
+            *server_command((WORKDIR, "/tmp"), f"{uid}:{uid}", cfg.python),
+        ]  # fmt: skip
+        return cmd
 
     def _command(self, argv: list[str], time_limit_s: float, status_fd: int) -> list[str]:
         cfg = self.cfg
@@ -147,9 +364,7 @@ class BubblewrapSandbox:
             "--cap-drop",
             "ALL",
             "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin",
-            "--setenv", "LANG", "C.UTF-8",
-            "--setenv", "HOME", WORKDIR,
+            *[a for k, v in CALL_ENV.items() for a in ("--setenv", k, v)],
             "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr",
             *_top_dirs(),
@@ -163,6 +378,40 @@ class BubblewrapSandbox:
             *argv,
         ]  # fmt: skip
         return cmd
+
+
+@dataclass
+class _Server:
+    """One warm namespace: bwrap and its call server, and our end of the server's stdio."""
+
+    proc: subprocess.Popen[bytes]
+    sock: socket.socket
+    err: IO[bytes]  # the server's stderr (an unlinked file)
+    channel: CallChannel
+    uid_lock: IO[str] | None  # the claim on the call uid (root workers)
+    calls: int = 0
+
+    def stop(self) -> None:
+        """Kill bwrap (`--die-with-parent`: the namespace and every call in it die with it)
+        and release the stream and the stderr file."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self.sock.close()
+        self.err.close()
+        if self.uid_lock is not None:
+            self.uid_lock.close()  # the uid is free once the namespace is gone
+
+
+def _tail(f: IO[bytes], size: int = 4096) -> bytes:
+    """The last `size` bytes written to `f` (an unlinked file)."""
+    try:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(0, end - size))
+        return f.read()
+    except (OSError, ValueError):
+        return b""
 
 
 def tasks_of(uid: int) -> int:

@@ -22,7 +22,7 @@ import itertools
 import selectors
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +63,23 @@ class Reply:
 class CallChannel:
     """One call server's stdio, attached: one call at a time (not thread-safe)."""
 
-    def __init__(self, sock: socket.socket, grace_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        grace_s: float = 5.0,
+        *,
+        engine_frames: bool = True,
+        stderr_tail: Callable[[], bytes] | None = None,
+    ) -> None:
+        """`sock` carries the server's stdio: with `engine_frames` (a container's attached
+        stream) its stdout and stderr in the engine's frames, else its stdout alone (a
+        socket that is the server's fd 1, as the bubblewrap backend gives it); then
+        `stderr_tail` reads the tail of its stderr for messages."""
         self.sock = sock
         self.grace_s = grace_s
         self._ids = itertools.count(1)
+        self._engine_frames = engine_frames
+        self._stderr_tail = stderr_tail
         self._engine = bytearray()  # engine frames not yet split
         self._out = bytearray()  # the server's stdout: call server frames not yet parsed
         self._err = bytearray()  # the tail of the server's own stderr
@@ -74,7 +87,8 @@ class CallChannel:
 
     @property
     def server_stderr(self) -> str:
-        return self._err.decode(errors="replace")
+        err = self._stderr_tail() if self._stderr_tail is not None else bytes(self._err)
+        return err.decode(errors="replace")
 
     def ping(self, timeout_s: float) -> Mapping[str, object]:
         """The server's description once it answers (a readiness check)."""
@@ -97,7 +111,10 @@ class CallChannel:
         env: Mapping[str, str],
         cwd: str,
         fsize_bytes: int,
+        memory_bytes: int = 0,
     ) -> Reply:
+        """One call; `memory_bytes` its RLIMIT_AS (0: none, a container's memory limit
+        bounds it)."""
         start = time.monotonic()
         request_id = next(self._ids)
         call = callserver.Call(
@@ -106,7 +123,7 @@ class CallChannel:
             time_limit_s=time_limit_s,
             output_cap=output_cap,
             cpu_s=int(time_limit_s) + 1,
-            memory_bytes=0,  # the container's memory limit bounds a call
+            memory_bytes=memory_bytes,
             fsize_bytes=fsize_bytes,
             env=dict(env),
             cwd=cwd,
@@ -217,6 +234,9 @@ class CallChannel:
             return
         if not chunk:
             self._broken = "the call server's stream ended (the server exited)"
+            return
+        if not self._engine_frames:
+            self._out += chunk
             return
         self._engine += chunk
         while len(self._engine) >= _ENGINE_FRAME_HEADER:

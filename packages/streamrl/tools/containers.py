@@ -142,6 +142,11 @@ class ContainerConfig:
             raise ValueError(f"namespace {self.namespace!r} must match {_NAME_OK.pattern}")
         if self.memory_bytes < 16 * 2**20 or self.tmpfs_bytes < 2**20:
             raise ValueError("memory_bytes must be >= 16 MiB and tmpfs_bytes >= 1 MiB")
+        if 2 * self.tmpfs_bytes > self.memory_bytes:  # the sandbox proxy refuses it too
+            raise ValueError(
+                f"tmpfs_bytes ({self.tmpfs_bytes}) x 2 (/tmp and /work) must fit in "
+                f"memory_bytes ({self.memory_bytes}): tmpfs pages are the container's memory"
+            )
         if self.pids_limit < 8 or self.recycle_after < 1 or self.pool_size < 0:
             raise ValueError("pids_limit must be >= 8, recycle_after >= 1, pool_size >= 0")
         if self.max_containers < self.pool_size + 1 or self.max_starting < 1:

@@ -78,6 +78,8 @@ def open_sandbox(
         namespace=namespace,
         worker_id=worker_id,
         memory_bytes=cfg.memory_mb * 2**20,
+        # each of /tmp and /work: 64 MiB, or a quarter of a smaller container's memory
+        tmpfs_bytes=min(64 * 2**20, cfg.memory_mb * 2**20 // 4),
         pids_limit=cfg.pids_limit,
         cpus=cfg.cpus,
         pool_size=cfg.pool_size,
@@ -86,7 +88,11 @@ def open_sandbox(
         recycle_after=cfg.recycle_after,
         call_server=cfg.call_server,
     )
-    bwrap = BubblewrapConfig(max_processes=max(4, cfg.pids_limit))
+    bwrap = BubblewrapConfig(
+        max_processes=max(4, cfg.pids_limit),
+        call_server=cfg.call_server,
+        recycle_after=cfg.recycle_after,
+    )
     return WorkerSandbox(cfg.sandbox, builder(container=container, bwrap=bwrap, log=log), log)
 
 

@@ -319,12 +319,33 @@ HOST_CONFIG: Mapping[str, Field] = {
 }
 
 
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def _tmpfs_bytes(tmpfs: Mapping[str, str]) -> int:
+    """The sizes of the (already checked) tmpfs mounts, added up."""
+    total = 0
+    for opts in tmpfs.values():
+        for o in opts.split(","):
+            if o.startswith("size="):
+                digits = o[5:].rstrip("kmg")
+                total += int(digits) * _SIZE_UNITS[o[5 + len(digits) :]]
+    return total
+
+
 def check_host_config(value: object, cfg: ProxyConfig) -> str | None:
     if not isinstance(value, dict):
         return "must be an object"
     fault = check_object(value, HOST_CONFIG, cfg)
     if not fault and value["MemorySwap"] != value["Memory"]:
         fault = "MemorySwap must equal Memory (no swap)"
+    if not fault and (tmpfs := _tmpfs_bytes(value.get("Tmpfs") or {})) > value["Memory"]:
+        # Review N6: tmpfs pages are the container's memory; mounts larger than it only
+        # move the limit from the mount to the kernel's OOM killer.
+        fault = (
+            f"Tmpfs sizes add up to {tmpfs // 2**20} MiB, more than Memory "
+            f"({value['Memory'] // 2**20} MiB)"
+        )
     return f".{fault}" if fault else None
 
 
