@@ -40,6 +40,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     jax.config.update("jax_platforms", "cpu")
+    if _timeline_dir() is not None:
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -59,10 +61,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The test timeline (`make test` sets STREAMRL_TEST_TIMELINE to a directory): when each test
 # started and ended, in which test process, one JSON line each in DIR/timeline-<process>.jsonl
 # (ops/test_timeline.py reads them: each process's busy and idle time, the tests that ran alone
-# at the end). CI prints its summary beside the durations table, so a slow run says where its
-# wall time went. Written by the process that ran the test (under pytest-xdist the controlling
-# process also sees every test's start and end, later, and writes nothing).
-_TIMELINE: dict[str, float] = {}
+# at the end, the XLA compile seconds of the tests that compile most in their own process).
+# CI prints its summary beside the durations table, so a slow run says where its wall time
+# went. Written by the process that ran the test (under pytest-xdist the controlling process
+# also sees every test's start and end, later, and writes nothing).
+_TIMELINE: dict[str, tuple[float, float]] = {}  # test -> (start, compile seconds before)
+_COMPILE_S = [0.0]  # XLA compile seconds in this process so far (timeline on)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _count_compile(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    if event == _COMPILE_EVENT:
+        _COMPILE_S[0] += duration_secs
+
+
 _XDIST_CONTROLLER: list[bool] = []  # [True] in pytest-xdist's controlling process
 
 
@@ -72,17 +84,21 @@ def _timeline_dir() -> Path | None:
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    _TIMELINE[nodeid] = time.time()
+    _TIMELINE[nodeid] = (time.time(), _COMPILE_S[0])
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    start = _TIMELINE.pop(nodeid, None)
+    began = _TIMELINE.pop(nodeid, None)
     out = _timeline_dir()
-    if start is None or out is None or any(_XDIST_CONTROLLER):
+    if began is None or out is None or any(_XDIST_CONTROLLER):
         return
+    start, compiled = began
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     out.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"test": nodeid, "worker": worker, "start": start, "end": time.time()})
+    # compile_s: XLA compiles in the test process itself (not in the workers it starts)
+    compile_s = round(_COMPILE_S[0] - compiled, 3)
+    row = {"test": nodeid, "worker": worker, "start": start, "end": time.time()}
+    line = json.dumps({**row, "compile_s": compile_s})
     with open(out / f"timeline-{worker}.jsonl", "a") as f:
         f.write(line + "\n")
 
