@@ -4,6 +4,8 @@ bound and against a synchronous barrier, per latency mix and max_concurrency.
     .venv/bin/python ops/bench/stragglers.py                     # quick: C 8,64, heavy mix
     .venv/bin/python ops/bench/stragglers.py --concurrency 1,8,32,64,128,256 \
         --mixes fixed50,fixed500,heavy,lognormal --null --out results.json  # the full sweep
+    .venv/bin/python ops/bench/stragglers.py --mixes heavy --concurrency 64 --tools 1,2,4
+        # beside it: every step a real sandbox call through 1, 2, 4 tool workers
 
 Each async run is a whole `streamrl up` with configs/stub.toml (embedded Redis with AOF,
 feeder, one rollout worker, grouper, trainer, two idle tool workers), the synthetic task
@@ -50,6 +52,13 @@ Definitions (C = rollout.max_concurrency, G = rollout.num_generations):
   the trainer's `train_step` event whose `group_ids` holds its group. It includes waiting
   for the rest of the group and for a full step of `trainer.groups_per_step` groups.
 - in flight: mean episodes running, by Little's law: steady episodes/s x T (at most C).
+
+Tools mode (`--tools N,N`): every environment step a real `shell` call (`echo ok`) through
+the run's tool workers and sandboxes (`task.options.latency = "tool"`, the config's
+`tools.sandbox`), C = `--tools-concurrency`, `--tools-groups` groups, once per tool worker
+count: episodes/s and tool calls/s (whole-run window as above), the sandbox backend the
+workers used, and the trajectory-to-trained latency. No bound: a call's time is measured,
+not drawn.
 
 Null mode (`--null`): model and environment 0 ms, C = `--null-concurrency`, `--null-groups`
 groups: episodes/s (whole-run window as above) and each process's CPU seconds per 1,000
@@ -442,6 +451,60 @@ def run_null(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return row
 
 
+def run_tools(args: argparse.Namespace, work: Path, workers: int) -> dict[str, Any]:
+    """The tools mode: every environment step a real `shell` call (`echo ok`) through the
+    run's tool workers and their sandboxes (`task.options.latency = "tool"`; the sandbox
+    is the config's, `tools.sandbox = "auto"` unless --set says otherwise), the stub model
+    at --model-ms, C = --tools-concurrency, `workers` tool workers."""
+    c, g, groups = args.tools_concurrency, args.generations, whole_steps(args.tools_groups)
+    model_s = args.model_ms / 1000
+    run_dir = work / f"tools-c{c}-w{workers}"
+    extra = ['task.options.latency="tool"', f"tools.num_workers={workers}"]
+    sets = base_sets(c, g, model_s, [*extra, *args.set])
+    r = up(run_dir, groups, sets, args.timeout_s or 600)
+    row: dict[str, Any] = {"C": c, "G": g, "groups": groups, "workers": workers,
+                           "wall_s": r.wall_s}  # fmt: skip
+    if r.timed_out or r.returncode != 0:
+        row["failed"] = "timed out" if r.timed_out else f"rc {r.returncode}"
+        row["output_tail"] = r.output_tail
+        return row
+    m = measure(run_dir)
+    row.update(asdict(m))
+    row["episodes_per_s"] = m.episodes / m.window_s
+    row["calls_per_s"] = m.episodes * TURNS / m.window_s
+    row["steady_episodes_per_s"] = m.steady_groups_per_s * g
+    backends = [
+        e.get("backend")
+        for path in sorted((run_dir / "logs").glob("tools-*.log"))
+        for e in events(path)
+        if e.get("event") == "sandbox_backend"
+    ]
+    row["sandbox"] = ",".join(sorted({str(b) for b in backends})) or "?"
+    return row
+
+
+def print_tools(rows: list[dict[str, Any]], model_ms: float) -> None:
+    r0 = rows[0]
+    print(
+        f"\n### tools mode: each of {TURNS} steps a real `shell` call (`echo ok`), stub model "
+        f"{model_ms:g} ms, C = {r0['C']}, {r0['groups']} groups\n"
+    )
+    print(
+        "| tool workers | sandbox | episodes/s (whole / steady) | tool calls/s"
+        " | latency p50 / p99 (s) |"
+    )
+    print("|---:|---|---:|---:|---:|")
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['workers']} | - | {r['failed']} |||")
+            continue
+        print(
+            f"| {r['workers']} | {r['sandbox']} | {r['episodes_per_s']:.1f} / "
+            f"{r['steady_episodes_per_s']:.1f} | {r['calls_per_s']:.1f} "
+            f"| {r['latency_p50_s']:.2f} / {r['latency_p99_s']:.2f} |"
+        )
+
+
 def fmt(x: Any, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -507,6 +570,12 @@ def main() -> None:
     p.add_argument("--null", action="store_true", help="also the null mode")
     p.add_argument("--null-concurrency", type=int, default=128)
     p.add_argument("--null-groups", type=int, default=2000)
+    p.add_argument(
+        "--tools", type=ints, default=[], metavar="N,N",
+        help="also the tools mode (every step a real sandbox call) with these tool workers",
+    )  # fmt: skip
+    p.add_argument("--tools-concurrency", type=int, default=64)
+    p.add_argument("--tools-groups", type=int, default=400)
     p.add_argument("--timeout-s", type=float, default=0, help="per run; 0: from its size")
     p.add_argument("--set", action="append", default=[], help="more config overrides")
     p.add_argument("--out", type=Path, help="write every figure as JSON here")
@@ -529,7 +598,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown mix or mode: {unknown}")
 
-    results: dict[str, Any] = {"mixes": {}, "null": None}
+    results: dict[str, Any] = {"mixes": {}, "null": None, "tools": []}
     with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
         work = Path(tmp)
         for mix in mixes:
@@ -553,6 +622,9 @@ def main() -> None:
         if args.null:
             results["null"] = run_null(args, work)
             print_null(results["null"])
+        if args.tools:
+            results["tools"] = [run_tools(args, work, n) for n in args.tools]
+            print_tools(results["tools"], args.model_ms)
         if args.keep:
             kept = Path(tempfile.mkdtemp(prefix="stragglers-kept-"))
             subprocess.run(["cp", "-r", f"{work}/.", str(kept)], check=True)

@@ -189,6 +189,39 @@ def test_synthetic_episode_takes_its_turns() -> None:
     assert asyncio.run(go()) == [False, False, True]
 
 
+class RecordingTools:
+    """The tool workers' client, answering each call at once (what a step sends)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+
+    async def call(self, name: str, arguments: str, call_id: str) -> ToolResult:
+        self.calls.append((name, arguments, call_id))
+        return ToolResult(call_id=call_id, ok=True, output="ok", worker="w")
+
+
+def test_synthetic_tool_steps_are_real_calls() -> None:
+    """`latency = "tool"`: each step is one call of the tool (the shell's `echo ok` by
+    default), its id derived from the step, its output the next observation."""
+    cfg = cfg_with(name="synthetic", options={"turns": 3, "latency": "tool"})
+    tools = RecordingTools()
+    episodes = load_episodes(cfg, tools, ToolLimits())
+    task = make_task(cfg.task, 0, 5, 4)
+
+    async def go() -> list[tuple[bool, list[str]]]:
+        agent, env = episodes.make(task, 1)
+        await env.reset()
+        out = []
+        for i in range(3):
+            r = await env.step(agent.act("x"), f"c{i}")
+            out.append((r.done, r.observations))
+        return out
+
+    assert asyncio.run(go()) == [(False, ["ok"]), (False, ["ok"]), (True, [])]
+    assert tools.calls == [("shell", '{"command": "echo ok"}', f"c{i}-step{i}") for i in range(3)]
+    assert SyntheticOptions(latency="tool").draw(random.Random(0)) == 0.0
+
+
 def test_example_package_uses_only_the_public_api() -> None:
     """The worked example imports streamrl only as `from streamrl import api`."""
     for path in (REPO / "examples" / "unitconv" / "unitconv").glob("*.py"):

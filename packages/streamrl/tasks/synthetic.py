@@ -6,6 +6,9 @@ distribution with a generator seeded by the run seed, the group, the member and 
 so a run is repeatable and a replayed episode waits the same. A step either awaits
 (`blocking = false`: a tool that yields, like a sandbox call) or blocks a thread
 (`blocking = true`: a synchronous tool, run on the event loop's default executor).
+With `latency = "tool"` each step is instead a real call of the tool `tool` (default the
+`shell` tool running `tool_args`' `echo ok`) through the run's tool workers and their
+sandboxes: the step takes what the call takes (ops/bench/stragglers.py `--tools`).
 
 Pair it with the stub policy (`model.kind = "stub"`) and a whole `streamrl up` runs at the
 speed of Redis and the orchestration alone (ops/bench/). `rollout.max_steps` must be at
@@ -35,12 +38,18 @@ class SyntheticOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     turns: int = Field(2, ge=1, le=10_000, description="Environment steps per episode.")
-    latency: Literal["fixed", "mixture", "lognormal"] = Field(
+    latency: Literal["fixed", "mixture", "lognormal", "tool"] = Field(
         "fixed",
         description=(
             "Step latency: `fixed` (latency_s), `mixture` (one of `mixture`'s latencies by "
-            "its probability), `lognormal` (median latency_s, log-std sigma, capped)."
+            "its probability), `lognormal` (median latency_s, log-std sigma, capped), `tool` "
+            "(each step a real call of `tool` with `tool_args` through the tool workers)."
         ),
+    )
+    tool: str = Field("shell", min_length=1, description="The tool a `tool` step calls.")
+    tool_args: dict[str, Any] = Field(
+        default_factory=lambda: {"command": "echo ok"},
+        description="The arguments of each `tool` step's call.",
     )
     latency_s: float = Field(0.05, ge=0, le=3600, description="Fixed latency; lognormal median.")
     mixture: list[tuple[float, float]] = Field(
@@ -69,7 +78,9 @@ class SyntheticOptions(BaseModel):
         return self
 
     def draw(self, rng: random.Random) -> float:
-        """One step's latency in seconds."""
+        """One step's latency in seconds (0 for `tool`: the call takes what it takes)."""
+        if self.latency == "tool":
+            return 0.0
         if self.latency == "fixed":
             return self.latency_s
         if self.latency == "mixture":
@@ -94,6 +105,8 @@ class SyntheticEnvironment(Environment):
         return Reset(prompt=self.ctx.task.prompt)
 
     async def step(self, action: Action, call_prefix: str) -> StepResult:
+        if self.options.latency == "tool":
+            return await self._tool_step(action, call_prefix)
         seconds = self.options.draw(self.ctx.rng("latency", self.steps))
         self.steps += 1
         if self.options.blocking:
@@ -102,6 +115,21 @@ class SyntheticEnvironment(Environment):
             await asyncio.sleep(seconds)
         if self.steps < self.options.turns:
             return StepResult(observations=[f"step {self.steps} done"], done=False)
+        reward = await self.ctx.score(action.answer, [], CallContext(f"{call_prefix}-score"))
+        return StepResult(observations=[], done=True, reward=reward)
+
+    async def _tool_step(self, action: Action, call_prefix: str) -> StepResult:
+        """One real tool call (its id derived from the step, so a replayed step is the same
+        call); a failed call is an observation, an infrastructure failure ends the episode
+        as one (`ToolInfraError`)."""
+        tool = self.ctx.sandbox_tool(self.options.tool)
+        out = await tool.apply_async(
+            self.options.tool_args, CallContext(f"{call_prefix}-step{self.steps}")
+        )
+        self.steps += 1
+        if self.steps < self.options.turns:
+            seen = out.output if out.ok else f"error: {out.error}"
+            return StepResult(observations=[seen], done=False)
         reward = await self.ctx.score(action.answer, [], CallContext(f"{call_prefix}-score"))
         return StepResult(observations=[], done=True, reward=reward)
 
