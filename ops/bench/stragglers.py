@@ -474,7 +474,7 @@ def run_tools(args: argparse.Namespace, work: Path, workers: int) -> dict[str, A
     row["calls_per_s"] = m.episodes * TURNS / m.window_s
     row["steady_episodes_per_s"] = m.steady_groups_per_s * g
     backends = [
-        e.get("backend")
+        e.get("kind")
         for path in sorted((run_dir / "logs").glob("tools-*.log"))
         for e in events(path)
         if e.get("event") == "sandbox_backend"
