@@ -30,7 +30,13 @@ def load(log_dir: Path) -> list[Row]:
             if line.strip():
                 d = json.loads(line)
                 rows.append(
-                    Row(str(d["test"]), str(d["worker"]), float(d["start"]), float(d["end"]))
+                    Row(
+                        str(d["test"]),
+                        str(d["worker"]),
+                        float(d["start"]),
+                        float(d["end"]),
+                        float(d.get("compile_s", 0.0)),
+                    )
                 )
     return rows
 
@@ -76,14 +82,15 @@ def main() -> None:
     ends = sorted(max(r.end for r in rows if r.worker == w) for w in workers)
     alone_from = ends[-2] if len(ends) > 1 else t0
     print(f"the last {t1 - alone_from:.0f} s ran in one process alone; the last tests:")
-    compiled = sum(r.compile_s for r in rows)
-    print(f"XLA compiles in the test processes themselves: {compiled:.0f} s; the most:")
-    for r in sorted(rows, key=lambda r: r.compile_s)[-args.tail :][::-1]:
-        print(f"  {r.compile_s:>6.1f} s of {r.end - r.start:>6.1f} s  {r.test}")
     last = sorted(rows, key=lambda r: r.end)[-args.tail :]
     for r in last:
         s, e = r.start - t0, r.end - t0
         print(f"  {r.worker:<6} {s:>7.0f} -> {e:>6.0f} s ({e - s:>5.0f} s)  {r.test}")
+
+    compiled = sum(r.compile_s for r in rows)
+    print(f"XLA compiles in the test processes themselves: {compiled:.0f} s; the most:")
+    for r in sorted(rows, key=lambda r: r.compile_s)[-args.tail :][::-1]:
+        print(f"  {r.compile_s:>6.1f} s of {r.end - r.start:>6.1f} s  {r.test}")
 
 
 if __name__ == "__main__":
