@@ -430,20 +430,34 @@ def run_point(
     return row
 
 
+def measured_up(
+    row: dict[str, Any], run_dir: Path, sets: list[str], timeout_s: float
+) -> tuple[Run, Measured] | None:
+    """One `streamrl up` of row["groups"] groups, measured into `row` (its figures,
+    episodes/s whole and steady, wall_s); None, with row["failed"] and the output's tail,
+    when it timed out or failed."""
+    r = up(run_dir, row["groups"], sets, timeout_s)
+    row["wall_s"] = r.wall_s
+    if r.timed_out or r.returncode != 0:
+        row["failed"] = "timed out" if r.timed_out else f"rc {r.returncode}"
+        row["output_tail"] = r.output_tail
+        return None
+    m = measure(run_dir)
+    row.update(asdict(m))
+    row["episodes_per_s"] = m.episodes / m.window_s
+    row["steady_episodes_per_s"] = m.steady_groups_per_s * row["G"]
+    return r, m
+
+
 def run_null(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     c, g, groups = args.null_concurrency, args.generations, whole_steps(args.null_groups)
     run_dir = work / f"null-c{c}"
     sets = base_sets(c, g, 0.0, ['task.options.latency="fixed"', "task.options.latency_s=0.0"])
-    r = up(run_dir, groups, [*sets, *args.set], args.timeout_s or 300)
-    row: dict[str, Any] = {"C": c, "G": g, "groups": groups, "wall_s": r.wall_s}
-    if r.timed_out or r.returncode != 0:
-        row["failed"] = "timed out" if r.timed_out else f"rc {r.returncode}"
-        row["output_tail"] = r.output_tail
+    row: dict[str, Any] = {"C": c, "G": g, "groups": groups}
+    done = measured_up(row, run_dir, [*sets, *args.set], args.timeout_s or 300)
+    if done is None:
         return row
-    m = measure(run_dir)
-    row.update(asdict(m))
-    row["episodes_per_s"] = m.episodes / m.window_s
-    row["steady_episodes_per_s"] = m.steady_groups_per_s * g
+    r, m = done
     row["cpu_s_per_1000"] = {
         name: cpu_in(s, m.start, m.last_group) / m.episodes * 1000
         for name, s in sorted(r.cpu.items())
@@ -461,18 +475,12 @@ def run_tools(args: argparse.Namespace, work: Path, workers: int) -> dict[str, A
     run_dir = work / f"tools-c{c}-w{workers}"
     extra = ['task.options.latency="tool"', f"tools.num_workers={workers}"]
     sets = base_sets(c, g, model_s, [*extra, *args.set])
-    r = up(run_dir, groups, sets, args.timeout_s or 600)
-    row: dict[str, Any] = {"C": c, "G": g, "groups": groups, "workers": workers,
-                           "wall_s": r.wall_s}  # fmt: skip
-    if r.timed_out or r.returncode != 0:
-        row["failed"] = "timed out" if r.timed_out else f"rc {r.returncode}"
-        row["output_tail"] = r.output_tail
+    row: dict[str, Any] = {"C": c, "G": g, "groups": groups, "workers": workers}
+    done = measured_up(row, run_dir, sets, args.timeout_s or 600)
+    if done is None:
         return row
-    m = measure(run_dir)
-    row.update(asdict(m))
-    row["episodes_per_s"] = m.episodes / m.window_s
+    m = done[1]
     row["calls_per_s"] = m.episodes * TURNS / m.window_s
-    row["steady_episodes_per_s"] = m.steady_groups_per_s * g
     backends = [
         e.get("kind")
         for path in sorted((run_dir / "logs").glob("tools-*.log"))
