@@ -1,9 +1,10 @@
 """Train a config's warm start into a model cache ahead of the tests that need it.
 
-`make test` runs this beside ruff and mypy (one core is otherwise idle there) for the default
-config, into the tests' persistent model cache (tests/helpers.model_cache_dir): the first
-end-to-end test then reads the warm start instead of training it (about 95 s of one core)
-while its neighbour competes for the CPU. The cache key and file lock are
+`make test` runs this beside ruff and mypy for the default config, into the tests'
+persistent model cache (tests/helpers.model_cache_dir): the end-to-end tests and the compose
+stack's seeding then read it. On 2 cores it saves little wall time (measured: the warm start
+took 293 s under contention and the first end-to-end test waited for it; the suite is
+CPU-bound, this moves the work earlier rather than removing it). The cache key and file lock are
 streamrl.trainer.warmstart's own, so a test that starts while this still trains waits for
 it and reads its result, as a rollout worker waits for its trainer.
 
