@@ -154,6 +154,26 @@ def test_a_server_killed_while_idle_is_replaced_and_the_call_runs(
     assert sandbox._idle and sandbox._idle[0] is not server
 
 
+def test_a_namespace_outlives_the_thread_that_started_it(sandbox: BubblewrapSandbox) -> None:
+    """Calls run on pool threads (a tool worker's, asyncio.to_thread's) that come and go;
+    a warm namespace started by one stays warm after that thread ends. (bwrap's
+    --die-with-parent follows the thread that forked it, PR_SET_PDEATHSIG being per
+    thread: namespaces forked by pool threads died with them, and a call sent while one
+    was dying failed: a flaky code-task test in CI.)"""
+    for server in sandbox._idle:  # the constructor's probe's, started on this thread
+        server.stop()
+    sandbox._idle.clear()
+    with ThreadPoolExecutor(1) as pool:
+        r = pool.submit(sandbox.exec, ["echo", "a"], b"", 5.0, 4096).result()
+    assert (r.exit_code, r.stdout) == (0, b"a\n"), r
+    [server] = sandbox._idle
+    time.sleep(0.5)  # a death by the thread's end would show by now
+    assert server.proc.poll() is None
+    r = sandbox.exec(["echo", "b"], b"", 5.0, 4096)
+    assert (r.exit_code, r.stdout) == (0, b"b\n"), r
+    assert sandbox._idle == [server] and server.calls == 2
+
+
 def test_namespaces_have_call_uids_of_their_own_and_free_them(sandbox: BubblewrapSandbox) -> None:
     """Two namespaces in flight at once (two sandboxes here, as two tool workers would
     have) never share a call uid: RLIMIT_NPROC counts each one's calls alone, so a fork

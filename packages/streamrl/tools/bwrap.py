@@ -66,6 +66,8 @@ import socket
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -84,6 +86,35 @@ UID_DIR = Path("/run/streamrl/bwrap-uids")  # a root worker's claims on call uid
 # A call's whole environment (what a fresh call's bwrap sets with --clearenv --setenv).
 CALL_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": WORKDIR}
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+class _Spawner:
+    """Forks every warm namespace from one thread that lives as long as the process.
+
+    bwrap's `--die-with-parent` is PR_SET_PDEATHSIG, which follows the *thread* that forked
+    it: a namespace started on a pool thread (a tool worker's, `asyncio.to_thread`'s) died
+    when that thread ended, and a call sent to it while it was dying failed. The main
+    thread forks for itself; any other hands the fork to this process's spawner thread (one
+    per pid: a forked child makes its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, fork: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        """`fork()` (which starts the process) run on a thread that does not end."""
+        if threading.current_thread() is threading.main_thread():
+            return fork()
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="bwrap-spawn")
+                self._pid = os.getpid()
+            pool = self._pool
+        return pool.submit(fork).result()
+
+
+_SPAWNER = _Spawner()
 
 
 @dataclass(frozen=True)
@@ -245,14 +276,16 @@ class BubblewrapSandbox:
         parent, child = socket.socketpair()
         err = tempfile.TemporaryFile()  # noqa: SIM115  (kept open for the server's life)
         try:
-            proc = subprocess.Popen(
-                self._server_command(uid),
-                stdin=child.fileno(),
-                stdout=child.fileno(),
-                stderr=err,
-                cwd="/",
-                close_fds=True,
-                start_new_session=True,
+            proc = _SPAWNER.start(
+                lambda: subprocess.Popen(
+                    self._server_command(uid),
+                    stdin=child.fileno(),
+                    stdout=child.fileno(),
+                    stderr=err,
+                    cwd="/",
+                    close_fds=True,
+                    start_new_session=True,
+                )
             )
         except OSError as exc:
             parent.close()
