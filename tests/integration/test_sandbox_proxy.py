@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,7 +31,7 @@ import docker
 import docker.errors
 import pytest
 
-from streamrl.tools.containers import LABEL, ContainerConfig, ContainerSandbox
+from streamrl.tools.containers import LABEL, OWNER_HEADER, ContainerConfig, ContainerSandbox
 from tests.helpers import sandbox_engine
 
 pytestmark = pytest.mark.integration
@@ -145,6 +146,7 @@ def test_what_a_tool_worker_must_not_do_is_refused(
 ) -> None:
     url, log = proxy
     client = docker.DockerClient(base_url=url, timeout=30)
+    client.api.headers[OWNER_HEADER] = secrets.token_hex(16)  # a tool worker's, not sandbox's
     hardened = sandbox._run_options()  # what the sandbox sends, varied one thing at a time
     names = [f"streamrl-{NS}-evil-{i}" for i in range(6)]
     variations: list[tuple[dict[str, Any], str]] = [
@@ -193,6 +195,45 @@ def test_what_a_tool_worker_must_not_do_is_refused(
     reasons = [e["reason"] for e in events if e["event"] == "sandbox_proxy_refused"]
     assert any("HostConfig.Privileged is not allowed" in r for r in reasons)
     assert any("only for the call server's own command" in r for r in reasons)
+
+
+def test_a_sandbox_is_bound_to_the_client_that_made_it(
+    proxy: tuple[str, Path], sandbox: ContainerSandbox
+) -> None:
+    """Review N6: every tool worker of a compose stack is the proxy's peer as the same uid,
+    so the peer's credentials cannot tell one from another. Each sandbox sends a random
+    owner token of its own (OWNER_HEADER); the proxy binds a container, and each exec, to
+    the token that made it: another client (another tool worker) can neither exec into,
+    attach to nor start it, and a client without a token may not create or exec at all.
+    The sandbox's own calls go on."""
+    url, _ = proxy
+    cid = sandbox.container_ids[0]
+    user = sandbox.cfg.call_user
+    other = docker.DockerClient(base_url=url, timeout=30)
+    anonymous = docker.DockerClient(base_url=url, timeout=30)
+    try:
+        other.api.headers[OWNER_HEADER] = secrets.token_hex(16)
+        why = _refused(lambda: other.api.exec_create(cid, ["id"], user=user))
+        assert "another client's sandbox" in why
+        assert "another client's sandbox" in _refused(lambda: other.api.start(cid))
+        params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
+        with pytest.raises(docker.errors.APIError, match="another client's sandbox"):
+            other.api.attach_socket(cid, params=params)
+        why = _refused(lambda: anonymous.api.exec_create(cid, ["id"], user=user))
+        assert OWNER_HEADER in why
+        opts = {**sandbox._run_options(), "name": f"streamrl-{NS}-anonymous"}
+        image = opts.pop("image", sandbox.cfg.image)
+        why = _refused(functools.partial(anonymous.containers.create, image, **opts))
+        assert OWNER_HEADER in why
+        # An exec made by the owner is the owner's too.
+        own = sandbox.client.api.exec_create(cid, ["true"], user=user)["Id"]
+        assert "another client's exec" in _refused(lambda: other.api.exec_inspect(own))
+        assert sandbox.client.api.exec_inspect(own)["ID"] == own
+    finally:
+        other.close()
+        anonymous.close()
+    r = py(sandbox, "print('mine')")
+    assert (r.exit_code, r.stdout) == (0, b"mine\n"), r
 
 
 def _raw(url: str, request: bytes) -> tuple[int, str]:

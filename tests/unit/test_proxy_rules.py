@@ -18,14 +18,17 @@ from urllib.parse import urlencode, urlsplit
 import docker
 import pytest
 
-from streamrl.tools.containers import ContainerConfig, ContainerSandbox, _Warm
+from streamrl.tools.containers import OWNER_HEADER, ContainerConfig, ContainerSandbox, _Warm
 from streamrl.tools.proxy_rules import (
+    BOUND_ROUTES,
+    ROUTES,
     ProxyConfig,
     Refused,
     Request,
     body_length,
     check_container,
     check_request,
+    owner_token,
     parse_head,
 )
 
@@ -469,3 +472,22 @@ def test_a_container_config_whose_tmpfs_outgrows_its_memory_is_refused(
     jobs.open_sandbox(ToolsConfig(memory_mb=32), "ns", "w", cast(Any, None))
     assert built["container"].tmpfs_bytes == 8 * 2**20
     assert built["container"].memory_bytes == 32 * 2**20
+
+
+def test_bound_routes_need_an_owner_token_and_lifecycle_routes_do_not() -> None:
+    """Review N6: what runs code in a sandbox carries the token of the sandbox that made it
+    (the server compares it with the creator's); a missing, short or non-hex token is
+    refused; removal and the other lifecycle requests need none (a restarted worker reaps
+    its predecessor's containers)."""
+    token = "0123456789abcdef" * 2
+    req = http_request("POST", f"/containers/{CID}/exec")
+    routes = {r.name: r for r in ROUTES}
+    assert set(BOUND_ROUTES) <= set(routes)
+    for name in ("exec_create", "exec_start", "container_start", "container_attach"):
+        for bad in ({}, {OWNER_HEADER: "abc"}, {OWNER_HEADER: "g" * 32}):
+            with pytest.raises(Refused, match=OWNER_HEADER):
+                owner_token(http_request("POST", "/x", headers=bad), routes[name])
+        assert owner_token(http_request("POST", "/x", headers={OWNER_HEADER: token}),
+                           routes[name]) == token  # fmt: skip
+    for name in ("container_remove", "container_kill", "container_inspect", "container_list"):
+        assert name not in BOUND_ROUTES and owner_token(req, routes[name]) == ""

@@ -26,6 +26,7 @@ import contextlib
 import os
 import random
 import re
+import secrets
 import selectors
 import socket
 import struct
@@ -50,6 +51,9 @@ LABEL = "streamrl.sandbox"  # value: the namespace
 LABEL_WORKER = "streamrl.worker"
 LABEL_OWNER = "streamrl.owner"  # host:pid:start ticks of the owning process
 LABEL_CREATED = "streamrl.created"  # unix seconds
+# Sent on every engine request: a random token per sandbox, to which the sandbox proxy
+# binds the containers and execs it creates (review N6: compose's tool workers share a uid).
+OWNER_HEADER = "X-Streamrl-Owner"
 WORKDIR = "/work"
 # Every place a call may write (podman mounts tmpfs on /var/tmp and /dev/shm of a read-only
 # container too): emptied after each call.
@@ -187,6 +191,9 @@ class ContainerSandbox:
         # What error messages call the engine: the URL, and where it came from.
         self.where = f"DOCKER_HOST={url}" if url else f"{_DEFAULT_URL} (DOCKER_HOST is unset)"
         self.client = _connect(config, url or _DEFAULT_URL, self.where)
+        # This sandbox's token (the SDK's session sends it on every request): the proxy
+        # binds what this sandbox creates to it. A direct engine ignores it.
+        self.client.api.headers[OWNER_HEADER] = secrets.token_hex(16)
         self.owner = _own_owner()
         self._idle: list[_Warm] = []
         self._live: dict[str, _Warm] = {}

@@ -21,6 +21,15 @@ default, for the tools user's group) and forwards to the engine only the request
 worker reap its predecessor's containers). The request then names the container by its
 full id, so a name cannot be re-pointed between the check and the use.
 
+Every tool worker of a compose stack is this socket's peer as the same uid, so the peer's
+credentials cannot tell them apart (review N6). Each `ContainerSandbox` sends a random token
+of its own (`OWNER_HEADER`) on every request; a container or exec is bound to the token of
+the request that created it, and the routes that run code or carry a call's data (create,
+start, attach, exec create/start/inspect: `proxy_rules.BOUND_ROUTES`) must carry that
+token: no tool worker can exec into or attach to another's sandbox. The lifecycle routes
+need none (a restarted worker, a new token, reaps its predecessor's containers), and a
+container this proxy did not create is no one's for the bound routes.
+
 Everything else is answered 403 with {"message": "... refused by the streamrl sandbox
 proxy: <reason>"} (the docker SDK shows it) and logged with the reason. The rules (**) are
 data, in `streamrl.tools.proxy_rules`, apart from this server: a body key not listed is
@@ -56,6 +65,7 @@ import structlog
 from streamrl.run.tasks import cancel_and_wait
 from streamrl.tools.containers import LABEL
 from streamrl.tools.proxy_rules import (
+    BOUND_ROUTES,
     FULL_ID,
     REFUSED,
     Allowed,
@@ -65,6 +75,7 @@ from streamrl.tools.proxy_rules import (
     body_length,
     check_container,
     check_request,
+    owner_token,
     parse_head,
 )
 
@@ -80,16 +91,21 @@ _HANGUP_POLL_S = 0.05  # how often a half-closed exec stream checks that its cli
 
 
 class _Ids:
-    """A bounded set of ids in insertion order (the oldest are forgotten first)."""
+    """A bounded map of ids to their owner tokens, in insertion order (the oldest are
+    forgotten first)."""
 
     def __init__(self, cap: int) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, str] = OrderedDict()
         self._cap = cap
 
-    def add(self, key: str) -> None:
-        self._ids[key] = None
+    def add(self, key: str, owner: str) -> None:
+        self._ids[key] = owner
         while len(self._ids) > self._cap:
             self._ids.popitem(last=False)
+
+    def owner(self, key: str) -> str | None:
+        """The token of the client that created `key`; None if this proxy did not."""
+        return self._ids.get(key)
 
     def discard(self, key: str) -> None:
         self._ids.pop(key, None)
@@ -194,7 +210,8 @@ class SandboxProxy:
             except TimeoutError:
                 raise Refused("request not received in time", 408) from None
             allowed = check_request(req, self.cfg)
-            target = await self._resolve(allowed)
+            owner = owner_token(req, allowed.route)
+            target = await self._resolve(allowed, owner)
             creating = allowed.route.name == "container_create"
             if creating:
                 await self._reserve_create()
@@ -206,7 +223,7 @@ class SandboxProxy:
             await _answer(writer, err.status, f"{where} {REFUSED}: {err.reason}")
             return
         try:
-            status = await self._forward(req, allowed, target, reader, writer)
+            status = await self._forward(req, allowed, target, owner, reader, writer)
         finally:
             if creating:
                 self._creating -= 1
@@ -237,14 +254,22 @@ class SandboxProxy:
             raise Refused(f"{quota} sandbox containers are live (the proxy's quota)", 429)
         self._creating += 1
 
-    async def _resolve(self, allowed: Allowed) -> str:
-        """The full id of the object the request names, once it is a sandbox object."""
+    async def _resolve(self, allowed: Allowed, owner: str) -> str:
+        """The full id of the object the request names, once it is a sandbox object and,
+        for a bound route, the object of the client whose `owner` token it carries."""
         kind, ref = allowed.route.target, allowed.ref
+        bound = allowed.route.name in BOUND_ROUTES
         if kind == "exec":
             if ref not in self.execs:
                 raise Refused(f"exec {ref[:64]} was not created through this proxy")
+            if bound and self.execs.owner(ref) != owner:
+                raise Refused(f"exec {ref[:12]} is another client's exec")
             return ref
-        if kind != "container" or ref in self.containers:
+        if kind != "container":
+            return ref
+        if ref in self.containers:
+            if bound and self.containers.owner(ref) != owner:
+                raise Refused(f"container {ref[:12]} is another client's sandbox")
             return ref
         status, info = await self._upstream_json("GET", f"/containers/{ref}/json")
         if status == 404:
@@ -254,6 +279,11 @@ class SandboxProxy:
         fault = check_container(info, self.cfg)
         if fault:
             raise Refused(f"container {ref} is not a sandbox container: {fault}")
+        if bound:  # a sandbox container this proxy did not make: no one's to use
+            raise Refused(
+                f"container {ref[:64]} is another client's sandbox (or was created before "
+                "this proxy started): only its removal passes"
+            )
         return str(info["Id"])
 
     async def _forward(
@@ -261,10 +291,12 @@ class SandboxProxy:
         req: Request,
         allowed: Allowed,
         target: str,
+        owner: str,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> int:
-        """Send the request upstream and relay the answer; returns the engine's status."""
+        """Send the request upstream and relay the answer; returns the engine's status. What
+        a create makes is bound to `owner`."""
         route = allowed.route
         start, end = allowed.span
         path = req.path[:start] + target + req.path[end:] if target else req.path
@@ -288,7 +320,7 @@ class SandboxProxy:
                     )  # fmt: skip
                 return 101
             if route.name in ("container_create", "exec_create") and head.status == 201:
-                await self._relay_created(route.name, head, up_reader, writer)
+                await self._relay_created(route.name, head, up_reader, writer, owner)
             else:
                 writer.write(_closing_head(head))
                 await _copy(up_reader, writer, _content_length(head))
@@ -301,9 +333,14 @@ class SandboxProxy:
                 await up_writer.wait_closed()
 
     async def _relay_created(
-        self, name: str, head: _Head, up: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        name: str,
+        head: _Head,
+        up: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        owner: str,
     ) -> None:
-        """Pass on a create's answer, remembering the id it made."""
+        """Pass on a create's answer, remembering the id it made and its owner."""
         length = _content_length(head)
         raw = await _read_all(
             up,
@@ -316,7 +353,7 @@ class SandboxProxy:
         with contextlib.suppress(ValueError, AttributeError):
             new_id = str(json.loads(body).get("Id", ""))
         if FULL_ID.match(new_id):
-            (self.containers if name == "container_create" else self.execs).add(new_id)
+            (self.containers if name == "container_create" else self.execs).add(new_id, owner)
             if name == "container_create":
                 self.log.info("sandbox_proxy_container_created", id=new_id[:12])
         writer.write(_closing_head(head) + raw)

@@ -28,6 +28,7 @@ from streamrl.tools.containers import (
     LABEL_CREATED,
     LABEL_OWNER,
     LABEL_WORKER,
+    OWNER_HEADER,
     WORKDIR,
 )
 
@@ -41,6 +42,15 @@ _USER = re.compile(r"^(\d+):(\d+)$")
 _NAME = re.compile(r"^streamrl-[A-Za-z0-9_.-]{1,100}$")
 ROOT = "0:0"  # the call server's user: it drops each call to the call uid
 SERVER_CAPS = frozenset({"SETUID", "SETGID", "KILL"})  # what the call server may add
+# Routes that run code in a sandbox or carry a call's data: bound to the owner token of the
+# client that created the container or exec (review N6). The lifecycle routes (inspect,
+# list, wait, kill, stop, remove) stay open to every client: a restarted tool worker reaps
+# the containers its predecessor (another token) left.
+BOUND_ROUTES = frozenset(
+    {"container_create", "container_start", "container_attach", "exec_create", "exec_start",
+     "exec_inspect"}
+)  # fmt: skip
+_OWNER_TOKEN = re.compile(r"^[0-9a-f]{32,128}$")  # 128 bits or more, hex
 
 
 class Refused(Exception):
@@ -522,6 +532,20 @@ def check_request(req: Request, cfg: ProxyConfig) -> Allowed:
     if route.name == "exec_create" and json.loads(req.body).get("Container", ref) != ref:
         raise Refused("the body's Container differs from the path's")
     return Allowed(route, ref, m.span("ref"))
+
+
+def owner_token(req: Request, route: Route) -> str:
+    """The owner token a bound route must carry ('' for the open routes); raises `Refused`
+    when it is missing or not one (a random hex string of 128 bits or more)."""
+    if route.name not in BOUND_ROUTES:
+        return ""
+    token = req.header(OWNER_HEADER.lower())
+    if token is None or not _OWNER_TOKEN.match(token):
+        raise Refused(
+            f"{route.name} needs the {OWNER_HEADER} header (a random token of 32 to 128 hex "
+            "digits, one per sandbox: what binds its containers to it)"
+        )
+    return token
 
 
 def _match(req: Request) -> tuple[Route, re.Match[str]]:
