@@ -302,17 +302,25 @@ class Measured:
 
 def measure(run_dir: Path) -> Measured:
     logs = run_dir / "logs"
+    # Every rollout worker's and grouper's log (rollout.num_workers, grouper.num_workers).
+    rollout = [e for path in sorted(logs.glob("rollout-*.log")) for e in events(path)]
     # One `trajectories_committed` event per commit (a batch); older logs: `trajectory`.
     trajs = [
         {**t, "timestamp": e["timestamp"]}
-        for e in events(logs / "rollout-0.log")
+        for e in rollout
         if e.get("event") == "trajectories_committed"
         for t in e["trajectories"]
-    ] or [e for e in events(logs / "rollout-0.log") if e.get("event") == "trajectory"]
-    emitted = [e for e in events(logs / "grouper-0.log") if e.get("event") == "group_emitted"]
+    ] or [e for e in rollout if e.get("event") == "trajectory"]
+    emitted = [
+        e
+        for path in sorted(logs.glob("grouper-*.log"))
+        for e in events(path)
+        if e.get("event") == "group_emitted"
+    ]
     steps = [e for e in events(logs / "trainer-0.log") if e.get("event") == "train_step"]
     first_task = min(int(e["entry_id"].split("-")[0]) for e in trajs) / 1000
-    ready = [ts(e) for e in events(logs / "rollout-0.log") if e.get("event") == "rollout_ready"]
+    # The first moment every rollout worker could start: the last one's readiness.
+    ready = [ts(e) for e in rollout if e.get("event") == "rollout_ready"]
     start = max(first_task, *ready)
     t_emit = sorted(ts(e) for e in emitted)
     n = len(t_emit)
