@@ -216,7 +216,13 @@ def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
 def _hash_keys(keys: Keys) -> list[str]:
     """Hashes read in the snapshot's script: exact at the cut (an episode's state and its
     trajectory's committed marker must agree with the streams)."""
-    return [keys.stats, keys.groups_reruns, keys.episodes]
+    return [
+        keys.stats,
+        keys.groups_reruns,
+        keys.episodes,
+        keys.groups_order_held,  # groups decided but held for their turn (grouper.order)
+        keys.groups_order_held_at,
+    ]
 
 
 def _scanned_hash_keys(keys: Keys) -> list[str]:
@@ -227,7 +233,7 @@ def _scanned_hash_keys(keys: Keys) -> list[str]:
 
 
 def _string_keys(keys: Keys) -> list[str]:
-    return [keys.feeder_cursor, keys.policy_version, keys.policy_floor]
+    return [keys.feeder_cursor, keys.policy_version, keys.policy_floor, keys.groups_order_next]
 
 
 def _pairs(flat: list[Any]) -> dict[str, bytes]:

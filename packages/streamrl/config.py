@@ -813,6 +813,36 @@ class GrouperConfig(_Section):
             "(logged with the reason); 0: drop at the first timeout."
         ),
     )
+    order: Literal["completion", "submission"] = Field(
+        "completion",
+        description=(
+            "The order groups are written to the trainer in: `completion` (as they complete: "
+            "no group waits for another) or `submission` (task order: a group waits until "
+            "every earlier task's group was written or dropped, within order_window and "
+            "order_max_wait_s; with the same seed and a policy whose samples do not depend "
+            "on timing, e.g. rollout.mode sync, two runs train on identical batches)."
+        ),
+    )
+    order_window: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "order `submission`: the most groups (and drops) held waiting for an earlier "
+            "task's; one more skips the missing cursors before the oldest held (counted in "
+            "groups_order_skipped)."
+        ),
+    )
+    order_max_wait_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description=(
+            "order `submission`: a group held this long stops waiting (the missing cursors "
+            "before it are skipped and counted): a task dead-lettered by rollout never makes "
+            "a group."
+        ),
+    )
 
 
 class TrainerConfig(_Section):

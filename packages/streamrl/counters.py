@@ -160,6 +160,20 @@ GROUPS_NONFINITE = _field(
     "groups_nonfinite", "counter", "grouper", "operators (queues --json)", True,
     "groups dropped for a reward or an advantage that is not finite",
 )  # fmt: skip
+GROUPS_ORDER_HELD = _field(
+    "groups_order_held", "counter", "grouper", "operators (queues --json)", True,
+    "grouper.order submission: groups held until every earlier task's group was written "
+    "or dropped",
+)  # fmt: skip
+GROUPS_ORDER_SKIPPED = _field(
+    "groups_order_skipped", "counter", "grouper", "operators (queues --json)", True,
+    "grouper.order submission: task cursors no longer waited for (order_window or "
+    "order_max_wait_s reached); their groups, if they come, are written out of order",
+)  # fmt: skip
+GROUPS_OUT_OF_ORDER = _field(
+    "groups_out_of_order", "counter", "grouper", "operators (queues --json)", True,
+    "grouper.order submission: groups written after their cursor was skipped",
+)  # fmt: skip
 MAX_TRAJECTORY_POLICY_VERSION = _field(
     "max_trajectory_policy_version", "gauge", "grouper", _SUMMARY, True,
     "the newest policy version any trajectory added to a group was sampled with",

@@ -181,6 +181,22 @@ class Keys:
         return self._k("groups", "dropped")
 
     @property
+    def groups_order_next(self) -> str:
+        """grouper.order submission: the next task cursor whose group may be written."""
+        return self._k("groups", "order", "next")
+
+    @property
+    def groups_order_held(self) -> str:
+        """grouper.order submission: hash cursor -> its encoded group ('' when the cursor's
+        group was dropped), for cursors past `groups_order_next` held for their turn."""
+        return self._k("groups", "order", "held")
+
+    @property
+    def groups_order_held_at(self) -> str:
+        """grouper.order submission: hash cursor -> Redis ms its group (or drop) was held."""
+        return self._k("groups", "order", "held_at")
+
+    @property
     def groups_waiting(self) -> str:
         """How many groups wait for the trainer (its consumer group's lag in `groups`), as
         a grouper last read it from Redis (with a TTL): what rollout's backpressure reads."""

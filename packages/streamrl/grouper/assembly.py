@@ -102,6 +102,7 @@ class Grouper:
         self._emit = client.register_script(scripts.source(scripts.EMIT))
         self._drop = client.register_script(scripts.source(scripts.DROP))
         self._count_after = client.register_script(scripts.source(scripts.COUNT_AFTER))
+        self._order_flush = client.register_script(scripts.source(scripts.ORDER_FLUSH))
         self.timeouts = GroupTimeouts(client, keys, cfg, log, self.rebuild_task, self.tracer)
         self._next_timeout_check = 0.0
         self._next_waiting = 0.0
@@ -224,7 +225,8 @@ class Grouper:
         """Drop the group (once; `counter` in stats counts the reason too)."""
         gid = d.msg.group_id
         args = [gid, d.entry_id, self.keys.CG_GROUPER, counter, d.msg.member]
-        return self._drop, self._assembly_keys(gid), args
+        tail_keys, tail_args = scripts.order_tail(self.keys, self.cfg.grouper, d.msg.cursor)
+        return self._drop, [*self._assembly_keys(gid), *tail_keys], [*args, *tail_args]
 
     def _finish_call(self, d: Delivery[Trajectory], decision: Decision) -> _Call:
         """The emit or drop of a complete group, acknowledging `d`."""
@@ -251,7 +253,8 @@ class Grouper:
             k.CG_GROUPER,
             decision.counter,
         ]
-        return self._emit, keys, args
+        tail_keys, tail_args = scripts.order_tail(k, self.cfg.grouper, d.msg.cursor)
+        return self._emit, [*keys, *tail_keys], [*args, *tail_args]
 
     def _finished(
         self, d: Delivery[Trajectory], decision: Decision, first: bool, written: int
@@ -320,6 +323,29 @@ class Grouper:
         """Handle the groups past their time (`GroupTimeouts.check`)."""
         return self.timeouts.check(self.trainer_version)
 
+    def flush_order(self) -> int:
+        """grouper.order submission: stop waiting for the task cursors before any group held
+        `order_max_wait_s` (lua/order_flush.lua); the cursors skipped (0 in completion
+        order, or when nothing waited that long)."""
+        gcfg = self.cfg.grouper
+        if gcfg.order != "submission":
+            return 0
+        tail_keys, tail_args = scripts.order_tail(self.keys, gcfg, -1)
+        skipped = int(
+            self._order_flush(
+                keys=[self.keys.stats, *tail_keys],
+                args=[int(gcfg.order_max_wait_s * 1000), *tail_args],
+            )
+        )
+        if skipped:
+            self.log.warning(
+                "group_order_skipped",
+                cursors=skipped,
+                reason=f"a group waited order_max_wait_s ({gcfg.order_max_wait_s:g}s) for an "
+                "earlier task's group",
+            )
+        return skipped
+
     # -- loop -------------------------------------------------------------------------
 
     def step(self, block_ms: int | None = None) -> list[Outcome]:
@@ -351,6 +377,7 @@ class Grouper:
             if time.monotonic() >= self._next_timeout_check:
                 self._next_timeout_check = time.monotonic() + every
                 done = [*out, *self.check_timeouts()]
+                self.flush_order()
             emitted = sum(o.kind in EMITTED for o in done)
             if metrics is not None and emitted:
                 metrics.count(GROUPS, emitted)

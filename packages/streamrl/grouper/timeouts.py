@@ -150,7 +150,8 @@ class GroupTimeouts:
             decision = score(members, trainer_version, gcfg)
         else:
             decision = self._decide(group_id, members, trainer_version)
-        done, reruns = self._run(group_id, stall_ms, held, n, decision)
+        cursor = members[0].cursor if members else -1
+        done, reruns = self._run(group_id, stall_ms, held, n, decision, cursor)
         if done in _NOTHING_DONE:
             return None
         present = [m.member for m in members]
@@ -178,11 +179,13 @@ class GroupTimeouts:
         return Outcome("dropped", group_id)
 
     def _run(
-        self, group_id: str, stall_ms: int, held: int, n: int, decision: Decision
+        self, group_id: str, stall_ms: int, held: int, n: int, decision: Decision, cursor: int
     ) -> tuple[TimeoutAnswer, int]:
-        """lua/timeout.lua on the group (its KEYS and ARGV are listed there): what it did,
-        and the group's reruns (before this one; after it, for `rerun`)."""
+        """lua/timeout.lua on the group of task `cursor` (its KEYS and ARGV are listed
+        there): what it did, and the group's reruns (before this one; after it, for
+        `rerun`)."""
         k = self.keys
+        tail_keys, tail_args = scripts.order_tail(k, self.cfg.grouper, cursor)
         res: list[Any] = self._script(
             keys=[
                 k.group_members(group_id),
@@ -193,6 +196,7 @@ class GroupTimeouts:
                 k.stats,
                 k.tasks,
                 k.groups,
+                *tail_keys,
             ],
             args=[
                 group_id,
@@ -205,6 +209,7 @@ class GroupTimeouts:
                 decision.kind,
                 decision.body,
                 decision.counter,
+                *tail_args,
             ],
         )
         done: Any = res[0].decode()

@@ -91,6 +91,8 @@ def roles(keys: Keys) -> dict[str, Role]:
     k = keys
     ledger = (k.tool_ledger, f"{k.tool_ledger}:*")  # the hash and its claim keys
     members = k.group_members("*")
+    # grouper.order submission: the next cursor and the groups held for their turn
+    order = (k.groups_order_next, k.groups_order_held, k.groups_order_held_at)
     feeder = Role(
         # rollout_capacity: read, and its stale fields deleted, in a script (the backlog)
         keys=(k.tasks, k.feeder_cursor, k.feeder_end, k.stats, k.rollout_capacity),
@@ -138,6 +140,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_dropped,
             k.groups_reruns,
             k.groups_waiting,
+            *order,
         ),
         read_keys=(k.policy_version,),
         categories=("stream", "string", "hash", "set", "keyspace"),
@@ -166,6 +169,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.episodes,
             k.feeder_cursor,
             k.feeder_end,  # read: the data ended (the run ends once it is all trained)
+            *order,  # the snapshot's, and the drain check's
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
         categories=("stream", "string", "hash", "set", "keyspace"),

@@ -175,6 +175,8 @@ class TrainerLoop:
         end, cursor = c.mget([k.feeder_end, k.feeder_cursor])
         if end is None or int(cursor or 0) < int(end) or c.hlen(k.groups_started):
             return False
+        if c.hlen(k.groups_order_held_at):  # groups held for their turn (grouper.order)
+            return False
         for stream, group, pending_ok in (
             (k.tasks, k.CG_ROLLOUT, False),
             (k.trajectories, k.CG_GROUPER, False),

@@ -1,9 +1,11 @@
 -- Emit a complete group once (SADD on the emitted set), delete its hash and acknowledge the
 -- entry that completed it. A group dropped since its add answered `complete` (a stale member
 -- at another grouper) is not emitted as well.
+-- In submission order (grouper.order) the group is written in its task's turn (order.lua).
 -- KEYS: members hash, emitted set, groups stream, trajectories stream, stats hash,
---       started hash, reruns hash, dropped set
--- ARGV: group id, schema version, kind, body, entry id, consumer group, extra counter ('' none)
+--       started hash, reruns hash, dropped set, then ORDER's four
+-- ARGV: group id, schema version, kind, body, entry id, consumer group, extra counter ('' none),
+--       then ORDER's five
 -- -> -1 (dropped meanwhile) | 1 (this call emitted it) | 0 (it was out already)
 if redis.call('SISMEMBER', KEYS[8], ARGV[1]) == 1 then
   redis.call('XACK', KEYS[4], ARGV[6], ARGV[5])
@@ -13,8 +15,13 @@ redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
 local first = redis.call('SADD', KEYS[2], ARGV[1])
 if first == 1 then
-  redis.call('XADD', KEYS[3], '*', 'v', ARGV[2], 'kind', ARGV[3], 'data', ARGV[4])
-  redis.call('HINCRBY', KEYS[5], C.GROUPS, 1)
+  local o = ORDER.tail(8, 7, KEYS[5])
+  if o.on then
+    ORDER.write(o, ARGV[4])
+  else
+    redis.call('XADD', KEYS[3], '*', 'v', ARGV[2], 'kind', ARGV[3], 'data', ARGV[4])
+    redis.call('HINCRBY', KEYS[5], C.GROUPS, 1)
+  end
   if ARGV[7] ~= '' then
     redis.call('HINCRBY', KEYS[5], ARGV[7], 1)
   end

@@ -6,11 +6,13 @@
 -- saw complete is one whose completing entry was never emitted (dead-lettered after its add
 -- answered `complete`, review M8): it is emitted or dropped now, not timed out; if its adder
 -- is only slow, the emitted and dropped sets make the second of the two a no-op.
+-- In submission order (grouper.order) a group written or dropped here takes its task's turn
+-- (order.lua).
 -- KEYS: members hash, emitted set, dropped set, started hash, reruns hash, stats hash,
---       tasks stream, groups stream
+--       tasks stream, groups stream, then ORDER's four
 -- ARGV: group id, timeout ms, members held, group size, action (drop | rerun | release, or
 --       emit | drop for a complete group), max reruns, schema version, kind, body, extra
---       counter ('' none)
+--       counter ('' none), then ORDER's five
 -- -> {'gone'} | {'fresh'} | {'changed'} | {action done, reruns before}, the action done
 --    being rerun, release, emit, drop or drop_max_reruns
 local started = redis.call('HGET', KEYS[4], ARGV[1])
@@ -49,10 +51,15 @@ end
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[1])
 redis.call('DEL', KEYS[1])
+local o = ORDER.tail(8, 10, KEYS[6])
 if action == 'release' or action == 'emit' then
   redis.call('SADD', KEYS[2], ARGV[1])
-  redis.call('XADD', KEYS[8], '*', 'v', ARGV[7], 'kind', ARGV[8], 'data', ARGV[9])
-  redis.call('HINCRBY', KEYS[6], C.GROUPS, 1)
+  if o.on then
+    ORDER.write(o, ARGV[9])
+  else
+    redis.call('XADD', KEYS[8], '*', 'v', ARGV[7], 'kind', ARGV[8], 'data', ARGV[9])
+    redis.call('HINCRBY', KEYS[6], C.GROUPS, 1)
+  end
   if action == 'release' then
     redis.call('HINCRBY', KEYS[6], C.GROUPS_RELEASED, 1)
   end
@@ -60,6 +67,9 @@ else
   redis.call('SADD', KEYS[3], ARGV[1])
   redis.call('HINCRBY', KEYS[6], C.GROUPS_DROPPED, 1)
   redis.call('HINCRBY', KEYS[6], C.TRAJECTORIES_DROPPED, held)
+  if o.on then
+    ORDER.done(o)
+  end
 end
 if ARGV[10] ~= '' then
   redis.call('HINCRBY', KEYS[6], ARGV[10], 1)
