@@ -18,8 +18,9 @@ from streamrl.config import Config, parse_config
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.transport import publish
-from streamrl.wire import Group, Trajectory, decode, pack_arrays
+from streamrl.wire import Group, decode
 from tests.conftest import entries
+from tests.integration.test_grouper import traj
 
 G = 2
 
@@ -34,25 +35,10 @@ def config(**grouper: object) -> Config:
     )
 
 
-def traj(cursor: int, member: int, reward: float, version: int = 0) -> Trajectory:
-    return Trajectory(
-        traj_id=f"g{cursor}:{member}",
-        group_id=f"g{cursor}",
-        task_id=f"t{cursor}",
-        member=member,
-        num_generations=G,
-        **pack_arrays([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.2]),
-        prompt_len=1,
-        reward=reward,
-        status="ok",
-        versions=[version],
-        cursor=cursor,
-    )
-
-
 def complete(rclient: redis.Redis, keys: Keys, cursor: int, version: int = 0) -> None:
     for m in range(G):
-        publish(rclient, keys.trajectories, traj(cursor, m, float(m), version))
+        t = traj(cursor, m, float(m), version, n=G, cursor=cursor)
+        publish(rclient, keys.trajectories, t)
 
 
 def written(rclient: redis.Redis, keys: Keys) -> list[str]:

@@ -25,7 +25,13 @@ CFG = parse_config(
 
 
 def traj(
-    group: int, member: int, reward: float, version: int = 0, n: int = 4, status: Status = "ok"
+    group: int,
+    member: int,
+    reward: float,
+    version: int = 0,
+    n: int = 4,
+    status: Status = "ok",
+    cursor: int = -1,
 ) -> Trajectory:
     return Trajectory(
         traj_id=f"g{group}:{member}",
@@ -38,6 +44,7 @@ def traj(
         reward=reward,
         status=status,
         versions=[version],
+        cursor=cursor,
     )
 
 

@@ -15,13 +15,7 @@ redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[1])
 local first = redis.call('SADD', KEYS[2], ARGV[1])
 if first == 1 then
-  local o = ORDER.tail(8, 7, KEYS[5])
-  if o.on then
-    ORDER.write(o, ARGV[4])
-  else
-    redis.call('XADD', KEYS[3], '*', 'v', ARGV[2], 'kind', ARGV[3], 'data', ARGV[4])
-    redis.call('HINCRBY', KEYS[5], C.GROUPS, 1)
-  end
+  ORDER.emit(ORDER.tail(8, 7, KEYS[5]), ARGV[4])
   if ARGV[7] ~= '' then
     redis.call('HINCRBY', KEYS[5], ARGV[7], 1)
   end

@@ -85,6 +85,15 @@ function ORDER.write(o, body)
   end
 end
 
+-- A group decided to be written: at once in completion order, in its turn in submission.
+function ORDER.emit(o, body)
+  if o.on then
+    ORDER.write(o, body)
+  else
+    xadd(o, body)
+  end
+end
+
 -- A cursor whose group was dropped: the groups after it need not wait for it.
 function ORDER.done(o)
   local n = ORDER.next(o)

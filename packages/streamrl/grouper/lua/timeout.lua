@@ -54,12 +54,7 @@ redis.call('DEL', KEYS[1])
 local o = ORDER.tail(8, 10, KEYS[6])
 if action == 'release' or action == 'emit' then
   redis.call('SADD', KEYS[2], ARGV[1])
-  if o.on then
-    ORDER.write(o, ARGV[9])
-  else
-    redis.call('XADD', KEYS[8], '*', 'v', ARGV[7], 'kind', ARGV[8], 'data', ARGV[9])
-    redis.call('HINCRBY', KEYS[6], C.GROUPS, 1)
-  end
+  ORDER.emit(o, ARGV[9])
   if action == 'release' then
     redis.call('HINCRBY', KEYS[6], C.GROUPS_RELEASED, 1)
   end
