@@ -12,7 +12,9 @@ acknowledged there, so it leaves the backlog (a counter of tasks done would neve
 and enough of them would stop the feeder for good).
 
 Its size is `task.max_backlog`; "auto" sizes it to the live rollout workers' advertised
-slots each time it fills (`streamrl.capacity`): workers that join or leave move it.
+slots each time it fills (`streamrl.capacity`): workers that join or leave move it. The
+same live slots are checked against the config's staleness bound (`streamrl.fit`): workers
+scaled up with compose may put more groups in flight than the config was checked for.
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ import structlog
 from streamrl import counters
 from streamrl.capacity import auto_backlog, live_slots
 from streamrl.config import Config
+from streamrl.fit import Fit, fit_live
 from streamrl.names import Keys
-from streamrl.obs.metrics import BACKLOG_TARGET, ROLLOUT_SLOTS, queue_depth, queue_lag
+from streamrl.obs.metrics import (
+    BACKLOG_TARGET,
+    LIVE_POLICY_LAG,
+    ROLLOUT_SLOTS,
+    STALE_LAG_LIMIT,
+    queue_depth,
+    queue_lag,
+)
 from streamrl.queues import backlog
 from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import TaskSource, task_source
@@ -49,15 +59,21 @@ class Feeder:
         self.source = source if source is not None else task_source(cfg.task, cfg.run.seed)
         self._ended = False
         self.target = 0 if cfg.task.max_backlog == "auto" else int(cfg.task.max_backlog)
-        self.rollout_slots: list[int] = []  # the live workers' slots, as last read (auto)
+        self.rollout_slots: list[int] = []  # the live workers' slots, as last read
+        self.live_fit: Fit | None = None  # the config at the live capacity (check_live_fit)
+        self._live_key: tuple[int, int] | None = None
+        self._live_problem = False
 
     def _update_target(self) -> int:
         """The backlog to keep now: the configured number, or what the live rollout
-        capacity needs ("auto"; logged when it changes)."""
-        if self.cfg.task.max_backlog != "auto":
-            return self.target
+        capacity needs ("auto"; logged when it changes). The live capacity is checked
+        against the config's staleness bound too (`check_live_fit`)."""
         ttl_ms = max(3 * self.cfg.transport.claim_idle_ms, 5_000)
         slots = live_slots(self.client, self.keys.rollout_capacity, ttl_ms)
+        self.check_live_fit(slots)
+        if self.cfg.task.max_backlog != "auto":
+            self.rollout_slots = slots
+            return self.target
         target = auto_backlog(slots, self.cfg.rollout.num_generations)
         if target != self.target or len(slots) != len(self.rollout_slots):
             self.log.info(
@@ -66,6 +82,28 @@ class Feeder:
             )  # fmt: skip
         self.target, self.rollout_slots = target, slots
         return target
+
+    def check_live_fit(self, slots: list[int]) -> Fit | None:
+        """Issue 29, item 2: what the config implies with the rollout workers live now
+        (`streamrl.fit.fit_live`); a config that fits `rollout.num_workers` may not fit the
+        workers compose scaled up. When the live capacity changes, a capacity that would
+        drop most groups as stale is logged as a warning with the arithmetic and the
+        settings that fit (and its return to fitting as info); the lag is a metric that
+        `streamrl status` shows. None while no rollout worker is live."""
+        key = (len(slots), sum(slots))
+        if key != self._live_key:
+            self._live_key = key
+            self.live_fit = fit_live(self.cfg, slots) if slots else None
+            problems = self.live_fit.problems() if self.live_fit else []
+            if problems:
+                self.log.warning(
+                    "rollout_capacity_does_not_fit", rollout_workers=len(slots),
+                    slots=sum(slots), problem=problems[0],
+                )  # fmt: skip
+            elif self._live_problem and slots:
+                self.log.info("rollout_capacity_fits", rollout_workers=len(slots), slots=sum(slots))
+            self._live_problem = bool(problems)
+        return self.live_fit
 
     def backlog(self) -> tuple[int, int]:
         """(cursor, tasks written but not yet rolled out: undelivered plus pending)."""
@@ -87,8 +125,10 @@ class Feeder:
         lag, pending = self._tasks_backlog()
         out: dict[str, float] = {queue_depth("tasks"): lag + pending, queue_lag("tasks"): lag}
         out[BACKLOG_TARGET] = self.target
-        if self.cfg.task.max_backlog == "auto":
-            out[ROLLOUT_SLOTS] = sum(self.rollout_slots)
+        out[ROLLOUT_SLOTS] = sum(self.rollout_slots)
+        if self.live_fit is not None and self.live_fit.checked:
+            out[LIVE_POLICY_LAG] = self.live_fit.lag_rollout_bound
+            out[STALE_LAG_LIMIT] = self.live_fit.limit
         return out
 
     def fill(self) -> int:

@@ -25,12 +25,13 @@ pausing while R groups wait for the trainer (`rollout.max_ready_groups`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from streamrl.capacity import auto_backlog
 from streamrl.config import Config, ConfigError
 
-__all__ = ["Fit", "check_fit", "fit"]
+__all__ = ["Fit", "check_fit", "fit", "fit_live"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Fit:
     mode: str  # rollout.mode
     colocated: bool  # run.colocated: rollout and training alternate, no lag to speak of
     workers: int  # W: rollout workers (1 when colocated)
-    slots: int  # C: episode slots per worker (rollout.max_concurrency)
+    slots: float  # C: episode slots per worker (rollout.max_concurrency; live: their mean)
     group_size: int  # G: rollout.num_generations
     groups_per_step: int  # B: trainer.groups_per_step
     publish_every: int  # P: trainer.publish_every
@@ -180,6 +181,19 @@ def fit(cfg: Config) -> Fit:
         backlog=backlog,
         backlog_auto=auto,
     )
+
+
+def fit_live(cfg: Config, slots: Sequence[int]) -> Fit:
+    """What `cfg` implies with the rollout workers that are live, each with its advertised
+    slots (`streamrl.capacity.live_slots`), instead of `rollout.num_workers`: workers scaled
+    with compose (`--scale rollout=N`) are invisible to the config. Workers of different
+    slots count as that many workers of their mean (the groups in flight are exact)."""
+    f = fit(cfg)
+    live = [c for c in slots if c > 0]
+    if not live or f.colocated:
+        return f
+    mean = sum(live) / len(live)
+    return replace(f, workers=len(live), slots=round(mean) if mean.is_integer() else mean)
 
 
 def check_fit(cfg: Config) -> Fit:

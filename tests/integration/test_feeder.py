@@ -11,10 +11,13 @@ from typing import Any
 
 import redis
 import structlog
+from structlog.testing import capture_logs
 
+from streamrl.capacity import ADVERTISE_SCRIPT
 from streamrl.config import parse_config
 from streamrl.feeder import Feeder
 from streamrl.names import Keys
+from streamrl.obs.metrics import LIVE_POLICY_LAG, ROLLOUT_SLOTS, STALE_LAG_LIMIT
 from streamrl.tasks.heldout import heldout_tasks
 from streamrl.transport import RedisStreamConsumer
 from streamrl.wire import Task, decode
@@ -138,3 +141,39 @@ def test_max_backlog_is_a_number_in_range_or_auto() -> None:
     for bad in (0, "many"):
         with pytest.raises(ConfigError, match="max_backlog"):
             parse_config({"task": {"max_backlog": bad}})
+
+
+def test_the_live_rollout_capacity_is_checked_against_the_staleness_bound(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Issue 29, item 2: rollout workers scaled up with compose (invisible to the config)
+    that put more groups in flight than the staleness bound allows are logged with the
+    arithmetic, and the lag at the live capacity is a metric `streamrl status` shows; the
+    capacity back within the bound is logged too."""
+    cfg = parse_config({})  # the defaults: C 16, G 4, B 4, K 2, one worker
+    feeder = Feeder(rclient, keys, cfg, LOG)
+
+    def advertise(*workers: str) -> None:
+        rclient.delete(keys.rollout_capacity)
+        for w in workers:
+            rclient.eval(ADVERTISE_SCRIPT, 1, keys.rollout_capacity, w, 16)
+
+    with capture_logs() as logs:
+        advertise("rollout-0")
+        feeder.fill()
+        assert feeder.queue_probe()[LIVE_POLICY_LAG] == 1.0  # 4 in flight / 4
+        advertise("rollout-0", "rollout-1", "rollout-2", "rollout-3")
+        feeder.fill()
+        probe = feeder.queue_probe()
+        assert (probe[LIVE_POLICY_LAG], probe[STALE_LAG_LIMIT], probe[ROLLOUT_SLOTS]) == (
+            4.0,
+            3.0,
+            64.0,
+        )
+        feeder.fill()  # unchanged: said once
+        advertise("rollout-0")
+        feeder.fill()
+    said = [e for e in logs if e["event"].startswith("rollout_capacity_")]
+    assert [e["event"] for e in said] == ["rollout_capacity_does_not_fit", "rollout_capacity_fits"]
+    assert "4 x 16 / 4 = 16 groups in flight" in said[0]["problem"]
+    assert said[0]["rollout_workers"] == 4

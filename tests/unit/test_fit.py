@@ -3,7 +3,7 @@
 import pytest
 
 from streamrl.config import Config, ConfigError, parse_config
-from streamrl.fit import check_fit, fit
+from streamrl.fit import check_fit, fit, fit_live
 
 
 def cfg(**sections: dict[str, object]) -> Config:
@@ -66,3 +66,20 @@ def test_sync_and_colocated_runs_are_not_checked() -> None:
         assert f.problems() == [] and f.warnings() == []
         assert "not checked" in f.explain()
     assert fit(cfg(run={"colocated": True}, rollout={"num_workers": 3})).workers == 1
+
+
+def test_the_live_workers_replace_the_configured_count() -> None:
+    # The defaults fit one worker of C 16 (4 in flight, lag 1). Compose scaled to four: 4 x 16
+    # / 4 = 16 in flight, 16 / 4 = 4 versions, above K + 1 = 3; refusable arithmetic, the
+    # fixes for four workers (B >= ceil(4 x 16 / (4 x 3)) = 6). Workers of 16 and 48 slots
+    # count as two of 32: the same 16 groups in flight.
+    c = cfg()
+    assert fit_live(c, []) == fit(c)
+    four = fit_live(c, [16, 16, 16, 16])
+    assert (four.workers, four.groups_in_flight, four.lag_rollout_bound) == (4, 16, 4)
+    [problem] = four.problems()
+    assert "4 x 16 / 4 = 16 groups in flight" in problem
+    assert "trainer.groups_per_step >= 6" in problem
+    mixed = fit_live(c, [16, 48])
+    assert (mixed.workers, mixed.slots, mixed.groups_in_flight) == (2, 32, 16)
+    assert fit_live(c, [16]).problems() == []

@@ -72,7 +72,11 @@ DEVICE_MEM_PEAK_MB = "device_mem_peak_mb"
 REWARD_MEAN = "reward_mean"
 SOLVE_RATE = "solve_rate"
 BACKLOG_TARGET = "backlog_target"  # feeder: the tasks backlog it keeps (task.max_backlog)
-ROLLOUT_SLOTS = "rollout_slots"  # feeder, auto backlog: the live rollout workers' slots
+ROLLOUT_SLOTS = "rollout_slots"  # feeder: the live rollout workers' slots
+# feeder: versions behind a group reaches the trainer at the live capacity, and the lag past
+# which most groups are dropped as stale (streamrl.fit, with the live rollout workers)
+LIVE_POLICY_LAG = "live_policy_lag"
+STALE_LAG_LIMIT = "stale_lag_limit"
 
 # Raw series behind the names above (what the hot path records).
 TRAJECTORIES = "trajectories"

@@ -267,6 +267,18 @@ def _backlog(snap: Snapshot) -> str:
     return f"{depth:.0f} / {target:.0f} ({limit})"
 
 
+def _live_lag(snap: Snapshot) -> str:
+    """Versions behind a group reaches the trainer at the live rollout capacity (the
+    feeder's `streamrl.fit` at the advertised slots), and whether that drops most groups
+    as stale (past grouper.off_policy_steps + 1)."""
+    lag = largest(snap.workers, m.LIVE_POLICY_LAG)
+    limit = largest(snap.workers, m.STALE_LAG_LIMIT)
+    if lag is None or limit is None:
+        return "-"
+    verdict = "most groups dropped as stale" if lag > limit else "fits"
+    return f"{lag:.1f} versions (limit {limit:.0f}: {verdict})"
+
+
 def _pipeline_table(snap: Snapshot) -> Table:
     ws = snap.workers
     trainers = [w for w in ws if w.kind in ("trainer", "colocated")]
@@ -299,6 +311,7 @@ def _pipeline_table(snap: Snapshot) -> Table:
             f"{_fmt(average(rollouts, m.TOOL_TIMEOUT_RATE), '.1%')}",
         ),
         ("rollout slots (advertised)", _fmt(largest(ws, m.ROLLOUT_SLOTS), ".0f")),
+        ("policy lag at those slots", _live_lag(snap)),
         ("tasks backlog / target", _backlog(snap)),
         ("held-out solve rate", _heldout(snap.heldout)),
         ("trainer steps (run)", snap.stats.get(counters.TRAINER_STEPS, "-")),
