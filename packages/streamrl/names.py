@@ -197,6 +197,13 @@ class Keys:
         return self._k("groups", "order", "held_at")
 
     @property
+    def trainer_attempts(self) -> str:
+        """Hash `groups` entry id -> trainer steps the group entered, kept across trainer
+        restarts and rewinds (review N2): a group whose steps keep dying is isolated, then
+        dead-lettered at `transport.max_deliveries`. Cleared with the group's ack."""
+        return self._k("trainer", "attempts")
+
+    @property
     def groups_waiting(self) -> str:
         """How many groups wait for the trainer (its consumer group's lag in `groups`), as
         a grouper last read it from Redis (with a TTL): what rollout's backpressure reads."""

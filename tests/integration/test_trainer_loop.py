@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -338,3 +339,96 @@ def test_the_data_is_drained_only_when_nothing_can_come_again(
     assert not drained()  # a group not yet delivered to the trainer
     rclient.xreadgroup(keys.CG_TRAINER, "trainer", {keys.groups: ">"})
     assert drained()  # delivered (held until its checkpoint acknowledges it): done
+
+
+POISON = 99  # a token id that makes PoisonStep die
+
+
+class PoisonStep(ScriptedStep):
+    """A step that dies (MemoryError, as a device OOM raises) whenever its batch holds a
+    POISON token, and advances the stub state otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        if np.any(np.asarray(batch.tokens) == POISON):
+            raise MemoryError("RESOURCE_EXHAUSTED: out of memory (the poison group)")
+        self.script = iter(["ok"])
+        return super().__call__(state, batch)
+
+
+def poison(gid: str) -> Group:
+    g = group(gid)
+    members = [
+        msgspec.structs.replace(m, **pack_arrays([1, POISON, 3], [0, 1, 1], [0.0, -0.5, -0.7]))
+        for m in g.members
+    ]
+    return msgspec.structs.replace(g, members=members)
+
+
+@pytest.mark.parametrize("per_step", [1, 2])
+def test_a_group_that_kills_every_step_is_dead_lettered_not_looped(
+    rclient: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    checkpointer: ocp.StandardCheckpointer,
+    per_step: int,
+) -> None:
+    """Review N2: a group whose step dies (device OOM, an exception; a host OOM kill is the
+    same to the next start) came first again after every restart, for ever: the rewind
+    resets Redis' delivery count. A count of the steps each group entered, kept in Redis
+    across restarts, isolates a group whose step never finished (trained alone next time,
+    so a batch-mate is not blamed) and dead-letters it once it reached
+    transport.max_deliveries; the groups around it train."""
+    root = tmp_path / "checkpoints"
+    cfg = parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": per_step},
+            "grouper": {"off_policy_steps": 1000},
+            "transport": {"block_ms": 50, "max_deliveries": 3},
+        }
+    )
+    for g in (group("g0"), poison("g1"), *(group(f"g{i}") for i in range(2, 6))):
+        publish(rclient, keys.groups, g)
+    deaths = 0
+    events: list[str] = []
+    trained: list[str] = []  # every step's groups, over every run
+    for _ in range(10):  # a restart per death, as the launcher or compose would
+        loop = make_loop(cfg, rclient, keys, root, PoisonStep(), checkpointer, 10)
+        loop.resume(root, checkpointer)
+        loop.max_steps = loop.step + 10
+        with structlog.testing.capture_logs() as logs:
+            try:
+                _run_until_idle(loop)
+                break
+            except MemoryError:
+                deaths += 1
+            finally:
+                events += [e["event"] for e in logs]
+                trained += [g for e in logs if e["event"] == "train_step" for g in e["group_ids"]]
+    assert deaths == 3, deaths  # max_deliveries steps died with it, then never again
+    assert dead_groups(rclient, keys) == ["g1"]
+    raw: Any = rclient.xrange(keys.dead)
+    letter = decode(raw[0][1], DeadLetter)
+    assert "3 times" in letter.reason and "max_deliveries" in letter.reason
+    assert sorted(trained) == ["g0", "g2", "g3", "g4", "g5"], trained  # each once
+    # With batch-mates, the group was trained alone after its first death (g0, its first
+    # batch-mate, trained alone and is not blamed).
+    assert ("group_isolated" in events) == (per_step > 1), events
+
+
+def _run_until_idle(loop: TrainerLoop) -> None:
+    """Run the loop until it has nothing more to take: stop once a read brings nothing."""
+    idle = {"n": 0}
+    base_read = loop.input.read
+
+    def read(count: int | None = None, block_ms: int | None = None) -> Any:
+        got = base_read(count=count, block_ms=block_ms)
+        idle["n"] = 0 if got else idle["n"] + 1
+        return got
+
+    loop.input.read = read  # type: ignore[method-assign]  # counts the empty reads
+    loop.stop = lambda: idle["n"] >= 3
+    loop.run()

@@ -170,6 +170,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.feeder_cursor,
             k.feeder_end,  # read: the data ended (the run ends once it is all trained)
             *order,  # the snapshot's, and the drain check's
+            k.trainer_attempts,  # steps each group entered (a group that kills its steps)
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
         categories=("stream", "string", "hash", "set", "keyspace"),

@@ -72,7 +72,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from streamrl.tools.callclient import CallChannel, CallChannelError, server_command
+from streamrl.tools.callclient import (
+    CallChannel,
+    CallChannelError,
+    Reply,
+    exec_result,
+    serve_once,
+    server_command,
+)
 from streamrl.tools.sandbox import (
     ExecResult,
     SandboxUnavailableError,
@@ -231,28 +238,26 @@ class BubblewrapSandbox:
     ) -> ExecResult:
         """One call through a warm namespace's call server. A server found gone before the
         request left (killed while idle) is replaced and the call sent once more."""
-        for attempt in range(2):
-            server = self._acquire()
-            try:
-                reply = server.channel.call(
-                    argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR,
-                    self.cfg.tmpfs_bytes, memory_bytes=self.cfg.memory_bytes,
-                )  # fmt: skip
-            except BaseException:
-                server.stop()
-                raise
+
+        def call(channel: CallChannel) -> Reply:
+            return channel.call(
+                argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR,
+                self.cfg.tmpfs_bytes, memory_bytes=self.cfg.memory_bytes,
+            )  # fmt: skip
+
+        return exec_result(
+            serve_once(self._acquire, lambda server: server.channel, self._settle, call)
+        )
+
+    def _settle(self, server: _Server, reply: Reply | None) -> None:
+        """After a call: the namespace back to the pool, or stopped (its reply says it may
+        not serve again, it served `recycle_after` calls, or the call raised)."""
+        if reply is not None:
             server.calls += 1
-            if reply.reusable and server.calls < self.cfg.recycle_after:
-                self._release(server)
-            else:
-                server.stop()
-            if reply.sent or attempt:
-                break
-        r = reply.result
-        stderr = r.stderr
-        if reply.error is not None:
-            stderr += f"\n[sandbox: {reply.error}]".encode()
-        return ExecResult(r.exit_code, r.stdout, stderr, r.timed_out, r.truncated, r.duration_s)
+        if reply is not None and reply.reusable and server.calls < self.cfg.recycle_after:
+            self._release(server)
+        else:
+            server.stop()
 
     def _acquire(self) -> _Server:
         with self._lock:

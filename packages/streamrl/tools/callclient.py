@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from streamrl.tools import callserver
 from streamrl.tools.sandbox import ExecResult
@@ -50,6 +51,9 @@ def server_command(
     return [python, "-c", source, *flags]
 
 
+W = TypeVar("W")  # a backend's warm sandbox (container or namespace)
+
+
 @dataclass(frozen=True)
 class Reply:
     """One call's outcome: what the agent sees, and whether the sandbox stays usable."""
@@ -58,6 +62,43 @@ class Reply:
     reusable: bool
     error: str | None  # the server's or the channel's own failure, if any
     sent: bool = True  # False: the channel was broken before the request left (retry it)
+
+
+def serve_once(
+    acquire: Callable[[], W],
+    channel_of: Callable[[W], CallChannel],
+    settle: Callable[[W, Reply | None], None],
+    call: Callable[[CallChannel], Reply],
+    on_retry: Callable[[Reply], None] | None = None,
+) -> Reply:
+    """One call through a warm sandbox's call server, as both backends make it: take a
+    warm sandbox (`acquire`), `call` its channel, then `settle` it with the reply (release
+    it or retire it; None: the call raised, and it must go, neither idle nor kept); a
+    request that never left (the server died while idle: `Reply.sent` false) is sent once
+    more, through a fresh acquire."""
+    for attempt in range(2):
+        warm = acquire()
+        try:
+            reply = call(channel_of(warm))
+        except BaseException:
+            settle(warm, None)
+            raise
+        settle(warm, reply)
+        if reply.sent or attempt:
+            return reply
+        if on_retry is not None:
+            on_retry(reply)
+    raise AssertionError("unreachable")
+
+
+def exec_result(reply: Reply, note: bytes = b"") -> ExecResult:
+    """What the agent sees of a reply: the call's result, `note` and the channel's or the
+    server's own error appended to its stderr."""
+    r = reply.result
+    stderr = r.stderr + note
+    if reply.error is not None:
+        stderr += f"\n[sandbox: {reply.error}]".encode()
+    return ExecResult(r.exit_code, r.stdout, stderr, r.timed_out, r.truncated, r.duration_s)
 
 
 class CallChannel:

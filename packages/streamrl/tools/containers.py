@@ -43,7 +43,14 @@ import structlog
 from docker.models.containers import Container
 from docker.types import Ulimit
 
-from streamrl.tools.callclient import CallChannel, CallChannelError, Reply, server_command
+from streamrl.tools.callclient import (
+    CallChannel,
+    CallChannelError,
+    Reply,
+    exec_result,
+    serve_once,
+    server_command,
+)
 from streamrl.tools.sandbox import ExecResult, SandboxUnavailableError, portable_argv
 
 DEFAULT_IMAGE = "streamrl-sandbox:1"
@@ -283,31 +290,31 @@ class ContainerSandbox:
     ) -> ExecResult:
         """One call through a warm container's call server. A channel found broken before
         the call began (the container died while idle) is retried once in a fresh one."""
-        for attempt in range(2):
-            warm = self._acquire()
-            assert warm.channel is not None
-            try:
-                reply = warm.channel.call(
-                    argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR, self.cfg.tmpfs_bytes
-                )
-            except BaseException:
-                self._recycle(warm, "error")  # neither idle nor kept: not leaked (N16)
-                raise
-            warm.calls += 1
-            if reply.reusable and not self._expired(warm):
-                self._release(warm)
-            else:
-                self._recycle(warm, _reason(reply))
-            if reply.sent or attempt:
-                break
+
+        def call(channel: CallChannel) -> Reply:
+            return channel.call(
+                argv, stdin, time_limit_s, output_cap, CALL_ENV, WORKDIR, self.cfg.tmpfs_bytes
+            )
+
+        def retried(reply: Reply) -> None:
             self.log.warning("sandbox_server_retry", error=reply.error)
+
+        reply = serve_once(self._acquire, _channel, self._settle, call, retried)
         r = reply.result
-        stderr = r.stderr
-        if r.exit_code == -9 and not (r.timed_out or r.truncated):
-            stderr += self._sigkill_note()
-        if reply.error is not None:
-            stderr += f"\n[sandbox: {reply.error}]".encode()
-        return ExecResult(r.exit_code, r.stdout, stderr, r.timed_out, r.truncated, r.duration_s)
+        killed = r.exit_code == -9 and not (r.timed_out or r.truncated)
+        return exec_result(reply, self._sigkill_note() if killed else b"")
+
+    def _settle(self, warm: _Warm, reply: Reply | None) -> None:
+        """After a call server's call: the container back to the pool, or retired (its
+        reply says it may not serve again, it served its time, or the call raised)."""
+        if reply is None:
+            self._recycle(warm, "error")  # neither idle nor kept: not leaked (N16)
+            return
+        warm.calls += 1
+        if reply.reusable and not self._expired(warm):
+            self._release(warm)
+        else:
+            self._recycle(warm, _reason(reply))
 
     def _sigkill_note(self) -> bytes:
         mib = self.cfg.memory_bytes >> 20
@@ -674,6 +681,11 @@ class _Attached:
         raw = getattr(self._io, "_sock", None)
         if isinstance(raw, socket.socket):
             raw.close()
+
+
+def _channel(warm: _Warm) -> CallChannel:
+    assert warm.channel is not None  # a call-server container (tools.call_server)
+    return warm.channel
 
 
 def _reason(reply: Reply) -> str:

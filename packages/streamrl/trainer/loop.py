@@ -124,6 +124,11 @@ class TrainerLoop:
 
     def __post_init__(self) -> None:
         self.track = self.tracer.track("trainer", "loop")
+        # Review N2. entry id -> steps its group entered before this one (Keys.
+        # trainer_attempts, read when admitted); groups read for a step but held back while
+        # a group whose step died before is trained alone (`_isolate`).
+        self.attempts: dict[str, int] = {}
+        self.carry: list[Delivery[Group]] = []
         self.data_done = False  # the data ended and the pipeline is drained
         self._next_drain_check = 0.0
         if not self.cluster.leader:
@@ -149,7 +154,8 @@ class TrainerLoop:
         """The next `groups_per_step` groups to train on (fewer if stopped); the others read
         on the way are set aside (`_admit`)."""
         want = self.cfg.trainer.groups_per_step
-        out: list[Delivery[Group]] = []
+        out: list[Delivery[Group]] = self.carry[:want]
+        self.carry = self.carry[want:]
         while len(out) < want and not self.stop():
             self.liveness.tick()
             got = self.input.read(count=want - len(out))
@@ -168,7 +174,7 @@ class TrainerLoop:
         is acknowledged, no group is half filled, and every group was delivered here. The
         groups this loop holds unacknowledged (until its next checkpoint) do not count."""
         now = time.monotonic()
-        if now < self._next_drain_check:
+        if now < self._next_drain_check or self.carry:
             return False
         self._next_drain_check = now + 1.0
         k, c = self.keys, self.client
@@ -212,7 +218,50 @@ class TrainerLoop:
         except ValueError as err:
             self._set_aside([d], f"group unusable by the trainer: {err}", dead=True)
             return False
+        tries = int(self.client.hget(self.keys.trainer_attempts, d.entry_id) or 0)
+        limit = self.cfg.transport.max_deliveries
+        if tries >= limit:
+            reason = (
+                f"poison: the trainer's step died with this group in it {tries} times "
+                f"(transport.max_deliveries {limit}; the last times it was trained alone)"
+            )
+            self._set_aside([d], reason, dead=True)
+            return False
+        self.attempts[d.entry_id] = tries
         return True
+
+    def _isolate(self, groups: list[Delivery[Group]]) -> list[Delivery[Group]]:
+        """Review N2: a group whose earlier step never finished (the trainer died in it: a
+        device or host OOM, an exception) is trained alone, so the step that dies again
+        is its own and its batch-mates are not blamed with it; the others wait for the
+        next steps (`carry`). Each step a group enters is counted first, and the count
+        forgotten once the step returns (`_attempted`)."""
+        suspects = [d for d in groups if self.attempts.get(d.entry_id, 0) > 0]
+        if not suspects or len(groups) == 1:
+            return groups
+        alone = suspects[0]
+        self.carry = [d for d in groups if d is not alone] + self.carry
+        self.log.warning(
+            "group_isolated",
+            group_id=alone.msg.group_id,
+            entry_id=alone.entry_id,
+            attempts=self.attempts[alone.entry_id],
+            reason="a step with it died before: trained alone",
+        )
+        return [alone]
+
+    def _attempted(self, groups: list[Delivery[Group]], change: int | None) -> None:
+        """Count a step each of `groups` enters (`change` +1), in Redis, where it survives
+        the trainer; forget the count once the step finished (None), whatever its result:
+        only a step that never returned leaves its groups suspect."""
+        pipe = self.client.pipeline(transaction=False)
+        for d in groups:
+            if change is None:
+                pipe.hdel(self.keys.trainer_attempts, d.entry_id)
+                self.attempts.pop(d.entry_id, None)
+            else:
+                pipe.hincrby(self.keys.trainer_attempts, d.entry_id, change)
+        pipe.execute()
 
     def _stale(self, group: Group) -> str:
         """Why `group` is too far off policy to train on now ('' when it is not): any
@@ -313,7 +362,11 @@ class TrainerLoop:
         shared = self.cluster.broadcast_arrays(arrays if groups is not None else None)
         batch = Batch(**dict(zip(fields, shared, strict=True)))
         before = self.step
+        if groups:
+            self._attempted(groups, +1)
         state, m = self.train_step(self.state, batch)
+        if groups:
+            self._attempted(groups, None)  # the step finished: no group of it is suspect
         loss, grad_norm = scalar(m["loss"]), scalar(m["grad_norm"])
         advanced = int(state.step) == before + 1
         if not (advanced and math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -469,7 +522,10 @@ class TrainerLoop:
             done = self.stop() or (self.max_steps != 0 and self.step >= self.max_steps)
             groups = [] if done or self.data_done else self.collect()
             if len(groups) < self.cfg.trainer.groups_per_step and not (self.data_done and groups):
+                self.carry = groups + self.carry  # (delivered again after a restart anyway)
                 groups = None  # stopped while waiting (the data's last groups: a short step)
+            else:
+                groups = self._isolate(groups)
         with self.liveness.busy():  # the others wait here while the leader collects
             go = self.cluster.broadcast(np.array([groups is not None]))
         if not bool(go[0]):
@@ -516,7 +572,12 @@ class TrainerLoop:
         no checkpoint kept can deliver again are forgotten and, with `trim`, the streams
         and what grows with the run are trimmed to that window."""
         if self.unacked:
-            self.client.xack(self.keys.groups, self.keys.CG_TRAINER, *self.unacked)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xack(self.keys.groups, self.keys.CG_TRAINER, *self.unacked)
+            pipe.hdel(self.keys.trainer_attempts, *self.unacked)
+            pipe.execute()
+            for entry_id in self.unacked:
+                self.attempts.pop(entry_id, None)
         ck, snapshot = done.checkpoint, done.snapshot
         self.log.info(
             "checkpoint_written",
