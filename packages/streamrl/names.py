@@ -215,6 +215,13 @@ class Keys:
         return self._k("groups", "reruns")
 
     @property
+    def policy_offset(self) -> str:
+        """Versions a resumed trainer's first publish jumped past its restored state's
+        (review N1): the policy age of a trajectory is `policy_version - policy_offset -
+        its oldest turn's version`, so the jump is no age. Set by the trainer's resume."""
+        return self._k("policy", "offset")
+
+    @property
     def policy_floor(self) -> str:
         """Lowest policy version a rollout worker may serve (set on resume: the versions
         below it belong to a trainer lineage that a restored checkpoint discarded)."""

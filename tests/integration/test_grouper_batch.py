@@ -212,7 +212,7 @@ def run_one_pair(rclient: redis.Redis, keys: Keys, g: Grouper, sent: list[list[s
     assert g.step() == [Outcome(kind, t.group_id) for t, kind in ONE_PAIR]
     # The read (idle entries claimed first), the trainer version, then the two pipelines,
     # each sending a script's body with its first call only.
-    assert sent == [["XAUTOCLAIM"], ["XREADGROUP"], ["GET"], ADDS, FINISHES]
+    assert sent == [["XAUTOCLAIM"], ["XREADGROUP"], ["MGET"], ADDS, FINISHES]
     assert [grp.group_id for grp in groups_out(rclient, keys)] == ["g1", "g2"]
     stats = rclient.hgetall(keys.stats)
     assert stats[b"groups"] == b"2" and stats[b"groups_dropped"] == b"3"

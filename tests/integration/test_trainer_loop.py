@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +432,68 @@ def _run_until_idle(loop: TrainerLoop) -> None:
     loop.input.read = read  # type: ignore[method-assign]  # counts the empty reads
     loop.stop = lambda: idle["n"] >= 3
     loop.run()
+
+
+class FreshGroupsStep(ScriptedStep):
+    """Advances the stub state and, as rollout would, emits the next group sampled by the
+    version published now; dies (a SIGKILL's effect: no final checkpoint) at `die_at`."""
+
+    def __init__(
+        self, rclient: redis.Redis, keys: Keys, die_at: int = 0, emit: bool = True
+    ) -> None:
+        super().__init__([])
+        self.rclient, self.keys, self.die_at, self.emit = rclient, keys, die_at, emit
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+        if self.die_at and int(state.step) + 1 == self.die_at:
+            raise SystemExit("killed")
+        version = int(self.rclient.get(self.keys.policy_version) or 0)
+        n = int(self.rclient.xlen(self.keys.groups))
+        if self.emit:
+            g = group(f"g{n + 1:02d}", ([version], [version]))
+            publish(self.rclient, self.keys.groups, g)
+        self.script = iter(["ok"])
+        return super().__call__(state, batch)
+
+
+def test_a_restart_judges_rewound_groups_by_the_lag_they_had(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """Review N1: a trainer restarted k steps after its checkpoint publishes a version above
+    every one published, and judged the groups it trains again (those of the steps after
+    the checkpoint, each fresh when first taken) against it: k - 1 steps' worth dropped as
+    stale, lost work. The jump is not policy age: each rewound group is judged with the lag
+    it had, and the groupers judge against the same (policy:offset). Checkpoint at step 5,
+    killed in step 9: steps 6-8's groups are trained again, none dropped."""
+    root = tmp_path / "checkpoints"
+    cfg = parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": 1},
+            "grouper": {"off_policy_steps": 2},
+            "transport": {"block_ms": 50},
+        }
+    )
+    publish(rclient, keys.groups, group("g01"))
+    first = make_loop(cfg, rclient, keys, root, FreshGroupsStep(rclient, keys, die_at=9),
+                      checkpointer, 20, checkpoint_every=5)  # fmt: skip
+    with pytest.raises(SystemExit):
+        first.run()
+    assert [s for s, _ in first.lineage][-1] == 8
+    # The restarted trainer trains what the dead one left (steps 6-9's groups; rollout's
+    # later groups are of the new lineage, judged as usual: tests/unit/test_policy_clock.py).
+    again = make_loop(cfg, rclient, keys, root, FreshGroupsStep(rclient, keys, emit=False),
+                      checkpointer, 9, checkpoint_every=5)  # fmt: skip
+    assert again.resume(root, checkpointer) == 5
+    assert again.version > 8  # above every version published: the jump
+    with structlog.testing.capture_logs() as logs:
+        again.run()
+    steps = {e["step"]: e["group_ids"] for e in logs if e["event"] == "train_step"}
+    assert [steps[s] for s in (6, 7, 8, 9)] == [["g06"], ["g07"], ["g08"], ["g09"]], steps
+    assert rclient.hget(keys.stats, TRAINER_GROUPS_STALE) is None
+    assert max(e["max_policy_lag"] for e in logs if e["event"] == "train_step") <= 2
+    # The groupers judge against the same version: the trainer's less the jump.
+    from streamrl.grouper import Grouper
+
+    grouper = Grouper(rclient, keys, cfg, "g", LOG)
+    assert grouper.trainer_version() == replace(again.clock, version=again.version)

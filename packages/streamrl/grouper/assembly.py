@@ -32,7 +32,14 @@ from redis.commands.core import Script
 
 from streamrl.config import Config
 from streamrl.grouper import scripts
-from streamrl.grouper.scoring import EMITTED, Decision, Outcome, OutcomeKind, score, stale_reason
+from streamrl.grouper.scoring import (
+    EMITTED,
+    Decision,
+    Outcome,
+    OutcomeKind,
+    score,
+    stale_reason,
+)
 from streamrl.grouper.timeouts import GroupTimeouts, TaskBuilder, trace_wait
 from streamrl.names import Keys
 from streamrl.obs.metrics import (
@@ -45,6 +52,7 @@ from streamrl.obs.metrics import (
 )
 from streamrl.obs.tracing import Tracer
 from streamrl.queues import backlog, partial_groups
+from streamrl.rl.clock import PolicyClock, TrainerVersion, policy_clock
 from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import make_task
 from streamrl.transport import Delivery, RedisStreamConsumer
@@ -120,17 +128,19 @@ class Grouper:
             k.groups_reruns,
         ]
 
-    def trainer_version(self) -> int:
-        raw = self.client.get(self.keys.policy_version)
-        return int(raw) if raw is not None else 0
+    def trainer_version(self) -> PolicyClock:
+        """The version trajectories' staleness is judged against: the trainer's published
+        one, with the jump of its last resume (review N1: `Keys.policy_offset`)."""
+        version, offset = self.client.mget([self.keys.policy_version, self.keys.policy_offset])
+        return policy_clock(version, offset)
 
-    def handle(self, d: Delivery[Trajectory], trainer_version: int) -> Outcome:
+    def handle(self, d: Delivery[Trajectory], trainer_version: TrainerVersion) -> Outcome:
         """One delivery: the batch of one."""
         [outcome] = self.handle_batch([d], trainer_version)
         return outcome
 
     def handle_batch(
-        self, deliveries: list[Delivery[Trajectory]], trainer_version: int
+        self, deliveries: list[Delivery[Trajectory]], trainer_version: TrainerVersion
     ) -> list[Outcome]:
         """Each delivery's outcome, in order: what handling them one at a time would give.
 
@@ -144,7 +154,7 @@ class Grouper:
         return out
 
     def _split(
-        self, deliveries: list[Delivery[Trajectory]], trainer_version: int
+        self, deliveries: list[Delivery[Trajectory]], trainer_version: TrainerVersion
     ) -> list[list[tuple[Delivery[Trajectory], str]]]:
         """The deliveries with their stale reasons ('' when fresh), in parts that each run
         in two round trips: a stale member of a group added to earlier starts a new part."""
@@ -161,7 +171,7 @@ class Grouper:
         return parts
 
     def _handle_part(
-        self, part: list[tuple[Delivery[Trajectory], str]], trainer_version: int
+        self, part: list[tuple[Delivery[Trajectory], str]], trainer_version: TrainerVersion
     ) -> list[Outcome]:
         """Adds and stale drops in one pipeline, then the completed groups' emits and drops
         in a second. A group is scored once, by its first delivery whose add completed it;
@@ -200,7 +210,7 @@ class Grouper:
                 trace_wait(self.tracer, group, start_ns)
         return outcomes
 
-    def _complete(self, stored: list[bytes], trainer_version: int) -> Decision:
+    def _complete(self, stored: list[bytes], trainer_version: TrainerVersion) -> Decision:
         """What a complete group gets, from its members as stored."""
         try:
             members = [decode_body(b, Trajectory) for b in stored]

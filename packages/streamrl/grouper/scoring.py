@@ -16,6 +16,7 @@ from typing import Literal
 from streamrl import counters
 from streamrl.config import GrouperConfig
 from streamrl.rl.advantages import ADVANTAGES, is_zero_variance, masked_advantages
+from streamrl.rl.clock import TrainerVersion, clock_of
 from streamrl.wire import Group, Trajectory, encode_body
 
 # What one trajectory or timeout check did: `partial`, `emitted`, `duplicate`, `dropped`,
@@ -74,18 +75,21 @@ def build_group(members: list[Trajectory], epsilon: float, estimator: str = "grp
     )
 
 
-def stale_reason(t: Trajectory, trainer_version: int, off_policy_steps: int) -> str:
+def stale_reason(t: Trajectory, trainer_version: TrainerVersion, off_policy_steps: int) -> str:
     """Why `t` is too far off policy to train on; '' when it is not."""
-    lag = trainer_version - t.min_version
+    clock = clock_of(trainer_version)
+    lag = clock.age(t.min_version)
     if t.versions and lag > off_policy_steps:
         return (
             f"stale: member {t.member}'s policy version {t.min_version} is {lag} behind "
-            f"trainer version {trainer_version}"
+            f"trainer version {clock}"
         )
     return ""
 
 
-def score(members: list[Trajectory], trainer_version: int, gcfg: GrouperConfig) -> Decision:
+def score(
+    members: list[Trajectory], trainer_version: TrainerVersion, gcfg: GrouperConfig
+) -> Decision:
     """Emit the group with its advantages, or drop it with the reason: a reward or an
     advantage not finite, a member too far off policy (each member, however early it
     arrived), fewer valid members than min_valid_members, or rewards all equal under

@@ -26,6 +26,7 @@ from streamrl.grouper import scripts
 from streamrl.grouper.scoring import Decision, Outcome, score
 from streamrl.names import Keys
 from streamrl.obs.tracing import GROUP_FLOW, TRAJ_FLOW, Span, Tracer, flow_id
+from streamrl.rl.clock import TrainerVersion
 from streamrl.transport import hgetall_bytes
 from streamrl.wire import (
     SCHEMA_VERSION,
@@ -93,7 +94,7 @@ class GroupTimeouts:
         t = self.cfg.transport
         return (t.max_deliveries + 1) * t.claim_idle_ms
 
-    def check(self, trainer_version: Callable[[], int]) -> list[Outcome]:
+    def check(self, trainer_version: Callable[[], TrainerVersion]) -> list[Outcome]:
         """Handle every group incomplete for `group_timeout_s` (none when it is 0), and
         emit or drop every complete group left unemitted for `stall_ms` (review M8: the
         entry that completed it was dead-lettered after its add answered `complete`).
@@ -132,7 +133,7 @@ class GroupTimeouts:
         return len(raw), sorted(members, key=lambda m: m.member), ""
 
     def _handle(
-        self, group_id: str, stall_ms: int, age_ms: int, trainer_version: int
+        self, group_id: str, stall_ms: int, age_ms: int, trainer_version: TrainerVersion
     ) -> Outcome | None:
         """Decide on one timed-out group, or one complete but never emitted; None when
         another grouper or a member got there first (nothing to do, or look again at the
@@ -226,7 +227,9 @@ class GroupTimeouts:
         ev.warning("group_emitted", reason=stuck)
         return Outcome("emitted", group_id)
 
-    def _decide(self, group_id: str, members: list[Trajectory], trainer_version: int) -> Decision:
+    def _decide(
+        self, group_id: str, members: list[Trajectory], trainer_version: TrainerVersion
+    ) -> Decision:
         """What the configured policy makes of a timed-out group holding `members`."""
         gcfg = self.cfg.grouper
         timed_out = f"incomplete after group_timeout_s ({gcfg.group_timeout_s:g}s)"

@@ -142,7 +142,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_waiting,
             *order,
         ),
-        read_keys=(k.policy_version,),
+        read_keys=(k.policy_version, k.policy_offset),
         categories=("stream", "string", "hash", "set", "keyspace"),
         commands=(*_SCRIPTS, "+time"),
     )
@@ -154,6 +154,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.weights_chunks,
             k.policy_version,
             k.policy_floor,
+            k.policy_offset,
             k.stats,
             k.metrics,
             k.dead,

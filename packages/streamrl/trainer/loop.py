@@ -28,7 +28,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -45,6 +45,7 @@ from streamrl.names import Keys
 from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
 from streamrl.obs.tracing import GROUP_FLOW, Arg, Span, Tracer, flow_id
 from streamrl.queues import backlog
+from streamrl.rl.clock import PolicyClock
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.run.liveness import Liveness
 from streamrl.trainer import resume as resumption
@@ -99,6 +100,8 @@ class TrainerLoop:
     max_steps: int = 0
     hooks: list[Hook] = field(default_factory=list)
     version: int = 0
+    # the last resume's jump past the restored state's version (review N1): not policy age
+    clock: PolicyClock = field(default_factory=lambda: PolicyClock(0))
     # entry id -> the step under which its group is recorded (lineage or set_aside), for
     # every group consumed since the last checkpoint: acknowledged with the next one
     unacked: dict[str, int] = field(default_factory=dict)
@@ -268,13 +271,19 @@ class TrainerLoop:
         member whose oldest turn is more than `grouper.off_policy_steps` versions behind
         the trainer's (the grouper checks at emission; the trainer may have moved on)."""
         limit = self.cfg.grouper.off_policy_steps
-        lags = [self.version - t.min_version for t in group.members if t.versions]
+        lags = [self.policy_age(t.min_version) for t in group.members if t.versions]
         if lags and max(lags) > limit:
             return (
                 f"stale at the trainer: a member is {max(lags)} policy versions behind "
-                f"trainer version {self.version} (grouper.off_policy_steps {limit})"
+                f"trainer version {replace(self.clock, version=self.version)} "
+                f"(grouper.off_policy_steps {limit})"
             )
         return ""
+
+    def policy_age(self, version: int) -> int:
+        """Versions between `version` (a trajectory's turn) and the policy trained now,
+        not counting the versions a resume jumped past its restored state (review N1)."""
+        return replace(self.clock, version=self.version).age(version)
 
     def _set_aside(self, groups: list[Delivery[Group]], reason: str, *, dead: bool) -> None:
         """Record `groups` as consumed without training, under the step being assembled:
@@ -393,7 +402,7 @@ class TrainerLoop:
             num_tokens=int(scalar(m["num_tokens"])),
             clip_fraction=scalar(m["clip_fraction"]),
             grad_norm=grad_norm,
-            max_policy_lag=self.version - min(min_versions),
+            max_policy_lag=self.policy_age(min(min_versions)),
             step_time_s=time.monotonic() - start,
             **{k: scalar(m[k]) for k in MISMATCH_METRICS if k in m},
         )
@@ -405,7 +414,7 @@ class TrainerLoop:
             return
         self.metrics.count(EXAMPLES, len(min_versions))
         for v in min_versions:
-            self.metrics.observe(POLICY_AGE, max(0, self.version - v))
+            self.metrics.observe(POLICY_AGE, self.policy_age(v))
 
     def probe(self) -> dict[str, float]:
         """The version trained (and published) now, for `streamrl.obs.metrics`."""
@@ -493,6 +502,11 @@ class TrainerLoop:
         if restored is None and self.client.get(self.keys.policy_version) is None:
             return None  # a fresh run
         self.version, start = resumption.rewind(self.client, self.keys, restored)
+        # Review N1: the restored state is the checkpoint's version (0: the initial state),
+        # published again as `version`; the jump between them is no policy age.
+        state_version = max(restored.meta.version, 0) if restored is not None else 0
+        self.clock = PolicyClock(self.version, self.version - state_version, self.version)
+        self.client.set(self.keys.policy_offset, f"{self.clock.offset}:{self.clock.since}")
         self.unacked.clear()
         self.log.info(
             "trainer_resumed",
