@@ -1158,6 +1158,16 @@ class MetricsConfig(_Section):
             "each worker this port plus its place in the launch order (0, 1, ...)."
         ),
     )
+    prometheus_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        max_length=255,
+        description=(
+            "The address the Prometheus endpoint binds: loopback by default; 0.0.0.0 where "
+            "a scraper on the network reads it (the compose stack). A port in use is "
+            "logged and the worker runs on without the endpoint."
+        ),
+    )
 
     @model_validator(mode="after")
     def _window(self) -> MetricsConfig:

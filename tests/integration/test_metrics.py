@@ -101,3 +101,32 @@ def test_redis_errors_are_retried_not_fatal(keys: Keys) -> None:
     assert sampler.failures >= 2 and sampler.samples == 0
     with pytest.raises(redis.ConnectionError):
         sampler.sample_once()
+
+
+def test_the_endpoint_binds_loopback_and_a_taken_port_is_no_crash(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Review N20: the endpoint bound every interface by default (now loopback unless
+    `metrics.prometheus_host` says otherwise: compose's scrapers are on the network), and a
+    port in use raised out of the worker's start, a crash loop on the same port. Now the
+    worker logs it and runs on without the endpoint."""
+    import socket
+
+    from streamrl.config import parse_config
+
+    assert parse_config({}).metrics.prometheus_host == "127.0.0.1"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        metrics = m.Metrics("rollout-0")
+        sampler = _sampler(rclient, keys, metrics, interval_s=60, prometheus_port=port)
+        with structlog.testing.capture_logs() as logs:
+            sampler.start()  # raised OSError (EADDRINUSE)
+        try:
+            sampler.sample_once()  # the series still goes to Redis
+        finally:
+            sampler.close()
+    [said] = [e for e in logs if e["event"] == "prometheus_unavailable"]
+    assert said["port"] == port and "in use" in said["error"].lower()
+    assert rclient.xlen(keys.worker_metrics("rollout-0")) >= 1

@@ -42,7 +42,8 @@ def test_worker_commands_parse_with_the_real_cli() -> None:
         assert args.command == "worker" and args.name == name
         assert args.index == "auto"  # every replica claims an identity of its own
         # its counters on a port of its own container (streamrl.obs.metrics)
-        assert load_config(REPO / args.config, args.set).metrics.prometheus_port == 9100
+        metrics = load_config(REPO / args.config, args.set).metrics
+        assert (metrics.prometheus_port, metrics.prometheus_host) == (9100, "0.0.0.0")
         load_config(REPO / args.config)  # a real, valid file of this repo
         test = svc["healthcheck"]["test"]
         assert test[:2] == ["CMD", "streamrl"]

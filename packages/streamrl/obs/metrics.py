@@ -407,7 +407,7 @@ class Sampler:
         interval_s: float,
         keep_samples: int,
         prometheus_port: int = 0,
-        prometheus_addr: str = "0.0.0.0",
+        prometheus_addr: str = "127.0.0.1",
         sinks: Iterable[Sink] | None = None,
     ) -> None:
         self.metrics = metrics
@@ -427,10 +427,16 @@ class Sampler:
 
     def start(self) -> Sampler:
         if self.prometheus_port:
-            self._server, _ = start_http_server(
-                self.prometheus_port, addr=self.prometheus_addr, registry=self.metrics.registry
-            )
-            self.log.info("prometheus_serving", port=self.prometheus_port)
+            try:
+                self._server, _ = start_http_server(
+                    self.prometheus_port, addr=self.prometheus_addr, registry=self.metrics.registry
+                )
+                self.log.info("prometheus_serving", port=self.prometheus_port)
+            except OSError as err:  # a port in use: no endpoint, not a crash loop (N20)
+                self.log.error(
+                    "prometheus_unavailable", port=self.prometheus_port,
+                    addr=self.prometheus_addr, error=str(err),
+                )  # fmt: skip
         self._thread.start()
         return self
 

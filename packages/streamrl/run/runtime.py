@@ -115,6 +115,7 @@ class WorkerContext:
             interval_s=m.interval_s,
             keep_samples=m.keep_samples,
             prometheus_port=m.prometheus_port,
+            prometheus_addr=m.prometheus_host,
             sinks=sinks,
         ).start()
 
