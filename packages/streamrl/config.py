@@ -74,12 +74,14 @@ class RunConfig(_Section):
         ),
     )
     max_restarts: int = Field(
-        5,
+        8,
         ge=0,
         le=1000,
         description=(
             "`streamrl up` restarts a worker that crashes, up to this many times within "
-            "restart_window_s, then stops the run with an error; 0: never restart."
+            "restart_window_s, then stops the run with an error; 0: never restart. More "
+            "than transport.max_deliveries, so that an entry that kills its worker each "
+            "time it is read is dead-lettered before the run stops."
         ),
     )
     restart_window_s: float = Field(
@@ -1306,6 +1308,18 @@ class Config(_Section):
                 f"grouper.min_valid_members ({self.grouper.min_valid_members}) exceeds "
                 f"rollout.num_generations ({self.rollout.num_generations}): every group "
                 "would be dropped"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _restarts(self) -> Config:
+        restarts, deliveries = self.run.max_restarts, self.transport.max_deliveries
+        if restarts and restarts <= deliveries:
+            raise ValueError(
+                f"run.max_restarts ({restarts}) must exceed transport.max_deliveries "
+                f"({deliveries}): an entry that kills its worker each time it is read takes "
+                f"{deliveries} crashes to reach the dead letters, and the run would stop at "
+                f"{restarts + 1} crashes (review N12); 0 restarts: never restart"
             )
         return self
 

@@ -175,3 +175,37 @@ def test_ready_groups_are_what_the_trainer_has_not_taken(
     assert asyncio.run(reason()) == "1 groups wait for the trainer (max_ready_groups 1)"
     train(1)
     assert asyncio.run(reason()) is None
+
+
+def test_rollout_pauses_when_no_grouper_reads(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """Every grouper down (review N11): `groups:waiting` expires and no group is emitted,
+    so the group counters say nothing waits; the trajectories rollout wrote that no grouper
+    put in a group count as ready groups, and rollout pauses after about
+    `max_ready_groups x num_generations` of them instead of writing until Redis is full."""
+    cfg = parse_config({"transport": {"block_ms": 5}, "rollout": {"max_ready_groups": 3}})
+    per_group = cfg.rollout.num_generations
+
+    async def reason() -> str | None:
+        aclient = aioredis.Redis.from_url(redis_url)
+        try:
+            return await Backpressure(aclient, keys, cfg, structlog.get_logger()).reason()
+        finally:
+            await aclient.aclose()
+
+    written = 0
+    while asyncio.run(reason()) is None:
+        assert written < 10 * per_group, "rollout never paused with no grouper reading"
+        publish(rclient, keys.trajectories, member(written // per_group, written % per_group))
+        rclient.hincrby(keys.stats, "trajectories", 1)  # as the rollout's commit counts it
+        written += 1
+    assert written == 3 * per_group
+    assert asyncio.run(reason()) == "3 groups wait for the trainer (max_ready_groups 3)"
+    # A grouper comes back: it groups them and counts what waits; rollout sees that.
+    g = Grouper(rclient, keys, cfg, "g0", structlog.get_logger())
+    g.step()
+    assert rclient.xlen(keys.groups) == 3
+    rclient.xgroup_create(keys.groups, Keys.CG_TRAINER, "$")  # a trainer took them all
+    g.publish_waiting()
+    assert asyncio.run(reason()) is None

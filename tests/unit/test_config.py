@@ -187,3 +187,17 @@ def test_the_container_cap_must_hold_the_warm_pool_and_a_call() -> None:
     assert (tools.max_containers, tools.max_starting) == (4, 2)
     with pytest.raises(ConfigError, match=r"tools.max_starting"):
         parse_config({"tools": {"max_starting": 0}})
+
+
+def test_restarts_outlast_a_poison_entry() -> None:
+    """Review N12: an entry that kills its worker at each read is dead-lettered after
+    `transport.max_deliveries` crashes; the launcher must allow more restarts than that,
+    or the run stops before the dead letter (both were 5)."""
+    cfg = parse_config({})
+    assert cfg.run.max_restarts > cfg.transport.max_deliveries
+    with pytest.raises(
+        ConfigError, match=r"run.max_restarts \(5\) must exceed transport.max_deliveries \(5\)"
+    ):
+        parse_config({"run": {"max_restarts": 5}})
+    assert parse_config({"run": {"max_restarts": 6}}).run.max_restarts == 6
+    assert parse_config({"run": {"max_restarts": 0}}).run.max_restarts == 0  # never restart

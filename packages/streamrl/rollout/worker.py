@@ -89,7 +89,9 @@ class Backpressure:
     """Whether rollout may start a new task: not while `max_ready_groups` groups wait for
     the trainer (the trainer consumer group's lag, as a grouper publishes it:
     `Grouper.publish_waiting`), nor while `max_partial_groups` groups are half filled (HLEN
-    of the groups-started hash). Each move into the paused state is counted once in stats
+    of the groups-started hash). While no grouper has counted lately (every grouper down),
+    the trajectories written but not yet grouped count as ready groups too. Each move into
+    the paused state is counted once in stats
     (`backpressure_pauses`) and logged with its reason, as is the resume."""
 
     def __init__(
@@ -113,11 +115,25 @@ class Backpressure:
         pipe.hlen(self.keys.groups_started)
         pipe.get(self.keys.groups_waiting)
         pipe.hmget(
-            self.keys.stats, [counters.GROUPS, counters.GROUPS_TRAINED, counters.GROUPS_SET_ASIDE]
+            self.keys.stats,
+            [
+                counters.GROUPS,
+                counters.GROUPS_TRAINED,
+                counters.GROUPS_SET_ASIDE,
+                counters.TRAJECTORIES,
+                counters.TRAJECTORIES_DROPPED,
+            ],
         )
         partial, waiting, counted = await pipe.execute()
         if waiting is None:  # no grouper has counted lately: the counters, roughly
-            waiting = int(counted[0] or 0) - int(counted[1] or 0) - int(counted[2] or 0)
+            groups, trained, aside, written, dropped = (int(c or 0) for c in counted)
+            # ... and the trajectories no grouper has put in a group yet (every grouper
+            # down, review N11), in groups' worth: without them rollout would write on
+            # into a stream nobody reads until Redis is out of memory. Re-runs and
+            # released groups make this an overcount, which only pauses sooner while no
+            # grouper is there to count.
+            ungrouped = max(0, written - dropped - groups * rcfg.num_generations)
+            waiting = groups - trained - aside + ungrouped // rcfg.num_generations
         ready = int(waiting) + ending
         if ready >= rcfg.max_ready_groups:
             return f"{ready} groups wait for the trainer (max_ready_groups {rcfg.max_ready_groups})"

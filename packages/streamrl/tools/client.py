@@ -17,6 +17,10 @@ Traced on the call's track ("call", call_id): `tool.wait`, the whole call (a fre
 `max_parallel_calls`, every attempt, the result), and each attempt's `tool.enqueue`. The
 job carries its enqueue time on the Redis clock (`Tracer.shared_ns`): the tools worker's
 `tool.queue` starts there.
+
+An attempt's deadline is written on the Redis clock too (this host's offset to it measured
+once, at start), and the tool worker compares it with Redis TIME: a tool host whose wall
+clock runs ahead or behind neither expires live calls nor cuts their queueing budget.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from streamrl import counters
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.obs.metrics import TOOL_ERROR, TOOL_LATENCY_S, TOOL_TIMEOUT, Metrics
-from streamrl.obs.tracing import Span, Tracer
+from streamrl.obs.tracing import Span, Tracer, clock_offset_ns
 from streamrl.tools import JOB_PATH
 from streamrl.tools.ledger import ledger_key
 from streamrl.tools.registry import TIMED_OUT
@@ -77,6 +81,9 @@ class ToolClient:
         self._on_cluster = is_cluster(client)
         self._slots = asyncio.Semaphore(cfg.max_parallel_calls)
         self.metrics = metrics
+        # A call's deadline is written on the Redis clock, which the tool host reads too:
+        # two hosts' wall clocks are never compared (review N7).
+        self._offset_ns = clock_offset_ns(client)[0]
 
     def _count(self, result: ToolResult, latency_s: float) -> None:
         """A call's latency (queueing here, on rq and in the sandbox), error and timeout,
@@ -159,7 +166,8 @@ class ToolClient:
                 "arguments": arguments,
                 "time_limit_s": self.cfg.time_limit_s,
                 "output_cap": self.cfg.output_cap_bytes,
-                "deadline": time.time() + wait_s,
+                # on the Redis clock (seconds): the tool host compares it with Redis TIME
+                "deadline": (time.time_ns() + self._offset_ns) / 1e9 + wait_s,
                 "ledger_key": key,  # "": the tool is idempotent, run every call
                 "enqueued_ns": self.tracer.shared_ns(time.time_ns()),  # on the Redis clock
             },

@@ -34,7 +34,7 @@ import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
-from streamrl.obs.tracing import Span, Tracer
+from streamrl.obs.tracing import ServerClock, Span, Tracer
 from streamrl.tools.backends import WorkerSandbox, builder
 from streamrl.tools.bwrap import BubblewrapConfig
 from streamrl.tools.containers import ContainerConfig
@@ -131,6 +131,15 @@ def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tup
         return Outcome(False, "", f"sandbox failed: {type(err).__name__}: {err}"), True
 
 
+def _server_s(client: ServerClock) -> float:
+    """The Redis server's clock, in seconds (TIME; a cluster client answers per node)."""
+    raw = client.time()
+    if isinstance(raw, dict):
+        raw = next(iter(raw.values()))
+    sec, usec = raw
+    return int(sec) + int(usec) / 1e6
+
+
 def execute_call(
     call_id: str, name: str, arguments: str, time_limit_s: float, output_cap: int, worker: str
 ) -> ToolResult:
@@ -171,8 +180,9 @@ def run_tool_call(
     """Run one call and publish its ToolResult; returns it as a dict for rq's record.
 
     With a `ledger_key` the call runs once per key (a job run outside a tool worker has no
-    connection, so no ledger: it just runs). `enqueued_ns`: when the caller enqueued it,
-    on the Redis clock (0: not said)."""
+    connection, so no ledger: it just runs). `deadline`: when the caller stops listening
+    for this attempt, in seconds on the Redis clock. `enqueued_ns`: when the caller
+    enqueued it, on the Redis clock (0: not said)."""
     tracer = _installed[0].tracer if _installed else None
     start_ns = time.time_ns()
     track = 0
@@ -183,7 +193,10 @@ def run_tool_call(
             tracer.span(track, Span.TOOL_QUEUE, queued_ns, start_ns)
     worker = f"tools-{os.getpid()}"
     job = rq.get_current_job()
-    if time.time() > deadline:
+    # The deadline is on the Redis clock (the caller's offset to it): so is `now`, from
+    # the job's own connection; a job run without one has only this host's clock.
+    now = _server_s(job.connection) if job is not None else time.time()
+    if now > deadline:
         # The caller has given up on this attempt and sent another; it still listens on
         # this attempt's list, where an "expired" would end its call. Skip it.
         structlog.get_logger().warning("tool_call_expired", call_id=call_id, worker=worker)
@@ -194,7 +207,7 @@ def run_tool_call(
             Keys(ns),
             structlog.get_logger().bind(worker=worker, run=ns, call_id=call_id),
             claim_ttl_s=math.ceil(time_limit_s) + CLAIM_MARGIN_S,
-            wait_s=deadline - time.time(),  # the caller stops listening then
+            wait_s=deadline - now,  # the caller stops listening then
         )
         result = ledger.run_once(
             ledger_key,
