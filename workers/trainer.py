@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -126,6 +127,7 @@ def build_loop(
         liveness=ctx.liveness,
         metrics=ctx.metrics,
         tracer=ctx.tracer,
+        fence=functools.partial(ctx.holds_identity, ctx.client()),
         hooks=[
             publish,
             CheckpointHook(

@@ -70,6 +70,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             ctx = make_context(
                 args.name, index, cfg, run_dir, max_steps=args.steps, burst=args.burst
             )
+        ctx.holder = holder
         beat = Heartbeat(
             ctx.client(),
             ctx.keys,

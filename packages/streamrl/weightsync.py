@@ -44,8 +44,8 @@ import xxhash
 
 from streamrl.config import ChannelName, Checksum
 from streamrl.names import Keys, RunPaths
-from streamrl.transport import hgetall_bytes
-from streamrl.wire import Weights
+from streamrl.transport import hgetall_bytes, xrevrange_entries
+from streamrl.wire import Weights, WireError, decode
 
 __all__ = [
     "ALIGN",
@@ -293,6 +293,25 @@ def split_chunks(pieces: Sequence[Buffer], limit: int) -> list[Buffer]:
     if small or not out:
         out.append(b"".join(small))
     return out
+
+
+def published_state_of(client: redis.Redis, keys: Keys, step: int) -> int | None:
+    """The policy version published last when it holds the trainer's state at `step`: a
+    full version published at that step and still the run's `policy:version` (None
+    otherwise). A trainer restoring its checkpoint of `step` has that version's weights
+    already, so it publishes nothing new (nor does `up --resume` raise the policy floor
+    above it)."""
+    published = client.get(keys.policy_version)
+    last = xrevrange_entries(client, keys.weights, count=1)
+    if published is None or not last:
+        return None
+    try:
+        msg = decode(last[0][1], Weights)
+    except WireError:
+        return None
+    if msg.version != int(published) or msg.step != step or msg.kind != "full":
+        return None
+    return msg.version
 
 
 def describe(msg: Weights) -> str:

@@ -32,7 +32,15 @@ from streamrl.trainer.step import Batch, TrainState
 from streamrl.trainer.stub import stub_state
 from streamrl.transport import publish
 from streamrl.weightsync import DirChannel
-from streamrl.wire import DeadLetter, Group, TrainMetrics, Trajectory, decode, pack_arrays
+from streamrl.wire import (
+    DeadLetter,
+    Group,
+    TrainMetrics,
+    Trajectory,
+    Weights,
+    decode,
+    pack_arrays,
+)
 
 LOG = structlog.get_logger()
 
@@ -497,3 +505,84 @@ def test_a_restart_judges_rewound_groups_by_the_lag_they_had(
 
     grouper = Grouper(rclient, keys, cfg, "g", LOG)
     assert grouper.trainer_version() == replace(again.clock, version=again.version)
+
+
+def test_a_start_that_trains_nothing_publishes_no_new_version(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """Issue 30: each trainer start published its restored state as a new version, so a
+    trainer that dies in its first step (a crash loop) added a version per start for the
+    same weights, and every rollout worker synced them. A start whose restored state the
+    last published version already holds (published at the checkpoint's step) publishes
+    nothing and keeps that version; one after which other weights were published (a
+    discarded lineage's) still takes a version above them."""
+    root = tmp_path / "checkpoints"
+    cfg = config()
+    for i in range(1, 8):
+        publish(rclient, keys.groups, group(f"g{i}"))
+
+    def start(die_at: int, max_steps: int = 20) -> TrainerLoop:
+        step = FreshGroupsStep(rclient, keys, die_at=die_at, emit=False)
+        loop = make_loop(cfg, rclient, keys, root, step, checkpointer, max_steps,
+                         checkpoint_every=2)  # fmt: skip
+        loop.resume(root, checkpointer)
+        return loop
+
+    def published() -> list[tuple[int, int]]:  # (version, step) of every weights entry
+        raw: Any = rclient.xrange(keys.weights)
+        return [(w.version, w.step) for w in (decode(f, Weights) for _, f in raw)]
+
+    first = start(die_at=4)  # versions 0-3 at steps 0-3, checkpoint at step 2, dies in 4
+    with pytest.raises(SystemExit):
+        first.run()
+    assert published()[-1] == (3, 3)
+    again = start(die_at=3)  # version 3 is a discarded lineage's: a new version, state 2
+    assert (again.version, again.version_held) == (4, False)
+    with pytest.raises(SystemExit):
+        again.run()  # publishes version 4 (step 2), dies in step 3
+    assert published()[-1] == (4, 2)
+    for _ in range(3):  # the crash loop: version 4 holds the restored state already
+        looped = start(die_at=3)
+        assert (looped.version, looped.version_held) == (4, True)
+        with pytest.raises(SystemExit):
+            looped.run()
+        assert published()[-1] == (4, 2)
+        assert int(rclient.get(keys.policy_version) or -1) == 4
+    last = start(die_at=0, max_steps=4)  # the fault is gone: training goes on from 4
+    with structlog.testing.capture_logs() as logs:
+        last.run()
+    assert published()[-2:] == [(5, 3), (6, 4)]
+    assert [e["step"] for e in logs if e["event"] == "train_step"] == [3, 4]
+    assert last.clock.offset == 2  # version 4 is state 2's: its jump still is no policy age
+
+
+def test_a_trainer_whose_identity_was_taken_writes_nothing_more(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """Review N13: a trainer cut off from Redis while a new one took its identity over
+    would, back again, publish, checkpoint and acknowledge beside the new one. The loop
+    asks before each hook and acknowledgement whether it still holds its identity; once
+    not, it stops (FencedError, fatal) with nothing more written: no version, no checkpoint,
+    its groups since the last checkpoint left pending for the trainer that holds it."""
+    from streamrl.trainer.loop import FencedError
+
+    root = tmp_path / "checkpoints"
+    for i in range(1, 6):
+        publish(rclient, keys.groups, group(f"g{i}"))
+    held = {"yes": True}
+
+    class Step(ScriptedStep):
+        def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+            if int(state.step) == 2:  # in step 3: another trainer takes the identity over
+                held["yes"] = False
+            return super().__call__(state, batch)
+
+    loop = make_loop(config(), rclient, keys, root, Step(["ok"] * 5), checkpointer,
+                     5, checkpoint_every=2)  # fmt: skip
+    loop.fence = lambda: held["yes"]
+    with pytest.raises(FencedError, match=r"no longer holds its identity.*PublishHook at step 3"):
+        loop.run()
+    assert int(rclient.get(keys.policy_version) or -1) == 2  # nothing published after
+    assert [s for s, _ in ckpts.step_dirs(root)] == [2]
+    pending: Any = rclient.xpending(keys.groups, Keys.CG_TRAINER)
+    assert pending["pending"] == 1  # step 3's group: not acknowledged

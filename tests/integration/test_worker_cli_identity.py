@@ -85,3 +85,34 @@ def test_health_fails_without_redis(tmp_path: Path) -> None:
     r = _health("redis://127.0.0.1:1/0", "x")
     assert r.returncode == 1 and "Redis does not answer" in r.stdout
     assert time.monotonic() - start < 15  # a health check answers quickly, without retries
+
+
+def test_a_second_trainer_is_refused(redis_url: str, rclient: redis.Redis, keys: Keys,
+                                     tmp_path: Path) -> None:  # fmt: skip
+    """Review N13: a second trainer of a run (`--scale trainer=2`, `--index auto`) used to
+    claim index 1 and run as a second leader: rewinding the first one's consumer group,
+    publishing and checkpointing beside it. It is refused, with the reason, and the first
+    one goes on."""
+    stub = REPO / "configs" / "stub.toml"
+
+    def trainer(log: Path) -> subprocess.Popen[bytes]:
+        with log.open("wb") as out:
+            return _cli(
+                redis_url, "worker", "trainer", "--config", str(stub), "--set",
+                f"run.name={keys.ns}", "--run-dir", str(tmp_path), "--index", "auto",
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    first = trainer(tmp_path / "first.log")
+    try:
+        _wait(lambda: holder_of(rclient, keys, "trainer", 0) is not None)
+        second = trainer(tmp_path / "second.log")
+        assert second.wait(timeout=120) == 3  # fatal: not restarted by `streamrl up`
+        out = (tmp_path / "second.log").read_text()
+        assert "trainer process index 1 is outside 0..0" in out, out
+        assert "another trainer of this run holds" in out
+        assert first.poll() is None  # the first one runs on
+        assert holder_of(rclient, keys, "trainer", 0) == f"{os.uname().nodename}:{first.pid}"
+    finally:
+        first.terminate()
+        first.wait(timeout=60)

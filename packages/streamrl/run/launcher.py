@@ -75,6 +75,7 @@ from streamrl.run.supervise import (
     terminate,
 )
 from streamrl.transport import make_client, mget_bytes, waits_out, xrevrange_entries
+from streamrl.weightsync import published_state_of
 from streamrl.wire import TrainMetrics, WireError, decode
 
 STOP_TIMEOUT_S = 20.0
@@ -296,6 +297,11 @@ class Launcher:
             how = "no checkpoint and no queues: starting afresh"
         published = client.get(self.keys.policy_version)
         floor = int(published) + 1 if published is not None else 0
+        if kept and ck is not None:
+            # the last version holds the checkpoint's state: the trainer keeps it
+            # (`trainer.resume.rewind`), so rollout may serve it at once
+            held = published_state_of(client, self.keys, ck.step)
+            floor = floor if held is None else held
         client.set(self.keys.policy_floor, floor)
         where = f"checkpoint step {ck.step}" if ck is not None else "no checkpoint"
         log.info("resume", checkpoint=None if ck is None else str(ck.path), kept=kept, floor=floor)

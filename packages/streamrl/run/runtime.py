@@ -19,6 +19,7 @@ from streamrl.names import Keys
 from streamrl.obs.metrics import Metrics, Sampler, Sink, device_memory_probe, memory_probe
 from streamrl.obs.tracing import Tracer, open_tracer
 from streamrl.run.acl import read_password_file
+from streamrl.run.identity import holder_of
 from streamrl.run.liveness import Liveness
 from streamrl.run.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
@@ -69,6 +70,8 @@ class WorkerContext:
     burst: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
+    # the holder id of its identity slot (`streamrl.run.identity`; "": none claimed)
+    holder: str = ""
     metrics: Metrics = field(init=False)  # its counters (streamrl.obs.metrics)
 
     def __post_init__(self) -> None:
@@ -92,6 +95,14 @@ class WorkerContext:
         """Consumer name in stream groups: unique per process, so a restarted worker's
         old pending entries are claimed like any dead consumer's."""
         return f"{self.worker_id}-{os.getpid()}"
+
+    def holds_identity(self, client: redis.Redis) -> bool:
+        """Whether this process still holds its identity slot (True when it claimed none):
+        false once another process has taken it (a new replica while this one was cut off
+        from Redis), which is then the worker of that index."""
+        if not self.holder:
+            return True
+        return holder_of(client, self.keys, self.name, self.index) == self.holder
 
     def client(self) -> redis.Redis:
         r = self.cfg.redis

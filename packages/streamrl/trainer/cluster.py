@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from streamrl.errors import FatalError
 from streamrl.model.spec import PyTree
 from streamrl.run.runtime import COORDINATOR_ENV
 
@@ -24,9 +25,24 @@ class ClusterError(RuntimeError):
     pass
 
 
+class SecondTrainerError(FatalError):
+    """This process is not one of the run's trainer: that index is outside the trainer's
+    processes (another trainer holds the ones inside)."""
+
+
 def init_distributed(num_processes: int, process_id: int) -> None:
     """Join the trainer's processes (no-op for one). The coordinator address comes from
     STREAMRL_COORDINATOR (`streamrl up` sets it; compose sets it per service)."""
+    if not 0 <= process_id < num_processes:
+        # Review N13: a second trainer (`--scale trainer=2`, or a new container while the
+        # old one still holds index 0) claims index 1 and is refused here, before it
+        # rewinds the first one's consumer group or writes into its checkpoints.
+        raise SecondTrainerError(
+            f"trainer process index {process_id} is outside 0..{num_processes - 1} "
+            f"(trainer.num_processes = {num_processes}): another trainer of this run holds "
+            "the index this one would need; a run has one trainer (of num_processes "
+            "processes), so this one refuses to start"
+        )
     if num_processes <= 1:
         return
     address = os.environ.get(COORDINATOR_ENV, "")
@@ -34,11 +50,6 @@ def init_distributed(num_processes: int, process_id: int) -> None:
         raise ClusterError(
             f"trainer.num_processes is {num_processes}: set {COORDINATOR_ENV}=host:port "
             "(process 0's address) for every trainer process"
-        )
-    if not 0 <= process_id < num_processes:
-        raise ClusterError(
-            f"trainer process index {process_id} is outside 0..{num_processes - 1} "
-            "(trainer.num_processes)"
         )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts only
     jax.distributed.initialize(address, num_processes=num_processes, process_id=process_id)

@@ -104,9 +104,13 @@ class PublishHook:
 
     @_busy_hook
     def __call__(self, loop: TrainerLoop, final: bool) -> Published:
-        """The first publication is the loop's version (0, or a resumed trainer's); each
-        later one the next."""
+        """The first publication is the loop's version (0, or a resumed trainer's; none
+        when that version is published already, `TrainerLoop.version_held`); each later one
+        the next."""
         first = self.version < 0
+        if first and loop.version_held:  # a resume whose state that version holds
+            self.version = loop.version
+            return Published(loop.version)
         version = loop.version if first else self.version + 1
         lora: LoraConfig | None = None
         if self.adapters is None:

@@ -15,7 +15,8 @@ A trainer that starts where a run already went on (`resume`, `streamrl.trainer.r
 restores the newest complete checkpoint that Orbax can restore: its state, the window of the
 lineage of group ids it trained, the queues from its snapshot when Redis lost the run,
 and the trainer's consumer group rewound to the checkpoint's cut; then it publishes the
-restored policy as a new version above every version published before.
+restored policy as a new version above every version published before (none when the last
+version published holds that state already: `resume.rewind`).
 
 Traced (`tracer`) on track ("trainer", "loop"): `trainer.batch_wait` (until a step's groups
 are in), `train.step` (ending the flows of the groups it trains), `weights.publish`, and a
@@ -68,6 +69,10 @@ class NonFiniteStepsError(FatalError):
     pass
 
 
+class FencedError(FatalError):
+    """Another trainer took this one's identity over: this one must write nothing more."""
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -100,6 +105,9 @@ class TrainerLoop:
     max_steps: int = 0
     hooks: list[Hook] = field(default_factory=list)
     version: int = 0
+    # the version is published already (a resume whose restored state it holds): the
+    # publish hook's start publishes nothing
+    version_held: bool = False
     # the last resume's jump past the restored state's version (review N1): not policy age
     clock: PolicyClock = field(default_factory=lambda: PolicyClock(0))
     # entry id -> the step under which its group is recorded (lineage or set_aside), for
@@ -124,6 +132,10 @@ class TrainerLoop:
     liveness: Liveness = field(default_factory=Liveness)  # its heartbeat reads it
     metrics: Metrics | None = None  # examples trained and their policy age (streamrl.obs.metrics)
     tracer: Tracer = field(default_factory=Tracer.disabled)
+    # Review N13: whether this process is still the run's trainer (holds its identity
+    # slot), asked on the leader before every hook (publish, checkpoint, export) and
+    # acknowledgement; once another trainer has taken over, this one writes nothing more.
+    fence: Callable[[], bool] = lambda: True
 
     def __post_init__(self) -> None:
         self.track = self.tracer.track("trainer", "loop")
@@ -501,7 +513,10 @@ class TrainerLoop:
         resumption.restore_queues(self.client, self.keys, root, restored, self.log)
         if restored is None and self.client.get(self.keys.policy_version) is None:
             return None  # a fresh run
-        self.version, start = resumption.rewind(self.client, self.keys, restored)
+        rewound = resumption.rewind(
+            self.client, self.keys, restored, reuse=self.cfg.trainer.publish != "lora"
+        )
+        self.version, start, self.version_held = rewound.version, rewound.start, rewound.held
         # Review N1: the restored state is the checkpoint's version (0: the initial state),
         # published again as `version`; the jump between them is no policy age.
         state_version = max(restored.meta.version, 0) if restored is not None else 0
@@ -514,6 +529,7 @@ class TrainerLoop:
             checkpoint=None if restored is None else str(restored.checkpoint.path),
             version=self.version,
             groups_rewound_to=start,
+            version_published_already=self.version_held,
             trained_groups=sum(len(ids) for _, ids in self.lineage),
         )
         return self.step
@@ -573,11 +589,22 @@ class TrainerLoop:
     def _run_hook(self, hook: Hook, final: bool) -> None:
         """Run `hook` and act on what it did: a version published is the loop's version; a
         checkpoint committed acknowledges the groups it holds (`checkpointed`)."""
+        self._fenced(type(hook).__name__)
         done = hook(self, final)
         if isinstance(done, Published):
             self.version = done.version
         elif isinstance(done, Committed):
             self.checkpointed(done)
+
+    def _fenced(self, what: str) -> None:
+        """FencedError when another trainer has taken this one's identity (review N13):
+        its publications, checkpoints and acknowledgements would mix with that one's."""
+        if self.cluster.leader and not self.fence():
+            raise FencedError(
+                f"this trainer no longer holds its identity: another trainer of the run took "
+                f"it over (this one was cut off from Redis, or a second one started); it "
+                f"stops before its {what} at step {self.step}, writing nothing more"
+            )
 
     def checkpointed(self, done: Committed) -> None:
         """The delivery contract (DESIGN.md, "Delivery"): the groups consumed since the last
@@ -586,6 +613,7 @@ class TrainerLoop:
         no checkpoint kept can deliver again are forgotten and, with `trim`, the streams
         and what grows with the run are trimmed to that window."""
         if self.unacked:
+            self._fenced("acknowledgement")
             pipe = self.client.pipeline(transaction=False)
             pipe.xack(self.keys.groups, self.keys.CG_TRAINER, *self.unacked)
             pipe.hdel(self.keys.trainer_attempts, *self.unacked)

@@ -27,6 +27,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
 from streamrl.trainer.cluster import Cluster
 from streamrl.trainer.step import TrainState
+from streamrl.weightsync import published_state_of
 
 # (step, ids): the group ids trained at a step, or the entry ids set aside while it was
 # assembled (dead-lettered or dropped).
@@ -129,11 +130,29 @@ def restore_queues(
     pending.unlink()
 
 
-def rewind(client: redis.Redis, keys: Keys, restored: Restored | None) -> tuple[int, str]:
+@dataclass(frozen=True)
+class Rewound:
+    """Where a resumed trainer starts: the policy `version` it has, the entry id its
+    consumer group was rewound to, and whether that version is published already (`held`:
+    the start publishes nothing)."""
+
+    version: int
+    start: str
+    held: bool = False
+
+
+def rewind(
+    client: redis.Redis, keys: Keys, restored: Restored | None, reuse: bool = True
+) -> Rewound:
     """Rewind the trainer's consumer group to the restored cut (none: to the start), and
-    take the policy version a resumed trainer publishes first: above every version
-    published and the restored one, and at least the policy floor, which it sets to it.
-    Returns that version and the entry id the group was rewound to."""
+    take the policy version a resumed trainer has: above every version published and the
+    restored one, and at least the policy floor, which it sets to it. Except, with
+    `reuse`, when the last version published holds the restored state already (published
+    at the checkpoint's step, so by that state: nothing trained since, or a trainer that
+    died in the step after its restart's publication): then that version, published
+    again by nobody, so a trainer that dies at each start does not add a version each
+    time (`reuse` is off for LoRA publication, whose next versions need a base this
+    process published)."""
     groups = ckpts.StreamSnapshot(keys.groups, keys.CG_TRAINER, "", [], [])
     meta_version = -1
     if restored is not None:
@@ -142,13 +161,16 @@ def rewind(client: redis.Redis, keys: Keys, restored: Restored | None) -> tuple[
     start = ckpts.rewind_group(client, groups)
     published = client.get(keys.policy_version)
     floor = client.get(keys.policy_floor)
+    floor_version = int(floor) if floor is not None else 0
+    if reuse and restored is not None:
+        held = published_state_of(client, keys, restored.meta.step)
+        if held is not None and held >= max(floor_version, meta_version):
+            return Rewound(held, start, held=True)
     version = max(
-        int(published) + 1 if published is not None else 0,
-        meta_version + 1,
-        int(floor) if floor is not None else 0,
+        int(published) + 1 if published is not None else 0, meta_version + 1, floor_version
     )
     client.set(keys.policy_floor, version)
-    return version, start
+    return Rewound(version, start)
 
 
 def window_start(root: Path) -> int:
