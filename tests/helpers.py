@@ -16,6 +16,7 @@ import redis
 from rq import Worker
 
 from streamrl.names import Keys
+from streamrl.run import incarnation
 from streamrl.run.launcher import worker_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,11 @@ def spawn_worker(
     log_path: Path | None = None,
     config: Path = TINY,
 ) -> subprocess.Popen[bytes]:
-    """`streamrl worker NAME` as a subprocess, logging to `log_path` (or run_dir/NAME.log)."""
+    """`streamrl worker NAME` as a subprocess, logging to `log_path` (or run_dir/NAME.log).
+    The run is created first, as `streamrl up` does (its id: a worker other than the
+    trainer waits for it)."""
+    with redis.Redis.from_url(redis_url) as client:
+        incarnation.create(client, Keys(ns))
     cmd = worker_command(name, index, config, run_dir, [f"run.name={ns}", *sets])
     if burst:
         cmd.append("--burst")

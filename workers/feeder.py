@@ -7,7 +7,7 @@ from streamrl.run.runtime import WorkerContext
 
 
 def run(ctx: WorkerContext) -> int:
-    feeder = Feeder(ctx.client(), ctx.keys, ctx.cfg, ctx.log)
+    feeder = Feeder(ctx.client(), ctx.keys, ctx.cfg, ctx.log, run_id=ctx.run_id)
     ctx.metrics.probe(feeder.queue_probe)
     feeder.run(
         ctx.stop, burst=ctx.burst, liveness=ctx.liveness

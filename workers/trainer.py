@@ -141,6 +141,7 @@ def build_loop(
         ],
     )
     loop.resume(root, checkpointer)
+    ctx.run_id = loop.run_id  # its heartbeat and fence compare it from now on
     ctx.metrics.probe(loop.probe)
     return loop, checkpointer
 

@@ -25,6 +25,7 @@ from streamrl.config import Config
 from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.names import RunPaths
 from streamrl.obs.tracing import Span
+from streamrl.run import incarnation
 from streamrl.run.identity import Heartbeat, claim_index, default_holder
 from streamrl.run.logs import redact_url
 from streamrl.run.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
@@ -81,6 +82,8 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             ctx.stop.set,
             liveness=ctx.liveness,
             liveness_s=cfg.run.liveness_timeout_s,
+            run_id=lambda: ctx.run_id,
+            on_run_lost=lambda reason: _run_lost(ctx, reason),
         ).start(take=args.index != "auto")
         ctx.open_trace()
         _trace_start(ctx)
@@ -96,6 +99,13 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     ctx.log.info("worker_identity", index=ctx.index, holder=holder, auto=args.index == "auto")
     if args.name not in ("trainer", "colocated"):  # those restore the queues themselves
         wait_for_queues(ctx)
+        # the run this worker works in (the trainer records it once resumed)
+        found = incarnation.wait_for(ctx.client(), ctx.keys, ctx.stop, ctx.log)
+        if found is None:  # stopped while waiting
+            beat.close()
+            ctx.tracer.close()
+            return 0
+        ctx.run_id = found
     module = importlib.import_module(f"streamrl_workers.{args.name}")
     # Every sample also goes into the trace, as counter tracks beside the spans.
     sampler = ctx.start_metrics(sinks=[ctx.tracer.counter])
@@ -141,6 +151,14 @@ def wait_for_queues(ctx: WorkerContext) -> None:
         ctx.log.info("waiting_for_queues", path=str(pending))
     while pending.exists() and not ctx.stop.wait(0.2):
         pass
+
+
+def _run_lost(ctx: WorkerContext, reason: str) -> None:
+    """Redis lost the run (the heartbeat saw its id gone): stop now, writing nothing more
+    (a graceful stop would run final writes against the emptied Redis)."""
+    ctx.log.error("worker_fatal", error=f"RunLostError: {reason}")
+    print(f"streamrl: RunLostError: {reason}", file=sys.stderr)
+    exit_fatal()
 
 
 def exit_fatal() -> None:

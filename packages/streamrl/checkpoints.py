@@ -233,7 +233,13 @@ def _scanned_hash_keys(keys: Keys) -> list[str]:
 
 
 def _string_keys(keys: Keys) -> list[str]:
-    return [keys.feeder_cursor, keys.policy_version, keys.policy_floor, keys.groups_order_next]
+    return [
+        keys.feeder_cursor,
+        keys.policy_version,
+        keys.policy_floor,
+        keys.groups_order_next,
+        keys.run_id,
+    ]
 
 
 def _pairs(flat: list[Any]) -> dict[str, bytes]:
@@ -376,6 +382,19 @@ def namespace_present(client: redis.Redis, keys: Keys, checkpointed: bool = Fals
 def _has_group(client: redis.Redis, stream: str, group: str) -> bool:
     groups = client.xinfo_groups(stream)
     return any(as_str(g["name"]) == group for g in groups)
+
+
+def clear_run_state(client: redis.Redis, keys: Keys) -> int:
+    """Delete what a restore writes (and `namespace_present` looks at): the leftovers
+    that workers wrote into a Redis that had lost the run, before they noticed (review N8).
+    Identity slots, metric streams, rq's keys and `groups_waiting` (10 s TTL) stay. Returns
+    how many keys went."""
+    names = [s for s, _ in consumed_streams(keys)]
+    names += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
+    names += [*_hash_keys(keys), *_scanned_hash_keys(keys), *_string_keys(keys)]
+    names += [keys.feeder_end, keys.trainer_attempts, keys.policy_offset]
+    names += [bytes(k).decode() for k in client.scan_iter(match=keys.group_members("*"))]
+    return int(client.delete(*names)) if names else 0
 
 
 def restore_queues(client: redis.Redis, keys: Keys, snap: QueueSnapshot) -> dict[str, int]:

@@ -38,9 +38,10 @@ from streamrl.obs.metrics import (
     queue_lag,
 )
 from streamrl.queues import backlog
+from streamrl.run import incarnation
 from streamrl.run.liveness import Liveness
 from streamrl.tasks.registry import TaskSource, task_source
-from streamrl.transport import publish
+from streamrl.transport import as_str, publish
 
 
 class Feeder:
@@ -51,12 +52,14 @@ class Feeder:
         cfg: Config,
         log: structlog.stdlib.BoundLogger,
         source: TaskSource | None = None,
+        run_id: str = "",
     ) -> None:
         self.client = client
         self.keys = keys
         self.cfg = cfg
         self.log = log
         self.source = source if source is not None else task_source(cfg.task, cfg.run.seed)
+        self.run_id = run_id  # the run it writes into ("": not checked)
         self._ended = False
         self.target = 0 if cfg.task.max_backlog == "auto" else int(cfg.task.max_backlog)
         self.rollout_slots: list[int] = []  # the live workers' slots, as last read
@@ -106,9 +109,14 @@ class Feeder:
         return self.live_fit
 
     def backlog(self) -> tuple[int, int]:
-        """(cursor, tasks written but not yet rolled out: undelivered plus pending)."""
-        cursor = int(self.client.get(self.keys.feeder_cursor) or 0)
-        return cursor, self._waiting()
+        """(cursor, tasks written but not yet rolled out: undelivered plus pending).
+        RunLostError, with `run_id` set, when Redis no longer holds that run (review N8):
+        its cursor would read 0, and the data would start again."""
+        cursor, run = self.client.mget([self.keys.feeder_cursor, self.keys.run_id])
+        found = None if run is None else as_str(run)
+        if self.run_id and found != self.run_id:
+            raise incarnation.RunLostError(incarnation.lost_reason(self.keys, self.run_id, found))
+        return int(cursor or 0), self._waiting()
 
     def _waiting(self) -> int:
         lag, pending = self._tasks_backlog()

@@ -215,6 +215,13 @@ class Keys:
         return self._k("groups", "reruns")
 
     @property
+    def run_id(self) -> str:
+        """The run's incarnation (review N8): a random id written when the run is created,
+        kept in every checkpoint's snapshot and written back with it. Every worker records
+        it at start and stops (fatal) once Redis no longer holds it: Redis lost the run."""
+        return self._k("run")
+
+    @property
     def policy_offset(self) -> str:
         """Versions a resumed trainer's first publish jumped past its restored state's
         (review N1): the policy age of a trajectory is `policy_version - policy_offset -

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from streamrl import checkpoints as ckpts
+from streamrl.names import Keys
 from streamrl.run import failpoints, rundir
+from streamrl.run.redis_server import url_from_conf
 from tests.e2e.test_up import started_pids, summary_of, up
 from tests.helpers import REPO
 
@@ -253,3 +256,57 @@ def test_a_redis_that_fails_for_good_still_leaves_a_summary(tmp_path: Path) -> N
     assert s["redis_available"] is False
     assert s["trainer_steps"] >= 2, s  # from the last read before Redis died
     assert "exit_reason" in s and s["worker_exit_codes"], s
+
+
+@pytest.mark.timeout(400)
+def test_a_redis_that_lost_the_run_stops_it_and_resume_restores(tmp_path: Path) -> None:
+    """Review N8, issue 30 item 4: Redis comes back without the run (every key of it gone,
+    as after a FLUSHALL, a failover to an empty replica or a lost volume). Before, nobody
+    noticed: the feeder wrote the data again from cursor 0 and groups were trained twice.
+    Now every worker stops (RunLostError, fatal) and the run ends saying why, with nothing
+    written on top; `streamrl up --resume` restores the queues from the newest checkpoint
+    and the run ends with every step, no group trained twice."""
+    run_dir = tmp_path / "run"
+    sets = ("trainer.checkpoint_every=2",)
+    proc = up(run_dir, 100_000, *sets, config=STUB)
+    keys = Keys("stub")
+    try:
+        logs = run_dir / "logs"
+        _wait_for("a checkpoint", lambda: ckpts.latest_complete(run_dir / "checkpoints"))
+        url = url_from_conf(run_dir / "redis")
+        assert url is not None
+        with redis.Redis.from_url(url) as client:  # the operator's
+            assert int(client.get(keys.feeder_cursor) or 0) > 0
+            gone = list(client.scan_iter(match=keys.every_key))
+            client.delete(*gone)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out
+    # the feeder refused to write the data again from cursor 0
+    fatal = _events(logs / "feeder-0.log", "worker_fatal")
+    assert fatal and "Redis lost the run" in fatal[-1]["error"], out
+    assert _events(logs / "trainer-0.log", "run_lost") or any(
+        "RunLostError" in e["error"] for e in _events(logs / "trainer-0.log", "worker_fatal")
+    )
+    ck = ckpts.latest_complete(run_dir / "checkpoints")
+    assert ck is not None
+    steps = ck.step + 3
+    again = subprocess.run(
+        [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(STUB), "--steps",
+         str(steps), "--resume", str(run_dir), *(x for s in sets for x in ("--set", s))],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "the trainer restores the queues" in again.stdout + again.stderr
+    assert _events(logs / "launcher.log", "redis_lost_run")
+    assert _events(logs / "trainer-0.log", "queues_restored")
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == steps, s
+    final = ckpts.latest_complete(run_dir / "checkpoints")
+    assert final is not None and final.step == steps
+    lineage = final.meta()["lineage"]
+    ids = [g for _, gs in lineage for g in gs]
+    assert len(ids) == len(set(ids)), "a group was trained twice"

@@ -53,12 +53,15 @@ def test_every_role_is_an_allow_list_without_admin(read_only: bool) -> None:
         assert not {"+config", "+flushall", "+acl", "+keys", "+script", "+debug"} & set(after)
         # the trainer declares every key it reads to the snapshot's EVAL: none read-only;
         # the colocated worker is a trainer too, and reads only what rollout reads of the
-        # grouper's (the groups waiting, its backpressure)
-        reads_only = role in ("rollout", "grouper", "colocated")
+        # grouper's (the groups waiting, its backpressure); every other worker reads the
+        # run's id (review N8)
+        reads_only = role in ("feeder", "rollout", "tools", "grouper", "colocated")
         read_only_rules = [r for r in rules if r.startswith("%R~")]
         assert bool(read_only_rules) == (read_only and reads_only), role
         if role == "colocated" and read_only:
             assert read_only_rules == [f"%R~{Keys('demo').groups_waiting}"]
+        if role in ("feeder", "tools") and read_only:
+            assert read_only_rules == [f"%R~{Keys('demo').run_id}"]
 
 
 def test_patterns_follow_the_key_names() -> None:

@@ -96,6 +96,7 @@ def roles(keys: Keys) -> dict[str, Role]:
     feeder = Role(
         # rollout_capacity: read, and its stale fields deleted, in a script (the backlog)
         keys=(k.tasks, k.feeder_cursor, k.feeder_end, k.stats, k.rollout_capacity),
+        read_keys=(k.run_id,),
         categories=("stream", "string", "hash"),
         commands=(*_SCRIPTS, "+time"),
     )
@@ -117,12 +118,14 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.policy_floor,
             k.groups_started,
             k.groups_waiting,
+            k.run_id,
         ),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace"),
         commands=(*_SCRIPTS, *_RQ),
     )
     tools = Role(
         keys=(RQ_KEYS, k.tool_result_pattern, *ledger, k.stats),
+        read_keys=(k.run_id,),
         channels=(RQ_CHANNELS,),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace", "pubsub"),
         commands=(*_SCRIPTS, *_RQ_WORKER),
@@ -142,7 +145,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_waiting,
             *order,
         ),
-        read_keys=(k.policy_version, k.policy_offset),
+        read_keys=(k.policy_version, k.policy_offset, k.run_id),
         categories=("stream", "string", "hash", "set", "keyspace"),
         commands=(*_SCRIPTS, "+time"),
     )
@@ -172,6 +175,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.feeder_end,  # read: the data ended (the run ends once it is all trained)
             *order,  # the snapshot's, and the drain check's
             k.trainer_attempts,  # steps each group entered (a group that kills its steps)
+            k.run_id,  # written at a fresh start (compose), and back with a restore
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
         categories=("stream", "string", "hash", "set", "keyspace"),

@@ -12,6 +12,9 @@ The slot key carries a TTL that the worker's heartbeat renews every `ttl_s / 3`:
 that dies, hangs or loses Redis lets its slot lapse within `ttl_s`, which is what
 `streamrl health --worker` checks (the compose health check) and what frees the index.
 
+Each beat also compares the run's id (`streamrl.run.incarnation`) with the one the worker
+recorded at start: Redis that lost the run ends the worker (`on_run_lost`).
+
 With a liveness limit, the heartbeat also writes the worker's beat key (`Keys.worker_beat`:
 its holder and a count of beats) at least four times per limit, but only while the
 worker's loop is live (`streamrl.run.liveness`): `streamrl up` restarts a worker whose beat
@@ -29,6 +32,7 @@ import redis
 import structlog
 
 from streamrl.names import Keys
+from streamrl.run import incarnation
 from streamrl.run.liveness import Liveness
 from streamrl.transport import mget_bytes
 
@@ -127,7 +131,11 @@ class Heartbeat:
         ttl_s: float = HEARTBEAT_TTL_S,
         liveness: Liveness | None = None,
         liveness_s: float = 300.0,
+        run_id: Callable[[], str] | None = None,
+        on_run_lost: Callable[[str], None] | None = None,
     ) -> None:
+        self.run_id = run_id  # the run this worker started in ("": not yet recorded)
+        self.on_run_lost = on_run_lost
         self.client = client
         self.keys = keys
         self.worker = worker
@@ -168,6 +176,8 @@ class Heartbeat:
             self.log.warning("heartbeat_release_failed", error=str(err))
 
     def _beat(self) -> bool:
+        if not self._same_run():
+            return False
         if renew(self.client, self.keys, self.worker, self.index, self.holder, self.ttl_s):
             self.beats += 1
             if self.liveness is not None and self.liveness.live(self.liveness_s):
@@ -183,6 +193,21 @@ class Heartbeat:
             holder=holder_of(self.client, self.keys, self.worker, self.index),
         )
         self.on_lost()
+        return False
+
+    def _same_run(self) -> bool:
+        """Whether Redis still holds the run this worker recorded at start (review N8);
+        once not, `on_run_lost` is called with the reason and the heartbeat ends."""
+        expected = self.run_id() if self.run_id is not None else ""
+        if not expected:
+            return True
+        found = incarnation.current(self.client, self.keys)
+        if found == expected:
+            return True
+        reason = incarnation.lost_reason(self.keys, expected, found)
+        self.log.error("run_lost", key=self.keys.run_id, expected=expected, found=found)
+        if self.on_run_lost is not None:
+            self.on_run_lost(reason)
         return False
 
     def _run(self) -> None:

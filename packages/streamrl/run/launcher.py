@@ -46,7 +46,7 @@ from streamrl.errors import FATAL_EXIT_CODE
 from streamrl.evaluation import watch as evalrun
 from streamrl.names import Keys, RunPaths
 from streamrl.obs.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
-from streamrl.run import rundir
+from streamrl.run import incarnation, rundir
 from streamrl.run.acl import private_dir, worker_role
 from streamrl.run.identity import default_holder
 from streamrl.run.logs import LOG_DIR_ENV, configure_logging, redact_url
@@ -248,6 +248,7 @@ class Launcher:
                 self._resume_queues(client, log)
             else:
                 self._check_namespace(client)
+                incarnation.create(client, self.keys)  # the run's id (review N8)
             self._spawn_all()
             self._record()
             log.info("workers_started", pids={p.worker_id: p.popen.pid for p in self.procs})
@@ -286,15 +287,26 @@ class Launcher:
         """Before any worker starts: queues back from the snapshot if Redis lost them, and
         the policy floor above every version published so far."""
         ck = ckpts.latest_complete(self.paths.checkpoints, log)
-        kept = ckpts.namespace_present(client, self.keys, checkpointed=ck is not None)
+        run_id = incarnation.current(client, self.keys)
+        if ck is not None and run_id is None and self.keys.run_id in ck.snapshot().strings:
+            # Redis lost the run (review N8): what its workers wrote before they noticed
+            # is no part of it
+            cleared = ckpts.clear_run_state(client, self.keys)
+            log.warning("redis_lost_run", key=self.keys.run_id, cleared=cleared)
+            kept = False
+        else:
+            kept = ckpts.namespace_present(client, self.keys, checkpointed=ck is not None)
         if kept:
             how = "Redis kept the queues"
+            incarnation.create(client, self.keys)  # (a run from before the id: one now)
         elif ck is not None:
-            # The trainer restores them, from the checkpoint whose state it can restore.
+            # The trainer restores them, from the checkpoint whose state it can restore,
+            # and the run's id with them.
             (ck.path.parent / ckpts.RESTORE_PENDING).touch()
             how = "the trainer restores the queues from the checkpoint it restores"
         else:
             how = "no checkpoint and no queues: starting afresh"
+            incarnation.create(client, self.keys)
         published = client.get(self.keys.policy_version)
         floor = int(published) + 1 if published is not None else 0
         if kept and ck is not None:

@@ -18,6 +18,7 @@ from streamrl.config import Config
 from streamrl.names import Keys
 from streamrl.obs.metrics import Metrics, Sampler, Sink, device_memory_probe, memory_probe
 from streamrl.obs.tracing import Tracer, open_tracer
+from streamrl.run import incarnation
 from streamrl.run.acl import read_password_file
 from streamrl.run.identity import holder_of
 from streamrl.run.liveness import Liveness
@@ -72,6 +73,8 @@ class WorkerContext:
     liveness: Liveness = field(default_factory=Liveness)  # what its loop says (heartbeat)
     # the holder id of its identity slot (`streamrl.run.identity`; "": none claimed)
     holder: str = ""
+    # the run's id when this worker started in it (`streamrl.run.incarnation`; "": not yet)
+    run_id: str = ""
     metrics: Metrics = field(init=False)  # its counters (streamrl.obs.metrics)
 
     def __post_init__(self) -> None:
@@ -99,7 +102,10 @@ class WorkerContext:
     def holds_identity(self, client: redis.Redis) -> bool:
         """Whether this process still holds its identity slot (True when it claimed none):
         false once another process has taken it (a new replica while this one was cut off
-        from Redis), which is then the worker of that index."""
+        from Redis), which is then the worker of that index. RunLostError when Redis no
+        longer holds the run this worker recorded (`run_id`)."""
+        if self.run_id:
+            incarnation.check(client, self.keys, self.run_id)
         if not self.holder:
             return True
         return holder_of(client, self.keys, self.name, self.index) == self.holder

@@ -48,6 +48,7 @@ from streamrl.obs.tracing import GROUP_FLOW, Arg, Span, Tracer, flow_id
 from streamrl.queues import backlog
 from streamrl.rl.clock import PolicyClock
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
+from streamrl.run import incarnation
 from streamrl.run.liveness import Liveness
 from streamrl.trainer import resume as resumption
 from streamrl.trainer.cluster import Cluster, scalar
@@ -105,6 +106,8 @@ class TrainerLoop:
     max_steps: int = 0
     hooks: list[Hook] = field(default_factory=list)
     version: int = 0
+    # the run's id (`streamrl.run.incarnation`), recorded by the leader's `resume`
+    run_id: str = ""
     # the version is published already (a resume whose restored state it holds): the
     # publish hook's start publishes nothing
     version_held: bool = False
@@ -511,6 +514,8 @@ class TrainerLoop:
         if not self.cluster.leader:
             return self.step if restored is not None else None
         resumption.restore_queues(self.client, self.keys, root, restored, self.log)
+        # the run's id: written back with the queues, by `streamrl up`, or here (compose)
+        self.run_id = incarnation.create(self.client, self.keys)
         if restored is None and self.client.get(self.keys.policy_version) is None:
             return None  # a fresh run
         rewound = resumption.rewind(

@@ -111,11 +111,23 @@ def restore_queues(
     restored: Restored | None,
     log: structlog.stdlib.BoundLogger,
 ) -> None:
-    """When `streamrl up --resume` found that Redis lost the run (`RESTORE_PENDING`),
-    write back the queue snapshot of the checkpoint the state came from (none: the run
-    starts afresh), so that queues and state are one cut; then let the workers start."""
+    """When `streamrl up --resume` found that Redis lost the run (`RESTORE_PENDING`), or
+    Redis holds no run id while the restored checkpoint's snapshot has one (Redis lost the
+    run under compose, review N8: what the workers wrote before they noticed is cleared
+    first), write back the queue snapshot of the checkpoint the state came from (none: the
+    run starts afresh), so that queues and state are one cut; then let the workers start."""
     pending = root / ckpts.RESTORE_PENDING
     if not pending.exists():
+        if restored is None or keys.run_id not in restored.snapshot.strings:
+            return
+        if client.exists(keys.run_id):
+            return  # Redis kept the run
+        cleared = ckpts.clear_run_state(client, keys)
+        log.error("redis_lost_run", key=keys.run_id, cleared=cleared,
+                  restoring_from=str(restored.checkpoint.path))  # fmt: skip
+        counts = ckpts.restore_queues(client, keys, restored.snapshot)
+        log.info("queues_restored", step=restored.meta.step,
+                 path=str(restored.checkpoint.path), entries=counts)  # fmt: skip
         return
     if not client.xlen(keys.groups):  # made empty by this trainer's consumer
         client.delete(keys.groups)
