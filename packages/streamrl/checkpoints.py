@@ -759,6 +759,34 @@ def prune(root: Path, keep: int, log: structlog.stdlib.BoundLogger | None = None
     return removed
 
 
+def newest_size(root: Path) -> int:
+    """Bytes on disk of the newest complete checkpoint under `root` (0: none): about
+    what the next one needs."""
+    for _step, path in step_dirs(root):
+        try:
+            verify(path, state=False)
+        except CheckpointCorrupt:
+            continue
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return 0
+
+
+def make_room(root: Path, keep: int, log: structlog.stdlib.BoundLogger) -> list[Path]:
+    """Before checkpoint N is written: when the disk has less free room than the newest
+    checkpoint takes (and a tenth more), prune to the newest `keep - 1` first, so that the
+    checkpoints pruned after a save can make room for it (review N14: a full disk
+    crash-looped the trainer, whose pruning ran only after a successful save). Never
+    below one complete checkpoint: with `keep` 1 nothing is pruned before the save."""
+    if keep < 2:
+        return []
+    need = newest_size(root)
+    free = shutil.disk_usage(root).free
+    if not need or free >= need * 1.1:
+        return []
+    log.warning("checkpoint_disk_short", free_bytes=free, need_bytes=need, keep=keep)
+    return prune(root, keep - 1, log)
+
+
 def oldest_snapshot(root: Path) -> QueueSnapshot | None:
     """The queue snapshot of the oldest complete checkpoint under `root` (the furthest a
     restart can fall back), or None when there is none."""

@@ -586,3 +586,125 @@ def test_a_trainer_whose_identity_was_taken_writes_nothing_more(
     assert [s for s, _ in ckpts.step_dirs(root)] == [2]
     pending: Any = rclient.xpending(keys.groups, Keys.CG_TRAINER)
     assert pending["pending"] == 1  # step 3's group: not acknowledged
+
+
+def test_a_hung_train_step_stops_the_liveness_beat(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """Review N9: a train step was a busy step without a bound, so a step hung on a device,
+    in a collective or on a Redis command kept the liveness beat going for ever. Once a
+    few steps are measured, a step is busy for at most STEP_BOUND_FACTOR x their median
+    (never less than run.liveness_timeout_s); past it the loop is not live, its beat
+    stops and `streamrl up` restarts the trainer."""
+    import threading
+    import time
+
+    from streamrl.trainer.loop import STEP_BOUND_AFTER
+
+    cfg = parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": 1},
+            "grouper": {"off_policy_steps": 1000},
+            "transport": {"block_ms": 50},
+            "run": {"liveness_timeout_s": 2},
+        }
+    )
+    for i in range(STEP_BOUND_AFTER + 1):
+        publish(rclient, keys.groups, group(f"g{i}"))
+    hang = threading.Event()
+    release = threading.Event()
+
+    class Hangs(ScriptedStep):
+        def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
+            if int(state.step) == STEP_BOUND_AFTER:
+                hang.set()
+                release.wait(30)
+            return super().__call__(state, batch)
+
+    loop = make_loop(cfg, rclient, keys, tmp_path / "checkpoints",
+                     Hangs(["ok"] * (STEP_BOUND_AFTER + 1)), checkpointer,
+                     STEP_BOUND_AFTER + 1, checkpoint_every=100)  # fmt: skip
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    try:
+        assert hang.wait(30)
+        assert loop.step_bound_s() == 2  # the floor: these steps take milliseconds
+        assert loop.liveness.live(2.0)  # in its step, within the bound
+        time.sleep(2.5)
+        assert not loop.liveness.live(2.0)  # past it: the beat stops
+    finally:
+        release.set()
+        runner.join(30)
+    assert loop.step == STEP_BOUND_AFTER + 1 and loop.liveness.live(2.0)
+
+
+class TwoCheckpointDisk(ocp.StandardCheckpointer):
+    """A disk with room for two checkpoints: a save while two complete ones are there
+    fails with ENOSPC (what Orbax raises on a full disk)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+        self.full = 0
+
+    def save(self, directory: Any, *args: Any, **kwargs: Any) -> None:
+        import errno
+        import os
+
+        complete = [p for _, p in ckpts.step_dirs(self.root) if (p / ckpts.COMMIT).exists()]
+        if len(complete) >= 2:
+            self.full += 1
+            (Path(directory).parent / "partial.bin").write_bytes(b"x" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+        super().save(directory, *args, **kwargs)
+
+
+def test_a_full_disk_prunes_before_it_crash_loops(rclient: redis.Redis, keys: Keys,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """Review N14: old checkpoints were pruned only after a successful save, so a disk
+    full at the save crashed the trainer at the same step after every restart while the
+    checkpoints that could make room stayed. Now the save that hits ENOSPC frees the
+    oldest checkpoint (the one the prune after it would remove anyway) and writes again;
+    the run goes on and keeps `keep_checkpoints` of them."""
+    root = tmp_path / "checkpoints"
+    disk = TwoCheckpointDisk(root)
+    cfg = config(keep_checkpoints=2)
+    for i in range(1, 7):
+        publish(rclient, keys.groups, group(f"g{i}"))
+    loop = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"] * 6), disk, 6,
+                     checkpoint_every=2)  # fmt: skip
+    try:
+        with structlog.testing.capture_logs() as logs:
+            loop.run()
+    finally:
+        disk.close()
+    assert disk.full == 1 and loop.step == 6
+    assert "checkpoint_disk_full" in [e["event"] for e in logs]
+    assert [s for s, _ in ckpts.step_dirs(root)] == [6, 4]
+    assert ckpts.latest_complete(root) is not None
+    assert not (ckpts.step_dir(root, 6) / "partial.bin").exists()
+
+
+def test_a_disk_short_of_room_prunes_before_the_save(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """With less free room than the newest checkpoint takes, the oldest one goes before
+    the next is written (`checkpoints.make_room`); never the last one (keep 1)."""
+    from collections import namedtuple
+
+    root = tmp_path / "checkpoints"
+    for i in range(1, 7):
+        publish(rclient, keys.groups, group(f"g{i}"))
+    loop = make_loop(config(keep_checkpoints=2), rclient, keys, root,
+                     ScriptedStep(["ok"] * 6), checkpointer, 4, checkpoint_every=2)  # fmt: skip
+    loop.run()
+    assert [s for s, _ in ckpts.step_dirs(root)] == [4, 2]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpts.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 10))
+    with structlog.testing.capture_logs() as logs:
+        removed = ckpts.make_room(root, 2, LOG)
+    assert [p.name for p in removed] == [ckpts.step_dir(root, 2).name]
+    assert "checkpoint_disk_short" in [e["event"] for e in logs]
+    assert ckpts.make_room(root, 1, LOG) == [] and ckpts.latest_complete(root) is not None

@@ -9,6 +9,7 @@ Face checkpoint, for users and for the evaluator.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -80,11 +81,13 @@ R = TypeVar("R")
 def _busy_hook(
     call: Callable[Concatenate[H, TrainerLoop, P], R],
 ) -> Callable[Concatenate[H, TrainerLoop, P], R]:
-    """A hook's call, one busy step of its loop's liveness (a checkpoint, a publication)."""
+    """A hook's call, one busy step of its loop's liveness (a checkpoint, a publication)
+    for at most `run.trainer_stop_timeout_s` (review N9: a stuck filesystem or a peer-less
+    collective stops the beat)."""
 
     @functools.wraps(call)
     def run(hook: H, loop: TrainerLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with loop.liveness.busy():
+        with loop.liveness.busy(loop.cfg.run.trainer_stop_timeout_s):
             return call(hook, loop, *args, **kwargs)
 
     return run
@@ -156,13 +159,24 @@ class CheckpointHook:
             snapshot = ckpts.take_snapshot(loop.client, loop.keys, trained=loop.unacked)
             snapshot_s = time.monotonic() - start
             loop.trace(Span.CHECKPOINT_SNAPSHOT, span_ns, args={"step": loop.step})
+            if self.root.is_dir():
+                ckpts.make_room(self.root, self.keep, loop.log)
             ckpts.prepare_dir(self.root, loop.step)
         c.barrier(f"checkpoint-{loop.step}-dir")
         path = ckpts.step_dir(self.root, loop.step)
         span_ns = time.time_ns()
-        # each process writes its own shards
-        self.checkpointer.save((path / ckpts.STATE).resolve(), loop.state.checkpoint_tree())
-        self.checkpointer.wait_until_finished()
+        try:
+            self._save(path, loop)  # each process writes its own shards
+        except OSError as err:
+            # A full disk (review N14): with one process, free the oldest checkpoint that
+            # the prune after this one would remove anyway, and write it again, once.
+            if err.errno != errno.ENOSPC or c.count > 1 or self.keep < 2:
+                raise
+            loop.log.warning("checkpoint_disk_full", step=loop.step, error=str(err))
+            ckpts.prepare_dir(self.root, loop.step)  # the partial write goes
+            if not ckpts.prune(self.root, self.keep - 1, loop.log):
+                raise
+            self._save(path, loop)
         loop.trace(Span.CHECKPOINT_SAVE, span_ns, args={"step": loop.step})
         c.barrier(f"checkpoint-{loop.step}-state")
         if not c.leader:
@@ -177,6 +191,10 @@ class CheckpointHook:
         )
         loop.trace(Span.CHECKPOINT_COMMIT, span_ns, args={"step": loop.step})
         return Committed(ck, snapshot, snapshot_s, start, self.keep, self.trim)
+
+    def _save(self, path: Path, loop: TrainerLoop) -> None:
+        self.checkpointer.save((path / ckpts.STATE).resolve(), loop.state.checkpoint_tree())
+        self.checkpointer.wait_until_finished()
 
 
 # Files of a checkpoint directory that are not weights: the tokenizer (fast or slow), its

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -78,15 +80,28 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+# Review N9: a train step is a busy step of the liveness for at most this many times the
+# median of the last steps (and never less than run.liveness_timeout_s), once
+# STEP_BOUND_AFTER steps are measured (the first ones compile): a step hung in a collective,
+# on a device or on a Redis command stops the beat, and `streamrl up` restarts the trainer.
+STEP_BOUND_FACTOR = 20
+STEP_BOUND_AFTER = 3
+STEP_TIMES_KEPT = 32
+
+
 def _busy(
     method: Callable[Concatenate[TrainerLoop, P], R],
 ) -> Callable[Concatenate[TrainerLoop, P], R]:
-    """A method of the loop that is one busy step of its liveness (`streamrl.run.liveness`)."""
+    """A train step of the loop: one busy step of its liveness (`streamrl.run.liveness`),
+    bounded by `TrainerLoop.step_bound_s`; its duration is measured for the next bound."""
 
     @functools.wraps(method)
     def run(loop: TrainerLoop, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with loop.liveness.busy():
-            return method(loop, *args, **kwargs)
+        start = time.monotonic()
+        with loop.liveness.busy(loop.step_bound_s()):
+            out = method(loop, *args, **kwargs)
+        loop.step_times.append(time.monotonic() - start)
+        return out
 
     return run
 
@@ -142,6 +157,7 @@ class TrainerLoop:
 
     def __post_init__(self) -> None:
         self.track = self.tracer.track("trainer", "loop")
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)  # the last steps' s
         # Review N2. entry id -> steps its group entered before this one (Keys.
         # trainer_attempts, read when admitted); groups read for a step but held back while
         # a group whose step died before is trained alone (`_isolate`).
@@ -167,6 +183,14 @@ class TrainerLoop:
     @property
     def step(self) -> int:
         return int(self.state.step)
+
+    def step_bound_s(self) -> float | None:
+        """How long the next train step may run before the loop counts as stuck (review
+        N9); None (unbounded) until `STEP_BOUND_AFTER` steps are measured."""
+        if len(self.step_times) < STEP_BOUND_AFTER:
+            return None
+        median = statistics.median(self.step_times)
+        return max(STEP_BOUND_FACTOR * median, self.cfg.run.liveness_timeout_s)
 
     def collect(self) -> list[Delivery[Group]]:
         """The next `groups_per_step` groups to train on (fewer if stopped); the others read
