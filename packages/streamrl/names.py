@@ -204,6 +204,13 @@ class Keys:
         return self._k("trainer", "attempts")
 
     @property
+    def groups_attempts(self) -> str:
+        """Hash group id -> timeout checks of it that began and never ended (a grouper
+        died or raised deciding on it), kept across grouper restarts (review N2): at
+        `transport.max_deliveries` the group is dropped without being read again."""
+        return self._k("groups", "attempts")
+
+    @property
     def groups_waiting(self) -> str:
         """How many groups wait for the trainer (its consumer group's lag in `groups`), as
         a grouper last read it from Redis (with a TTL): what rollout's backpressure reads."""

@@ -372,3 +372,44 @@ def test_a_complete_group_left_unemitted_is_emitted(
     publish(rclient, keys.trajectories, traj(t, N - 1, REWARDS[N - 1]))
     assert [o.kind for o in g.step()] == ["duplicate"]
     assert len(groups_out(rclient, keys)) == 1
+
+
+def test_a_group_that_kills_its_grouper_is_dropped_not_looped(
+    rclient: redis.Redis, redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review N2 (the grouper's side): a stuck complete group whose scoring raised (or
+    whose members were big enough to OOM a grouper) was read and scored again by every
+    grouper about once a second, each dying in turn, for ever. The checks that began and
+    never ended are counted in Redis across grouper restarts; past max_deliveries the group
+    is dropped without being read again, and the groups around it are decided as usual."""
+    from streamrl.grouper import timeouts
+
+    cfg = config("drop", timeout_s=0.0)  # the stuck complete group of review M8
+    poison = stuck_complete_group(rclient, keys, cfg, cursor=0)
+    real = timeouts.score
+
+    def score(members: list[Trajectory], *args: Any, **kwargs: Any) -> Any:
+        if members[0].group_id == poison.group_id:
+            raise MemoryError("the group's members do not fit")  # the grouper dies here
+        return real(members, *args, **kwargs)
+
+    monkeypatch.setattr(timeouts, "score", score)
+    deaths = 0
+    for _ in range(cfg.transport.max_deliveries):  # each a fresh grouper: a restart
+        with pytest.raises(MemoryError):
+            grouper(redis_url, keys, cfg).check_timeouts()
+        deaths += 1
+    healthy = stuck_complete_group(rclient, keys, cfg, cursor=1)
+    with capture_logs() as logs:
+        outcomes = grouper(redis_url, keys, cfg).check_timeouts()
+    assert deaths == cfg.transport.max_deliveries
+    assert set(outcomes) == {
+        Outcome("dropped", poison.group_id),
+        Outcome("emitted", healthy.group_id),
+    }
+    [ev] = [e for e in logs if e["event"] == "group_dropped"]
+    assert "deciding on it failed 5 times" in ev["reason"], ev
+    assert rclient.sismember(keys.groups_dropped, poison.group_id)
+    assert not rclient.exists(keys.group_members(poison.group_id))
+    assert rclient.hlen(keys.groups_attempts) == 0  # nothing left counting
+    assert [g.group_id for g in groups_out(rclient, keys)] == [healthy.group_id]

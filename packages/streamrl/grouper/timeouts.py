@@ -117,10 +117,33 @@ class GroupTimeouts:
         version = trainer_version()
         out = []
         for gid, age in old.items():
-            outcome = self._handle(gid, stall_ms, age, version)
+            # Review N2: a group whose check kills or fails its grouper would be read again
+            # by every grouper, about once a second, for ever. The checks that began and
+            # never ended are counted in Redis, across restarts; at max_deliveries the
+            # group is dropped without being read again.
+            attempts = int(self.client.hincrby(self.keys.groups_attempts, gid, 1))
+            if attempts > self.cfg.transport.max_deliveries:
+                outcome = self._poison(gid, stall_ms, attempts - 1)
+            else:
+                outcome = self._handle(gid, stall_ms, age, version)
+            self.client.hdel(self.keys.groups_attempts, gid)
             if outcome is not None:
                 out.append(outcome)
         return out
+
+    def _poison(self, group_id: str, stall_ms: int, failed: int) -> Outcome | None:
+        """Drop a group whose timeout checks kept failing, without reading its members
+        (what killed the groupers); None when it changed meanwhile (checked again)."""
+        held = int(self.client.hlen(self.keys.group_members(group_id)))
+        reason = (
+            f"deciding on it failed {failed} times (a grouper died or raised each time), "
+            f"transport.max_deliveries {self.cfg.transport.max_deliveries}"
+        )
+        done, _ = self._run(group_id, stall_ms, held, held, Decision("drop", reason), -1)
+        if done in _NOTHING_DONE:
+            return None
+        self.log.error("group_dropped", group_id=group_id, reason=reason, held=held)
+        return Outcome("dropped", group_id)
 
     def _members(self, group_id: str) -> tuple[int, list[Trajectory], str]:
         """The group's stored members (in order) and how many entries hold them, or the

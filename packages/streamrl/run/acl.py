@@ -143,6 +143,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.groups_dropped,
             k.groups_reruns,
             k.groups_waiting,
+            k.groups_attempts,
             *order,
         ),
         read_keys=(k.policy_version, k.policy_offset, k.run_id),
@@ -175,6 +176,7 @@ def roles(keys: Keys) -> dict[str, Role]:
             k.feeder_end,  # read: the data ended (the run ends once it is all trained)
             *order,  # the snapshot's, and the drain check's
             k.trainer_attempts,  # steps each group entered (a group that kills its steps)
+            k.groups_attempts,  # cleared before a restore (review N8)
             k.run_id,  # written at a fresh start (compose), and back with a restore
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
