@@ -849,6 +849,18 @@ class GrouperConfig(_Section):
 
 class TrainerConfig(_Section):
     groups_per_step: int = Field(4, ge=1, le=65536, description="Groups per optimizer step.")
+    max_batch_tokens: int = Field(
+        0,
+        ge=0,
+        le=2**40,
+        description=(
+            "Cap on a step's padded batch (rows x padded length, as the batch is built: "
+            "rows to a power of two, length to a multiple of 32); 0: none. A group that "
+            "would take the batch past it waits for the next step (which then has fewer "
+            "groups); one past it alone is dead-lettered. Keeps the longest groups of a "
+            "run from making a batch the device cannot hold."
+        ),
+    )
     learning_rate: float = Field(1e-4, gt=0, le=1, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
     b1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")

@@ -234,6 +234,10 @@ def test_light_workers_run_read_only_against_the_redis_image(redis_container: st
         if _podman("exec", redis_container, "redis-cli", "ping").stdout.strip() == "PONG":
             break
         time.sleep(0.1)
+    # The run exists (its id: the trainer, or `streamrl up`, writes it; the other workers
+    # wait for it).
+    created = _podman("exec", redis_container, "redis-cli", "set", Keys("tiny").run_id, "r1")
+    assert created.stdout.strip() == "OK", created.stdout + created.stderr
     for worker in ("feeder", "grouper", "tools"):
         res = _run(
             LIGHT,

@@ -38,9 +38,11 @@ G = 4
 
 def config(claim_idle_ms: int = 100, **rollout: Any) -> Config:
     transport = {"block_ms": 5, "claim_idle_ms": claim_idle_ms, "claim_every_ms": 10}
-    # max_deliveries: the own-claim test claims its running task again every 100 ms.
+    # max_deliveries: the own-claim test claims its running task again every 100 ms (and
+    # run.max_restarts must exceed it).
     return parse_config(
         {
+            "run": {"max_restarts": 100},
             "transport": {**transport, "max_deliveries": 50},
             "rollout": {"num_generations": G, **rollout},
         }
@@ -300,6 +302,9 @@ def test_backpressure_counts_groups_ended_but_not_yet_committed(
     counts it, or a burst of ending episodes would read a whole wave past the bound."""
     cfg = config(max_concurrency=G, max_ready_groups=1)
     write_tasks(rclient, keys, cfg, 3)
+    # A grouper that takes every trajectory at once counts none waiting (without one,
+    # rollout pauses on the trajectories nobody groups: review N11).
+    rclient.set(keys.groups_waiting, 0, px=60_000)
     runner = SleepyRunner(0.5, together=True)  # a burst: every member ends in one turn
     worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
     release = asyncio.Event()

@@ -352,16 +352,25 @@ def test_the_data_is_drained_only_when_nothing_can_come_again(
 POISON = 99  # a token id that makes PoisonStep die
 
 
-class PoisonStep(ScriptedStep):
-    """A step that dies (MemoryError, as a device OOM raises) whenever its batch holds a
-    POISON token, and advances the stub state otherwise."""
+class StepDiedError(RuntimeError):
+    """What a step that kills its trainer looks like to the next start (an exception out of
+    the step; a host OOM kill is the same there)."""
 
-    def __init__(self) -> None:
+
+class PoisonStep(ScriptedStep):
+    """A step that raises `error` (by default one that kills the trainer; MemoryError is
+    a device OOM, which the loop survives) whenever its batch holds a POISON token, and
+    advances the stub state otherwise."""
+
+    def __init__(self, error: type[Exception] = StepDiedError) -> None:
         super().__init__([])
+        self.error = error
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         if np.any(np.asarray(batch.tokens) == POISON):
-            raise MemoryError("RESOURCE_EXHAUSTED: out of memory (the poison group)")
+            if self.error is MemoryError:
+                raise MemoryError("RESOURCE_EXHAUSTED: out of memory (the poison group)")
+            raise self.error("the step died (the poison group)")
         self.script = iter(["ok"])
         return super().__call__(state, batch)
 
@@ -383,8 +392,8 @@ def test_a_group_that_kills_every_step_is_dead_lettered_not_looped(
     checkpointer: ocp.StandardCheckpointer,
     per_step: int,
 ) -> None:
-    """Review N2: a group whose step dies (device OOM, an exception; a host OOM kill is the
-    same to the next start) came first again after every restart, for ever: the rewind
+    """Review N2: a group whose step dies (an exception; a host OOM kill is the same to
+    the next start) came first again after every restart, for ever: the rewind
     resets Redis' delivery count. A count of the steps each group entered, kept in Redis
     across restarts, isolates a group whose step never finished (trained alone next time,
     so a batch-mate is not blamed) and dead-letters it once it reached
@@ -411,7 +420,7 @@ def test_a_group_that_kills_every_step_is_dead_lettered_not_looped(
             try:
                 _run_until_idle(loop)
                 break
-            except MemoryError:
+            except StepDiedError:
                 deaths += 1
             finally:
                 events += [e["event"] for e in logs]
@@ -708,3 +717,70 @@ def test_a_disk_short_of_room_prunes_before_the_save(
     assert [p.name for p in removed] == [ckpts.step_dir(root, 2).name]
     assert "checkpoint_disk_short" in [e["event"] for e in logs]
     assert ckpts.make_room(root, 1, LOG) == [] and ckpts.latest_complete(root) is not None
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_a_step_out_of_memory_splits_the_batch_without_a_restart(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer,
+    per_step: int,
+) -> None:  # fmt: skip
+    """Issue 30 item 3: a step that runs out of device memory (XLA's RESOURCE_EXHAUSTED,
+    MemoryError) ended the trainer. Now the loop goes on: the batch's groups count the
+    attempt and come back first, the suspect one trained alone (its batch-mates train in
+    the next steps), and the group that does not fit even alone is dead-lettered after
+    transport.max_deliveries tries; no restart, each other group trained once."""
+    root = tmp_path / "checkpoints"
+    cfg = parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": per_step},
+            "grouper": {"off_policy_steps": 1000},
+            "transport": {"block_ms": 50, "max_deliveries": 3},
+        }
+    )
+    for g in (group("g0"), poison("g1"), *(group(f"g{i}") for i in range(2, 6))):
+        publish(rclient, keys.groups, g)
+    loop = make_loop(cfg, rclient, keys, root, PoisonStep(MemoryError), checkpointer, 10)
+    with structlog.testing.capture_logs() as logs:
+        _run_until_idle(loop)  # raises nothing
+    events = [e["event"] for e in logs]
+    assert events.count("step_out_of_memory") == 3
+    assert dead_groups(rclient, keys) == ["g1"]
+    raw: Any = rclient.xrange(keys.dead)
+    assert "ran out of memory with this group alone 3 times" in decode(raw[0][1], DeadLetter).reason
+    trained = [g for e in logs if e["event"] == "train_step" for g in e["group_ids"]]
+    assert sorted(trained) == ["g0", "g2", "g3", "g4", "g5"], trained  # each once
+    assert ("group_isolated" in events) == (per_step > 1), events
+
+
+def test_a_batch_is_capped_by_its_padded_tokens(
+    rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
+) -> None:
+    """trainer.max_batch_tokens: a group that would take the step's padded batch past the
+    cap waits for the next step (which goes with fewer groups than groups_per_step), and
+    one past the cap alone is dead-lettered."""
+    from streamrl.trainer.step import LENGTH_BUCKET
+
+    root = tmp_path / "checkpoints"
+    # two rows of one bucket each: 2 x 32 tokens a group; two groups pad to 4 x 32
+    cfg = config(groups_per_step=2, max_batch_tokens=2 * LENGTH_BUCKET)
+    long = group("big")
+    tokens = list(range(1, LENGTH_BUCKET + 3))  # past one bucket: pads to two
+    members = [
+        msgspec.structs.replace(
+            m, **pack_arrays(tokens, [0] + [1] * (len(tokens) - 1), [0.0] * len(tokens))
+        )
+        for m in long.members
+    ]
+    publish(rclient, keys.groups, group("g1"))
+    publish(rclient, keys.groups, msgspec.structs.replace(long, members=members))
+    for gid in ("g2", "g3", "g4"):
+        publish(rclient, keys.groups, group(gid))
+    loop = make_loop(cfg, rclient, keys, root, ScriptedStep(["ok"] * 3), checkpointer, 3)
+    with structlog.testing.capture_logs() as logs:
+        loop.run()
+    steps = [e["group_ids"] for e in logs if e["event"] == "train_step"]
+    assert steps == [["g1"], ["g2"], ["g3"]], steps  # one group per step fits the cap
+    assert dead_groups(rclient, keys) == ["big"]
+    raw: Any = rclient.xrange(keys.dead)
+    assert "pad to 128 tokens (trainer.max_batch_tokens 64)" in decode(raw[0][1], DeadLetter).reason

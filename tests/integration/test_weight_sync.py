@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
 from streamrl.chat.hf import HFChat
-from streamrl.config import Config
+from streamrl.config import Config, parse_config
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.lora import LoraConfig, apply_lora, init_lora
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
@@ -323,7 +323,9 @@ def test_lora_publish_serves_exactly_the_merged_model(
     # A train state that holds adapters beside the frozen base (what LoRA training keeps).
     state = SimpleNamespace(params=adapters, base_params=base)
     loop: Any = SimpleNamespace(
+        cfg=parse_config({}),
         version=0,
+        version_held=False,
         step=0,
         state=state,
         cluster=Cluster(),

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import redis
@@ -56,7 +57,7 @@ from streamrl.trainer import resume as resumption
 from streamrl.trainer.cluster import Cluster, scalar
 from streamrl.trainer.hooks import Committed, Hook, Published
 from streamrl.trainer.resume import CheckpointMeta, Restored
-from streamrl.trainer.step import Batch, StepFn, TrainState, build_batch
+from streamrl.trainer.step import Batch, StepFn, TrainState, build_batch, padded_tokens
 from streamrl.transport import Delivery, RedisStreamConsumer, publish, stage_dead_letter
 from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
 
@@ -163,6 +164,8 @@ class TrainerLoop:
         # a group whose step died before is trained alone (`_isolate`).
         self.attempts: dict[str, int] = {}
         self.carry: list[Delivery[Group]] = []
+        self.full = False  # the step's batch reached trainer.max_batch_tokens
+        self.lengths: dict[str, list[int]] = {}  # entry id -> its rows' lengths (admitted)
         self.data_done = False  # the data ended and the pipeline is drained
         self._next_drain_check = 0.0
         if not self.cluster.leader:
@@ -196,19 +199,45 @@ class TrainerLoop:
         """The next `groups_per_step` groups to train on (fewer if stopped); the others read
         on the way are set aside (`_admit`)."""
         want = self.cfg.trainer.groups_per_step
-        out: list[Delivery[Group]] = self.carry[:want]
-        self.carry = self.carry[want:]
-        while len(out) < want and not self.stop():
+        out: list[Delivery[Group]] = []
+        self.full = False
+        carried, self.carry = self.carry, []
+        for d in carried:
+            self._into_batch(d, out, want)
+        while len(out) < want and not self.full and not self.stop():
             self.liveness.tick()
             got = self.input.read(count=want - len(out))
             for d in got:
                 if self._admit(d, out):
-                    out.append(d)
+                    self._into_batch(d, out, want)
             if not got and self._drained():
                 self.data_done = True
                 self.log.info("data_drained", step=self.step, last_groups=len(out))
                 break
         return out
+
+    def _into_batch(self, d: Delivery[Group], out: list[Delivery[Group]], want: int) -> None:
+        """Put an admitted group into the step's batch `out`, or back for a later step
+        when the batch is full: `want` groups, or `trainer.max_batch_tokens` padded tokens
+        (then `full`: the step goes with fewer groups). A group past the cap alone is
+        dead-lettered."""
+        if self.full or len(out) >= want:
+            self.carry.append(d)
+            return
+        cap = self.cfg.trainer.max_batch_tokens
+        if cap:
+            multiple = getattr(self.train_step, "row_multiple", 1)
+            alone = padded_tokens(self.lengths[d.entry_id], multiple)
+            if alone > cap:
+                self._set_aside([d], f"too big: its rows alone pad to {alone} tokens "
+                                f"(trainer.max_batch_tokens {cap})", dead=True)  # fmt: skip
+                return
+            rows = [n for x in (*out, d) for n in self.lengths[x.entry_id]]
+            if padded_tokens(rows, multiple) > cap:
+                self.full = True
+                self.carry.append(d)
+                return
+        out.append(d)
 
     def _drained(self) -> bool:
         """Whether nothing will ever come again (checked at most once a second): the feeder
@@ -256,7 +285,8 @@ class TrainerLoop:
             self._set_aside([d], stale, dead=False)
             return False
         try:
-            group_rows(d.msg, self.cfg.trainer.needs_rollout_logps)
+            rows, _ = group_rows(d.msg, self.cfg.trainer.needs_rollout_logps)
+            self.lengths[d.entry_id] = [len(tokens) for tokens, _, _ in rows]
         except ValueError as err:
             self._set_aside([d], f"group unusable by the trainer: {err}", dead=True)
             return False
@@ -304,6 +334,36 @@ class TrainerLoop:
             else:
                 pipe.hincrby(self.keys.trainer_attempts, d.entry_id, change)
         pipe.execute()
+
+    def _out_of_memory(self, err: Exception) -> bool:
+        """Whether the step failed for device or host memory with the state intact (one
+        process; no donated buffer of it deleted), so the loop can go on without it."""
+        oom = isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in str(err)
+        if not oom or self.cluster.count > 1:
+            return False
+        leaves = jax.tree.leaves(self.state)
+        return not any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+
+    def _step_out_of_memory(self, groups: list[Delivery[Group]], err: Exception) -> None:
+        """Review N2: a step that ran out of memory is not the trainer's end. Its groups
+        count the attempt (as a step that died would) and come back first: a suspect one is
+        trained alone (`_isolate`), so the batch is split down to the group that does not
+        fit; that one alone, `transport.max_deliveries` times, is dead-lettered."""
+        for d in groups:
+            self.attempts[d.entry_id] = self.attempts.get(d.entry_id, 0) + 1
+        limit = self.cfg.transport.max_deliveries
+        [first] = groups[:1]
+        tries = self.attempts[first.entry_id]
+        self.log.error("step_out_of_memory", step=self.step + 1, error=str(err)[:500],
+                       group_ids=[d.msg.group_id for d in groups])  # fmt: skip
+        if len(groups) == 1 and tries >= limit:
+            reason = (
+                f"poison: the step ran out of memory with this group alone {tries} times "
+                f"(transport.max_deliveries {limit}): {str(err)[:200]}"
+            )
+            self._set_aside(groups, reason, dead=True)
+            return
+        self.carry = groups + self.carry
 
     def _stale(self, group: Group) -> str:
         """Why `group` is too far off policy to train on now ('' when it is not): any
@@ -412,9 +472,17 @@ class TrainerLoop:
         before = self.step
         if groups:
             self._attempted(groups, +1)
-        state, m = self.train_step(self.state, batch)
+        try:
+            state, m = self.train_step(self.state, batch)
+        except Exception as err:
+            if not (groups and self._out_of_memory(err)):
+                raise
+            self._step_out_of_memory(groups, err)
+            return None
         if groups:
             self._attempted(groups, None)  # the step finished: no group of it is suspect
+            for d in groups:
+                self.lengths.pop(d.entry_id, None)
         loss, grad_norm = scalar(m["loss"]), scalar(m["grad_norm"])
         advanced = int(state.step) == before + 1
         if not (advanced and math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -580,7 +648,8 @@ class TrainerLoop:
         if self.cluster.leader:
             done = self.stop() or (self.max_steps != 0 and self.step >= self.max_steps)
             groups = [] if done or self.data_done else self.collect()
-            if len(groups) < self.cfg.trainer.groups_per_step and not (self.data_done and groups):
+            short = len(groups) < self.cfg.trainer.groups_per_step
+            if short and not (self.full and groups) and not (self.data_done and groups):
                 self.carry = groups + self.carry  # (delivered again after a restart anyway)
                 groups = None  # stopped while waiting (the data's last groups: a short step)
             else:

@@ -271,6 +271,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec((DATA, FSDP)))
 
 
+def padded_tokens(lengths: list[int], row_multiple: int = 1) -> int:
+    """Tokens of the batch `build_batch` makes of rows of these lengths, padding
+    included (rows x length, each bucketed as it buckets them)."""
+    if not lengths:
+        return 0
+    b = -(-round_batch(len(lengths)) // row_multiple) * row_multiple
+    return b * round_length(max(lengths))
+
+
 def build_batch(
     items: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     advantages: list[float],
