@@ -12,7 +12,14 @@ from streamrl.evaluation import watch as evalrun
 from streamrl.names import RunPaths
 from streamrl.run.runtime import WorkerContext
 from streamrl.trainer.cluster import init_distributed
-from streamrl.trainer.hooks import CheckpointHook, EvalSnapshotHook, ExportHook, Hook, PublishHook
+from streamrl.trainer.hooks import (
+    CheckpointHook,
+    EvalSnapshotHook,
+    ExportHook,
+    Hook,
+    PublishHook,
+    remove_partial_writes,
+)
 from streamrl.trainer.loop import TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import StepFn, TrainState, lora_config
@@ -110,6 +117,8 @@ def build_loop(
     init_distributed(cfg.trainer.num_processes, ctx.index)  # before JAX touches a device
     if cfg.trainer.num_processes > 1:
         ctx.log.info("trainer_process", index=ctx.index, count=cfg.trainer.num_processes)
+    if ctx.index == 0:  # the leader: nothing of its own is being written yet
+        remove_partial_writes(ctx.run_dir, ctx.log)
     publish = publish_hook(ctx)  # before the model loads: a bad setting fails at once
     policy = stub_policy(ctx) if cfg.model.kind == "stub" else transformer_policy(ctx)
     checkpointer = ocp.StandardCheckpointer()

@@ -1215,6 +1215,15 @@ class TraceConfig(_Section):
         le=1_000_000,
         description="Packets held before they are written in one write, between flushes.",
     )
+    max_mb: float = Field(
+        256.0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "A worker's trace file past this (MiB) rolls over to <worker>.1.pftrace, "
+            "replacing the one before: at most twice this per worker; 0: no cap."
+        ),
+    )
 
 
 class Config(_Section):

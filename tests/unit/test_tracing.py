@@ -344,3 +344,28 @@ def test_streamrl_trace_merges_a_run_and_refuses_one_without_traces(
     assert "group.wait" in out and "flows: 2 started or continued, 0 ended" in out
     merged = read_trace((tmp_path / "trace.pftrace").read_bytes())
     assert merged == read_trace(merge(trace_files(tmp_path)))
+
+
+def test_a_trace_past_its_cap_rolls_over_and_each_file_reads_alone(tmp_path: Path) -> None:
+    """Review part 3: a worker's trace grew without bound. Past `max_bytes` it rolls over
+    to <worker>.1.pftrace (replacing the one before): at most about twice the cap on disk,
+    and each file names the process and its tracks on its own."""
+    cap = 20_000
+    w = TraceWriter(tmp_path / "rollout-0.pftrace", "rollout-0", pid=7, chunk_packets=16,
+                    max_bytes=cap)  # fmt: skip
+    track = w.track("episode", "g1-m0")  # described once, at the start
+    t = time.time_ns()
+    for i in range(3000):
+        w.span(track, "env_step", t + i * 1000, t + i * 1000 + 500)
+    w.close()
+    assert w.rollovers >= 2
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["rollout-0.1.pftrace", "rollout-0.pftrace"]
+    for path in tmp_path.iterdir():
+        assert path.stat().st_size <= cap + 16 * 200  # the cap plus a chunk at most
+        trace = read_trace(path.read_bytes())
+        names = track_names(trace)
+        assert names[w.process_track] == "rollout-0" and names[track] == "episode g1-m0"
+        assert slices(trace)[track], path  # its spans, on a named track
+    newest = slices(read_trace((tmp_path / "rollout-0.pftrace").read_bytes()))[track]
+    assert newest[-1][2] == t + 2999 * 1000 + 500  # the last span is in the live file

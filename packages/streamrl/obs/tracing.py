@@ -211,7 +211,9 @@ class TraceWriter:
     packets held before they are written in one write (and flushed). A file already there
     (a restarted worker's) is cut to its last whole packet, then appended to."""
 
-    def __init__(self, path: Path, worker: str, pid: int, chunk_packets: int = 256) -> None:
+    def __init__(
+        self, path: Path, worker: str, pid: int, chunk_packets: int = 256, max_bytes: int = 0
+    ) -> None:
         if chunk_packets < 1:
             raise ValueError(f"chunk_packets must be >= 1, got {chunk_packets}")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +225,11 @@ class TraceWriter:
         self._file: IO[bytes] = open(path, "ab")  # noqa: SIM115 (closed in close())
         self._pending: list[bytes] = []
         self._held = 0  # packets in _pending
-        self._described: set[int] = set()  # tracks whose descriptor is written
+        # tracks whose descriptor is written -> that descriptor's packet (written again at
+        # the top of a file the writer rolls over to)
+        self._described: dict[int, bytes] = {}
+        self.max_bytes = max_bytes  # past it, the file rolls over (0: never)
+        self.rollovers = 0
         # uuid -> (its track_uuid field, the tail of its slice-end packets after the time)
         self._tracks: dict[int, tuple[bytes, bytes]] = {}
         self._names: dict[str, bytes] = {}  # span name -> its encoded name field
@@ -241,7 +247,8 @@ class TraceWriter:
         first = TracePacket(track_descriptor=desc)
         first.sequence_flags = _SEQ_INCREMENTAL_STATE_CLEARED
         first.trusted_packet_sequence_id = self._sequence_id
-        self._add(_framed(_PACKET, first.SerializeToString()), 1)
+        self._first = _framed(_PACKET, first.SerializeToString())
+        self._add(self._first, 1)
 
     def _add(self, data: bytes, packets: int) -> None:
         self._pending.append(data)
@@ -269,11 +276,11 @@ class TraceWriter:
         """The descriptor of track `uuid` under this process (hand-encoded, like spans)."""
         if len(self._described) >= MAX_TRACKS:  # bounded: a track seen again is described again
             self._described.clear()
-        self._described.add(uuid)
         text = name.encode()
         desc = _DESC_UUID + _varint(uuid) + self._parent + _DESC_NAME + _size(text) + text + extra
         packet = _TRACK_DESCRIPTOR + _size(desc) + desc + self._sequence
-        self._add(_PACKET + _size(packet) + packet, 1)
+        self._described[uuid] = framed = _PACKET + _size(packet) + packet
+        self._add(framed, 1)
 
     def track(self, kind: str, key: str) -> int:
         """The uuid of the track of `kind` `key` (an episode, a tool call, a step) under this
@@ -379,6 +386,20 @@ class TraceWriter:
         self._held = 0
         self._file.write(b"".join(parts))
         self._file.flush()
+        if self.max_bytes and self._file.tell() > self.max_bytes:
+            self._roll_over()
+
+    def _roll_over(self) -> None:
+        """Review part 3: a worker's trace grew without bound (about 1 KB an episode). Past
+        `max_bytes` the file becomes `<worker>.1.pftrace` (the one before it goes) and a new
+        one starts, with the process's and every known track's descriptor again, so each
+        file reads on its own and `streamrl trace` merges both."""
+        self._file.close()
+        os.replace(self.path, self.path.with_name(f"{self.worker}.1{TRACE_SUFFIX}"))
+        self._file = open(self.path, "ab")  # noqa: SIM115 (closed in close())
+        self._file.write(self._first + b"".join(self._described.values()))
+        self._file.flush()
+        self.rollovers += 1
 
     def _encode(self, name: str, flows: int, ends: int, rows: list[tuple[int, ...]]) -> bytes:
         """The packets of `rows` (track, start, end, flow ids..., ended flow ids...), spans
@@ -613,7 +634,9 @@ def open_tracer(cfg: TraceConfig, run_dir: Path, worker_id: str, client: ServerC
     if not cfg.enabled:
         return Tracer.disabled()
     offset, _rtt = clock_offset_ns(client)
-    writer = TraceWriter(trace_path(run_dir, worker_id), worker_id, os.getpid(), cfg.chunk_packets)
+    max_bytes = int(cfg.max_mb * 2**20)
+    path = trace_path(run_dir, worker_id)
+    writer = TraceWriter(path, worker_id, os.getpid(), cfg.chunk_packets, max_bytes)
     return Tracer(writer, offset, cfg.flush_s)
 
 

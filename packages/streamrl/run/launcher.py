@@ -49,7 +49,7 @@ from streamrl.obs.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
 from streamrl.run import incarnation, rundir
 from streamrl.run.acl import private_dir, worker_role
 from streamrl.run.identity import default_holder
-from streamrl.run.logs import LOG_DIR_ENV, configure_logging, redact_url
+from streamrl.run.logs import LOG_DIR_ENV, cap_file, configure_logging, redact_url
 from streamrl.run.redis_server import EmbeddedRedis, free_port
 from streamrl.run.runtime import (
     COORDINATOR_ENV,
@@ -431,7 +431,18 @@ class Launcher:
                     ):
                         raise
                 next_progress = time.monotonic() + (1.0 if self.out.isatty() else 10.0)
+                self._cap_stderr()
             time.sleep(0.2)
+
+    def _cap_stderr(self) -> None:
+        """Roll over the workers' (and the evaluator's) stderr files past run.log_max_mb,
+        as their logs roll (`logs.cap_file`)."""
+        run = self.cfg.run
+        paths = [p.stderr_path for p in self.procs]
+        if self.evaluator is not None:
+            paths.append(self.evaluator.err_path)
+        for path in paths:
+            cap_file(path, run.log_max_mb, run.log_backups)
 
     def _check_workers(self, log: structlog.stdlib.BoundLogger) -> tuple[str, int] | None:
         """Restarts that are due; the run's end when the trainer finished or a worker
