@@ -310,3 +310,42 @@ def test_a_redis_that_lost_the_run_stops_it_and_resume_restores(tmp_path: Path) 
     lineage = final.meta()["lineage"]
     ids = [g for _, gs in lineage for g in gs]
     assert len(ids) == len(set(ids)), "a group was trained twice"
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_during_its_resume_resumes_again(tmp_path: Path) -> None:
+    """Issue 30 item 4: a trainer SIGKILLed while it resumes (its checkpoint restored, its
+    consumer group not yet rewound: a failpoint holds it there) is restarted and resumes
+    again from the same checkpoint; the run ends with every step, no group trained twice
+    in the final state's history, and only the restarts the kills made."""
+    run_dir, points = tmp_path / "run", tmp_path / "failpoints"
+    points.mkdir()
+    steps = 12
+    proc = up(run_dir, steps, "trainer.checkpoint_every=2", env={failpoints.ENV: str(points)},
+              config=STUB)  # fmt: skip
+    logs = run_dir / "logs"
+    try:
+        _wait_for_steps(logs, 3)  # past the checkpoint at step 2
+        failpoints.arm(points, failpoints.TRAINER_RESUME, 60.0)
+        os.kill(rundir.orphans(run_dir)["trainer-0"], signal.SIGKILL)
+
+        def in_resume() -> list[dict[str, Any]]:
+            pauses = _events(logs / "trainer-0.log", "failpoint")
+            return [e for e in pauses if e["name"] == failpoints.TRAINER_RESUME]
+
+        paused = _wait_for("the restarted trainer in its resume", in_resume)
+        os.kill(paused[-1]["pid"], signal.SIGKILL)  # killed mid resume
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == steps and s["worker_restarts"]["trainer-0"] == 2, s
+    resumed = _events(logs / "trainer-0.log", "trainer_resumed")
+    assert len(resumed) >= 1 and all(e["step"] >= 2 for e in resumed), resumed
+    final = ckpts.latest_complete(run_dir / "checkpoints")
+    assert final is not None and final.step == steps
+    ids = [g for _, gs in final.meta()["lineage"] for g in gs]
+    assert len(ids) == len(set(ids)), "a group was trained twice"

@@ -22,7 +22,10 @@ CHECKPOINT_COMMIT = "checkpoint_commit"  # trainer: state written, commit marker
 WEIGHTS_PUBLISH = "weights_publish"  # trainer: weights written, not yet signalled
 WEIGHTS_LOAD = "weights_load"  # rollout: a new version is loading under the sync lock
 EPISODE_SAVED = "episode_saved"  # rollout: episode states written at a turn boundary
-NAMES = (CHECKPOINT_COMMIT, WEIGHTS_PUBLISH, WEIGHTS_LOAD, EPISODE_SAVED)
+# trainer: a checkpoint restored (and its queues written back, if Redis lost them), its
+# consumer group not yet rewound, no version taken
+TRAINER_RESUME = "trainer_resume"
+NAMES = (CHECKPOINT_COMMIT, WEIGHTS_PUBLISH, WEIGHTS_LOAD, EPISODE_SAVED, TRAINER_RESUME)
 
 
 def arm(directory: str | Path, name: str, pause_s: float) -> None:

@@ -52,6 +52,7 @@ from streamrl.queues import backlog
 from streamrl.rl.clock import PolicyClock
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.run import incarnation
+from streamrl.run.failpoints import TRAINER_RESUME, failpoint
 from streamrl.run.liveness import Liveness
 from streamrl.trainer import resume as resumption
 from streamrl.trainer.cluster import Cluster, scalar
@@ -610,6 +611,7 @@ class TrainerLoop:
         self.run_id = incarnation.create(self.client, self.keys)
         if restored is None and self.client.get(self.keys.policy_version) is None:
             return None  # a fresh run
+        failpoint(TRAINER_RESUME, self.log)
         rewound = resumption.rewind(
             self.client, self.keys, restored, reuse=self.cfg.trainer.publish != "lora"
         )
