@@ -57,7 +57,7 @@ from redis.typing import EncodableT, FieldT
 from streamrl.names import Keys
 from streamrl.tasks.base import group_cursor
 from streamrl.transport import as_bytes, as_str, entry_id_key, xrange_entries
-from streamrl.wire import Message, Task, Trajectory, WireError, decode
+from streamrl.wire import Message, Task, Trajectory, WireError, decode, decode_state
 
 COMMIT = "COMMIT"
 META = "meta.json"
@@ -111,7 +111,11 @@ class QueueSnapshot(msgspec.Struct, frozen=True):
 # KEYS: n streams, then dead, started, emitted, dropped, h hashes, s strings, m member
 # hashes (those of the group ids in ARGV, in their order).
 # ARGV: n, group names (n), h, s, m, group ids (m), k, t, entry ids (t): ids pending on
-# the group of stream k whose bodies are not needed (groups the trainer already trained).
+# the group of stream k whose bodies are not needed (groups the trainer already trained);
+# then split, limit: of hash number `split` (the episode states) only the values of at most
+# `limit` bytes are copied, and the names of the others returned last (review N10: every
+# in-flight episode's state, ~100 MB at scale, was built into Lua strings and a reply
+# inside the script, stalling every client of Redis for it).
 # -> false when the groups being assembled are not exactly the m given (the caller reads
 # them again and retries), else the snapshot, whose dead letters are only the last id of
 # the dead stream: the caller copies them after the script, up to that id.
@@ -178,13 +182,31 @@ for j = 1, m do
 end
 local emitted = redis.call('SMEMBERS', KEYS[n + 3])
 local dropped = redis.call('SMEMBERS', KEYS[n + 4])
-local hashes = {}
-for j = 1, h do hashes[j] = redis.call('HGETALL', KEYS[n + 4 + j]) end
+local split = tonumber(ARGV[n + 7 + m + t])
+local limit = tonumber(ARGV[n + 8 + m + t])
+local hashes, later = {}, {}
+for j = 1, h do
+  local key = KEYS[n + 4 + j]
+  if j == split then
+    local flat = {}
+    for _, f in ipairs(redis.call('HKEYS', key)) do
+      if redis.call('HSTRLEN', key, f) <= limit then
+        flat[#flat + 1] = f
+        flat[#flat + 1] = redis.call('HGET', key, f)
+      else
+        later[#later + 1] = f
+      end
+    end
+    hashes[j] = flat
+  else
+    hashes[j] = redis.call('HGETALL', key)
+  end
+end
 local strings = {}
 for j = 1, s do strings[j] = redis.call('GET', KEYS[n + 4 + h + j]) or false end
 local now = redis.call('TIME')
 return {streams, dead_last, started, partial, emitted, dropped, hashes, strings,
-        now[1] * 1000 + math.floor(now[2] / 1000)}
+        now[1] * 1000 + math.floor(now[2] / 1000), later}
 """
 
 # KEYS: stream. ARGV: group, start id. Re-creates the group at `start`: its old pending
@@ -214,15 +236,46 @@ def consumed_streams(keys: Keys) -> list[tuple[str, str]]:
 
 
 def _hash_keys(keys: Keys) -> list[str]:
-    """Hashes read in the snapshot's script: exact at the cut (an episode's state and its
-    trajectory's committed marker must agree with the streams)."""
+    """Hashes read in the snapshot's script: exact at the cut. The episode states (the
+    last, `_SPLIT`) in part: a committed marker must agree with the streams (a marker
+    written after the cut would keep a member whose trajectory is not in the snapshot from
+    ever running again), so the small values, markers among them, are copied in the
+    script; the big ones, states, after it (`_states_after`)."""
     return [
         keys.stats,
         keys.groups_reruns,
-        keys.episodes,
         keys.groups_order_held,  # groups decided but held for their turn (grouper.order)
         keys.groups_order_held_at,
+        keys.episodes,
     ]
+
+
+_SPLIT = 5  # the episode states' place in `_hash_keys` (1-based, as the script counts)
+# Episode-state values up to this many bytes (every committed marker) are copied inside
+# the snapshot's script; bigger ones, the states, after it.
+STATE_IN_SCRIPT_BYTES = 512
+
+
+def _states_after(client: redis.Redis, key: str, names: list[str]) -> dict[str, bytes]:
+    """The episode states too big to copy in the snapshot's script, read after it a page
+    at a time. A state read now is of the same episode at the same or a later turn boundary,
+    which resumes it as well; one that is gone (its task acknowledged since) or is now a
+    committed marker (its trajectory committed after the cut, so not in the snapshot's
+    streams) is left out: that member runs again from its start, as it must."""
+    out: dict[str, bytes] = {}
+    for i in range(0, len(names), _PAGE):
+        page = names[i : i + _PAGE]
+        for name, raw in zip(page, client.hmget(key, page), strict=True):
+            if raw is None:
+                continue
+            value = as_bytes(raw)
+            try:
+                if decode_state(value).committed:
+                    continue
+            except WireError:
+                pass  # kept as it is: the worker that reads it starts the member over
+            out[name] = value
+    return out
 
 
 def _scanned_hash_keys(keys: Keys) -> list[str]:
@@ -275,7 +328,7 @@ def take_snapshot(client: redis.Redis, keys: Keys, trained: Collection[str] = ()
         gids = [as_str(g) for g in client.hkeys(keys.groups_started)]
         script_keys = [*fixed, *(keys.group_members(g) for g in gids)]
         args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys)]
-        args += [len(gids), *gids, k, len(trained), *trained]
+        args += [len(gids), *gids, k, len(trained), *trained, _SPLIT, STATE_IN_SCRIPT_BYTES]
         raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
         if raw is not None:
             break
@@ -284,7 +337,7 @@ def take_snapshot(client: redis.Redis, keys: Keys, trained: Collection[str] = ()
             f"no queue snapshot in {_SNAPSHOT_TRIES} tries: the groups being assembled "
             "changed between every read of them and the snapshot"
         )
-    streams_raw, dead_last, started, partial, emitted, dropped, hashes, strings, now_ms = raw
+    streams_raw, dead_last, started, partial, emitted, dropped, hashes, strings, now_ms, later = raw
     streams = [
         StreamSnapshot(
             stream=stream,
@@ -296,6 +349,7 @@ def take_snapshot(client: redis.Redis, keys: Keys, trained: Collection[str] = ()
         for (stream, group), (last, pend, entries) in zip(pairs, streams_raw, strict=True)
     ]
     saved = {key: _pairs(v) for key, v in zip(hkeys, hashes, strict=True)}
+    saved[keys.episodes].update(_states_after(client, keys.episodes, [as_str(x) for x in later]))
     saved.update({key: _scan_hash(client, key) for key in _scanned_hash_keys(keys)})
     return QueueSnapshot(
         version=SNAPSHOT_VERSION,
