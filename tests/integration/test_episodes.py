@@ -386,3 +386,48 @@ def test_kv_reuse_prefills_each_episode_once(setup: Any) -> None:
     stats = on_engine.kv_stats()
     assert stats["reuse_hits"] == 3 * 5 + 2 and stats["evictions"] == 0
     assert on_engine.parked == 0 and off_engine.parked == 0  # no slot kept after its episode
+
+
+class WedgedEngine(Engine):
+    """A device step that hangs (a device hang, a peer-less collective) until released."""
+
+    wedged = threading.Event()
+    release = threading.Event()
+
+    def step(self) -> list[tuple[int, GenResult]]:
+        self.wedged.set()
+        self.release.wait(30)
+        return super().step()
+
+
+def test_a_wedged_engine_step_shows_as_a_stall(setup: tuple[Config, HFChat, Any, Any]) -> None:
+    """Review N9: the rollout's liveness ticked from its event loop, so an engine thread
+    wedged in a step made every episode time out while the worker looked live. The
+    server says how long it has had work and finished no step; the rollout stops its
+    liveness tick past run.liveness_timeout_s (`RolloutWorker._tick`). Idle, it says ~0."""
+    _, chat, _, _ = setup
+    engine = _engine(setup, 2, 128, WedgedEngine)
+    server = EngineServer(engine, 0, structlog.get_logger())
+
+    async def go() -> tuple[float, float, float]:
+        serving = asyncio.create_task(server.serve())
+        try:
+            await asyncio.sleep(0.3)
+            idle = server.stalled_s()
+            request = GenRequest(prompt=chat.encode("hello"), max_new_tokens=2, seed=1)
+            call = asyncio.create_task(server.generate(request))
+            while not WedgedEngine.wedged.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.6)
+            stalled = server.stalled_s()
+            WedgedEngine.release.set()
+            await asyncio.wait_for(call, 30)
+            await asyncio.sleep(0.2)
+            return idle, stalled, server.stalled_s()
+        finally:
+            WedgedEngine.release.set()
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+
+    idle, stalled, after = asyncio.run(go())
+    assert idle < 0.2 and stalled >= 0.6 and after < 0.2, (idle, stalled, after)

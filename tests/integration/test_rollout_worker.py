@@ -108,7 +108,7 @@ def make_worker(
         keys=keys,
         cfg=cfg,
         consumer=consumer,
-        server=cast(Any, SimpleNamespace(serve=_forever)),
+        server=cast(Any, SimpleNamespace(serve=_forever, stalled_s=lambda: 0.0)),
         runner=cast(Any, runner),
         episodes=cast(Any, None),
         follower=cast(Any, follower),
@@ -391,3 +391,28 @@ def test_claimed_task_runs_only_uncommitted_members_from_their_states(
     assert rclient.hget(keys.stats, "tasks_done") == b"2"  # both feeder tasks are done
     assert sorted(tr.traj_id for tr in written(rclient, keys)) == [traj_id(t, m) for m in (1, 2, 3)]
     assert rclient.hlen(keys.episodes) == 0
+
+
+def test_a_stalled_engine_stops_the_liveness_tick(redis_url: str, keys: Keys) -> None:
+    """Review N9: the loop's tick stops while the engine has had work and finished no step
+    for run.liveness_timeout_s (a wedged engine thread), so the beat stops and the
+    launcher restarts the worker; it ticks again once the engine steps."""
+    cfg = parse_config({"run": {"liveness_timeout_s": 2}})
+    worker, aclient = make_worker(redis_url, keys, cfg, SleepyRunner(0.1), lambda: True)
+    stalled = {"s": 0.0}
+    worker.server = cast(Any, SimpleNamespace(stalled_s=lambda: stalled["s"]))
+    try:
+        with capture_logs() as logs:
+            worker._tick()
+            assert worker.liveness.live(0.2)
+            stalled["s"] = 2.5  # past the limit
+            time.sleep(0.3)
+            worker._tick()
+            worker._tick()
+            assert not worker.liveness.live(0.2)  # no tick: the beat would stop
+            stalled["s"] = 0.0
+            worker._tick()
+            assert worker.liveness.live(0.2)
+        assert [e["event"] for e in logs].count("engine_stalled") == 1
+    finally:
+        asyncio.run(aclient.aclose())

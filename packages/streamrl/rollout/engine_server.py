@@ -99,10 +99,17 @@ class EngineServer:
         self._running = False
         self._calls: dict[int, _Call] = {}
         self.steps = 0
+        self._progress_at = time.monotonic()  # the last step done, or the last idle look
         self.swaps = 0
         self.stall_s = 0.0  # engine time lost to syncs: held or swapping with work pending
 
     # -- event-loop side -------------------------------------------------------------------
+
+    def stalled_s(self) -> float:
+        """How long the engine thread has had work and finished no step (about 0 while it
+        steps, waits idle or is held for a weight sync): a thread wedged inside a step (a
+        device hang, a dead collective) grows it without bound (review N9)."""
+        return time.monotonic() - self._progress_at
 
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
         """Sample one turn; the result and the policy version that produced it.
@@ -211,7 +218,7 @@ class EngineServer:
             with self._lock:
                 self._take_weights()
             if self._held.is_set():
-                start = time.monotonic()
+                self._progress_at = start = time.monotonic()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 if self._calls or not self._inbox.empty():
@@ -219,6 +226,7 @@ class EngineServer:
                 continue
             self._drain(handles)
             if not self.engine.has_work():
+                self._progress_at = time.monotonic()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -235,6 +243,7 @@ class EngineServer:
                 continue
             failures = 0
             self.steps += 1
+            self._progress_at = time.monotonic()
             for handle, result in finished:
                 call = self._calls.pop(handle, None)
                 if call is not None:

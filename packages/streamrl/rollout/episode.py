@@ -53,11 +53,13 @@ class ModelServer(ModelService, Protocol):
     """What the rollout worker, its weight follower and the colocated trainer drive: the
     engine server (`streamrl.rollout.engine_server`) or the stub (`streamrl.rollout.stub`).
     `steps`: decode steps (stub: calls answered); `stall_s`: engine time lost to weight
-    syncs."""
+    syncs; `stalled_s()`: how long the engine has had work and finished no step."""
 
     version: int
     steps: int
     stall_s: float
+
+    def stalled_s(self) -> float: ...
 
     async def serve(self) -> None: ...
 

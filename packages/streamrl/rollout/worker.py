@@ -279,6 +279,7 @@ class RolloutWorker:
         self._reader_track = self.tracer.track("rollout", "reader")
         self._starter_track = self.tracer.track("rollout", "starter")
         self.liveness = liveness or Liveness()  # ticked by the supervising loop
+        self._stall_logged = False  # `engine_stalled` logged for the current stall
         self.keys = keys
         self.cfg = cfg
         self.server = server
@@ -348,7 +349,8 @@ class RolloutWorker:
         committer = asyncio.create_task(self._committer(), name="commits")
         try:
             while not self.stop() and self._failure is None:
-                self.liveness.tick()  # the event loop turns (a blocking call would hold it)
+                self._tick()
+
                 done = [p for p in [*parts, committer] if p.done()]
                 for p in done:
                     p.result()  # re-raises a component's error: the process stops with it
@@ -683,6 +685,20 @@ class RolloutWorker:
             p.hdel(key, *(traj_id(d.msg, m) for m in d.msg.member_indices()))
 
     # -- liveness ----------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        """The liveness tick of a turn of the event loop (a blocking call would hold it),
+        unless the engine has had work and finished no step for run.liveness_timeout_s
+        (review N9: a thread wedged in a step made every episode time out while the worker
+        looked live); then the beat stops and `streamrl up` restarts the worker."""
+        stalled = self.server.stalled_s()
+        limit = self.cfg.run.liveness_timeout_s
+        if stalled < limit:
+            self._stall_logged = False
+            self.liveness.tick()
+        elif not self._stall_logged:
+            self._stall_logged = True
+            self.log.error("engine_stalled", stalled_s=round(stalled, 1), limit_s=limit)
 
     async def _heartbeat(self) -> None:
         """Touch the tasks this worker still owns, on the async client (no thread pool that
