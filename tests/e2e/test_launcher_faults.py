@@ -349,3 +349,48 @@ def test_a_trainer_killed_during_its_resume_resumes_again(tmp_path: Path) -> Non
     assert final is not None and final.step == steps
     ids = [g for _, gs in final.meta()["lineage"] for g in gs]
     assert len(ids) == len(set(ids)), "a group was trained twice"
+
+
+@pytest.mark.timeout(300)
+def test_weights_land_under_hundreds_of_requests_and_a_kill_mid_publish(tmp_path: Path) -> None:
+    """Issue 30 item 4, the hangs peers report in weight sync: a version loads (held 3 s
+    under the sync lock by a failpoint) while hundreds of model calls are outstanding and
+    episodes are mid-turn (512 slots, two turns each), and then the trainer is SIGKILLed
+    in a publication (its weights written, not signalled). Expected: no deadlock, the run
+    ends with every step, the restarted trainer's versions are loaded, and no group is
+    trained twice in the final state's history."""
+    run_dir, points = tmp_path / "run", tmp_path / "failpoints"
+    points.mkdir()
+    steps = 10
+    proc = up(run_dir, steps, "rollout.max_concurrency=512", "trainer.checkpoint_every=2",
+              env={failpoints.ENV: str(points)}, config=STUB)  # fmt: skip
+    logs = run_dir / "logs"
+
+    def paused(worker: str, name: str) -> list[dict[str, Any]]:
+        return [e for e in _events(logs / f"{worker}.log", "failpoint") if e["name"] == name]
+
+    try:
+        _wait_for_steps(logs, 2)
+        failpoints.arm(points, failpoints.WEIGHTS_LOAD, 3.0)
+        _wait_for("a load held", lambda: paused("rollout-0", failpoints.WEIGHTS_LOAD))
+        failpoints.arm(points, failpoints.WEIGHTS_PUBLISH, 60.0)
+        [publishing] = _wait_for(
+            "a publication held", lambda: paused("trainer-0", failpoints.WEIGHTS_PUBLISH)
+        )
+        os.kill(publishing["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    s = summary_of(run_dir)
+    assert s["trainer_steps"] == steps and s["worker_restarts"]["trainer-0"] == 1, s
+    assert s["worker_restarts"].get("rollout-0", 0) == 0  # the rollout never hung
+    resumed = _events(logs / "trainer-0.log", "trainer_resumed")
+    loaded = [e["version"] for e in _events(logs / "rollout-0.log", "weights_loaded")]
+    assert resumed and max(loaded) >= resumed[-1]["version"], (resumed, loaded)
+    final = ckpts.latest_complete(run_dir / "checkpoints")
+    assert final is not None and final.step == steps
+    ids = [g for _, gs in final.meta()["lineage"] for g in gs]
+    assert len(ids) == len(set(ids)), "a group was trained twice"
