@@ -122,3 +122,31 @@ def test_eval_every_needs_a_transformer() -> None:
         )
     with pytest.raises(ConfigError, match=r"trainer\.eval_niceness"):
         parse_config({"trainer": {"eval_niceness": 20}})
+
+
+def test_a_baseline_that_cannot_judge_this_run_is_refused(tmp_path: Path) -> None:
+    """Review N21: a NaN solve rate in the baseline passed every policy (`hi < NaN` is
+    false), and a baseline of another split, threshold or of more tasks was taken as one.
+    Each is a usage error now; a like-for-like baseline still gives a verdict."""
+    from streamrl.evaluation import EvalError, gate_result, read_baseline
+
+    rate = {"value": 0.5, "lo": 0.2, "hi": 0.8, "n": 8}
+    result = {"task": "arith", "n": 8, "solve_threshold": 1.0, "split": {"digest": "abc"},
+              "greedy": {"solve_rate": rate}, "solve_rate": 0.5}  # fmt: skip
+
+    def baseline(**changes: object) -> Path:
+        path = tmp_path / "baseline.json"
+        path.write_text(json.dumps({**result, **changes}))
+        return path
+
+    for bad in (float("nan"), float("inf"), 1.5, -0.1):
+        with pytest.raises(EvalError, match=r"is not in \[0, 1\]"):
+            read_baseline(baseline(solve_rate=bad))
+    with pytest.raises(EvalError, match="split is"):
+        gate_result(result, read_baseline(baseline(split={"digest": "xyz"})), 0.1)
+    with pytest.raises(EvalError, match=r"solve_threshold is 0\.5"):
+        gate_result(result, read_baseline(baseline(solve_threshold=0.5)), 0.1)
+    with pytest.raises(EvalError, match="evaluates 8 tasks, the baseline 64"):
+        gate_result(result, read_baseline(baseline(n=64)), 0.1)
+    assert gate_result(result, read_baseline(baseline()), 0.1).passed
+    assert not gate_result(result, read_baseline(baseline(solve_rate=0.95)), 0.1).passed

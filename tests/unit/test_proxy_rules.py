@@ -437,6 +437,19 @@ def test_framing_refusals() -> None:
         parse_head(b"GET /containers/json?all=1&all=0 HTTP/1.1\r\n\r\n")
 
 
+@pytest.mark.parametrize("bad", [b"x\nX-Any: y", b"x\ry", b"x\x00y", b"x\x7fy", b"x\x1by"])
+def test_control_characters_in_a_header_are_refused(bad: bytes) -> None:
+    """Review N17: header values were forwarded as they came; a bare LF in one (which Go's
+    textproto may take for a line end) reached the engine as a second header. Any control
+    character but a tab is refused."""
+    head = b"GET /_ping HTTP/1.1\r\nUser-Agent: " + bad + b"\r\n\r\n"
+    with pytest.raises(Refused, match="control character"):
+        parse_head(head)
+    assert parse_head(b"GET /_ping HTTP/1.1\r\nUser-Agent: a\tb\r\n\r\n").headers == (
+        ("user-agent", "a\tb"),
+    )
+
+
 def test_check_container_wants_the_label_and_the_image() -> None:
     sandbox = {
         "Config": {"Image": "localhost/streamrl-sandbox:1", "Labels": {"streamrl.sandbox": "x"}}

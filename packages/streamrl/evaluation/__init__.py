@@ -443,12 +443,14 @@ def read_baseline(path: Path) -> dict[str, Any]:
     """A stored `streamrl eval --json` result (EvalError when it is not one)."""
     try:
         data = json.loads(path.read_text())
-        float(data["solve_rate"])
+        rate = float(data["solve_rate"])
         str(data["task"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise EvalError(f"--gate {path}: not a `streamrl eval --json` result: {err}") from None
     if not isinstance(data, dict):
         raise EvalError(f"--gate {path}: not a `streamrl eval --json` result")
+    if not 0.0 <= rate <= 1.0:  # NaN too (review N21: a NaN baseline passed every policy)
+        raise EvalError(f"--gate {path}: solve_rate {data['solve_rate']!r} is not in [0, 1]")
     return data
 
 
@@ -461,9 +463,30 @@ def gate_result(
             f"--gate: the baseline evaluated task {baseline['task']!r}, this run "
             f"{result['task']!r}: not comparable"
         )
+    # Review N21: a baseline of another split or threshold, or of more tasks than this run
+    # evaluates (whose wide interval lets real regressions pass), is no baseline for it.
+    for what, ours, theirs in (
+        ("split", _get(result, "split", "digest"), _get(baseline, "split", "digest")),
+        ("solve_threshold", result.get("solve_threshold"), baseline.get("solve_threshold")),
+    ):
+        if theirs is not None and ours != theirs:
+            raise EvalError(f"--gate: the baseline's {what} is {theirs!r}, this run's {ours!r}")
+    if isinstance(baseline.get("n"), int) and int(result["n"]) < baseline["n"]:
+        raise EvalError(
+            f"--gate: this run evaluates {result['n']} tasks, the baseline {baseline['n']}: "
+            "evaluate at least as many (--n)"
+        )
     s = result["greedy"]["solve_rate"]
     current = evalstats.Estimate(s["value"], s["lo"], s["hi"], s["n"])
     return evalstats.gate(current, float(baseline["solve_rate"]), tolerance)
+
+
+def _get(data: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)  # type: ignore[assignment]
+    return data
 
 
 def render(result: dict[str, Any]) -> str:

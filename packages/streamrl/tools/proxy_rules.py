@@ -37,6 +37,7 @@ _VERSION_PREFIX = re.compile(r"^/v\d+\.\d+(?=/)")
 _PATH_OK = re.compile(r"^/[A-Za-z0-9/_.:@+-]*$")
 _REF = r"(?P<ref>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})"
 FULL_ID = re.compile(r"^[0-9a-f]{64}$")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP header name
 _USER = re.compile(r"^(\d+):(\d+)$")
 _NAME = re.compile(r"^streamrl-[A-Za-z0-9_.-]{1,100}$")
@@ -140,6 +141,11 @@ def parse_head(head: bytes) -> Request:
     except UnicodeDecodeError:
         raise Refused("the request head is not ASCII", 400) from None
     line, *fields = text.removesuffix("\r\n\r\n").split("\r\n")
+    for f in (line, *fields):
+        # Review N17: a bare LF (a line end to some parsers) or another control character
+        # in a line would reach the engine as it came; a tab is the one a value may hold.
+        if _CONTROL.search(f):
+            raise Refused(f"a control character in the request head: {f[:100]!r}", 400)
     parts = line.split(" ")
     if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
         raise Refused(f"bad request line {line[:100]!r}", 400)
