@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from streamrl.run.identity import Heartbeat, claim_index, default_holder
 from streamrl.run.logs import redact_url
 from streamrl.run.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
 from streamrl_workers.args import config_arguments
+
+IDENTITY_LOST_EXIT_CODE = 4  # not 0: a supervisor (compose on-failure) starts it again
 
 
 def index_argument(value: str) -> int | str:
@@ -63,6 +66,12 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     """Run the worker `args.name` until it stops; its exit status. NoRedisError propagates
     (the CLI reports it)."""
     holder = default_holder()
+    lost = threading.Event()  # another process took this worker's identity
+
+    def on_lost() -> None:
+        lost.set()
+        ctx.stop.set()
+
     ctx = make_context(args.name, 0 if args.index == "auto" else args.index, cfg, run_dir,
                        max_steps=args.steps, burst=args.burst)  # fmt: skip
     try:
@@ -79,7 +88,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             ctx.index,
             holder,
             ctx.log,
-            ctx.stop.set,
+            on_lost,
             liveness=ctx.liveness,
             liveness_s=cfg.run.liveness_timeout_s,
             run_id=lambda: ctx.run_id,
@@ -104,7 +113,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         if found is None:  # stopped while waiting
             beat.close()
             ctx.tracer.close()
-            return 0
+            return IDENTITY_LOST_EXIT_CODE if lost.is_set() else 0
         ctx.run_id = found
     module = importlib.import_module(f"streamrl_workers.{args.name}")
     # Every sample also goes into the trace, as counter tracks beside the spans.
@@ -124,6 +133,12 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
         beat.close()
     if code == FATAL_EXIT_CODE:
         exit_fatal()
+    if lost.is_set() and code == 0:
+        # Review N22: a replica whose identity another took (it was cut off from Redis
+        # past its slot's TTL) stopped; exit 0 would keep compose's `on-failure` from
+        # starting it again, and the replica would be gone for good.
+        ctx.log.warning("worker_identity_lost_exit", code=IDENTITY_LOST_EXIT_CODE)
+        return IDENTITY_LOST_EXIT_CODE
     return code
 
 

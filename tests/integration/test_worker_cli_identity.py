@@ -116,3 +116,27 @@ def test_a_second_trainer_is_refused(redis_url: str, rclient: redis.Redis, keys:
     finally:
         first.terminate()
         first.wait(timeout=60)
+
+
+def test_a_replica_whose_identity_was_taken_exits_non_zero(
+    redis_url: str, rclient: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """Review N22: a replica whose identity another process took stopped with exit 0,
+    which compose's `on-failure` restart policy does not restart: the replica was gone
+    for good. It exits 4 now (and compose starts it again, to claim a free index)."""
+    from streamrl.run import incarnation
+
+    incarnation.create(rclient, keys)
+    proc = _cli(
+        redis_url, "worker", "grouper", "--config", str(TINY), "--set", f"run.name={keys.ns}",
+        "--run-dir", str(tmp_path), "--index", "auto",
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait(lambda: holder_of(rclient, keys, "grouper", 0) is not None)
+        rclient.set(keys.worker_slot("grouper", 0), "elsewhere:1", px=60_000)  # taken
+        assert proc.wait(timeout=60) == 4
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
