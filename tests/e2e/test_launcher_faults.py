@@ -394,3 +394,32 @@ def test_weights_land_under_hundreds_of_requests_and_a_kill_mid_publish(tmp_path
     assert final is not None and final.step == steps
     ids = [g for _, gs in final.meta()["lineage"] for g in gs]
     assert len(ids) == len(set(ids)), "a group was trained twice"
+
+
+@pytest.mark.timeout(200)
+def test_only_the_tool_workers_get_the_container_engine(tmp_path: Path) -> None:
+    """Review N15: every worker of `streamrl up` inherited DOCKER_HOST, the container
+    engine's socket (root under the README's setup), plug-in code included. Only the tool
+    workers, which run the sandboxes, get it now."""
+    run_dir = tmp_path / "run"
+    host = os.environ.get("DOCKER_HOST") or "unix:///run/streamrl-podman.sock"
+    proc = up(run_dir, 100_000, env={"DOCKER_HOST": host}, config=STUB)
+    try:
+        _wait_for_steps(run_dir / "logs", 1)
+        seen = {}
+        for name, pid in rundir.orphans(run_dir).items():
+            if name == rundir.REDIS:
+                continue
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            seen[name] = any(e.startswith(b"DOCKER_HOST=") for e in environ)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert seen and {n for n, has in seen.items() if has} == {
+        n for n in seen if n.startswith("tools-")
+    }, seen
+    assert any(n.startswith("tools-") for n in seen) and "trainer-0" in seen, seen

@@ -391,6 +391,10 @@ class Launcher:
 
     def _spawn(self, name: str, index: int, env: dict[str, str]) -> WorkerProc:
         env = {**env, **self._credentials(name)}
+        if name not in ENGINE_USERS:
+            # Review N15: the container engine's socket (root, under the README's setup)
+            # only for the workers that run sandboxes, not for plug-in code elsewhere.
+            env = {k: v for k, v in env.items() if k not in ENGINE_ENV}
         cmd = worker_command(name, index, self.config_path, self.run_dir, self.overrides)
         port = self._port(name, index)
         if port:
@@ -674,6 +678,12 @@ def plan(cfg: Config) -> list[tuple[str, int]]:
 
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
+
+
+# The workers that start sandbox containers (the evaluator too, which runs its tool calls
+# itself): the only ones that get the container engine's address.
+ENGINE_USERS = ("tools",)
+ENGINE_ENV = ("DOCKER_HOST", "DOCKER_CERT_PATH", "DOCKER_TLS_VERIFY", "CONTAINER_HOST")
 
 
 def worker_command(
