@@ -3,6 +3,7 @@
     streamrl health --config C                      # Redis answers
     streamrl health --config C --worker tools       # and this container's tools worker
                                                     # holds its identity (its heartbeat runs)
+                                                    # and its loop turns (its liveness beat)
     streamrl health --config C --worker tools --index 2   # replica 2, whoever runs it
 
 Prints one line saying what it found. Imports no model code: it runs in milliseconds.
@@ -42,11 +43,24 @@ def check(client: redis.Redis, keys: Keys, worker: str | None, index: int | None
     if index is not None:
         if holder_of(client, keys, worker, index) is None:
             return f"{worker}-{index} has no live heartbeat"
-        return None
+        return _beating(client, keys, worker, index)
     host = socket.gethostname()
-    if any(h.rsplit(":", 1)[0] == host for h in slots_held(client, keys, worker).values()):
-        return None
+    mine = [i for i, h in slots_held(client, keys, worker).items() if h.rsplit(":", 1)[0] == host]
+    if mine:
+        return _beating(client, keys, worker, mine[0])
     return f"no {worker} worker of host {host} has a live heartbeat"
+
+
+def _beating(client: redis.Redis, keys: Keys, worker: str, index: int) -> str | None:
+    """Review N9: the identity slot is renewed by the heartbeat thread whatever the worker's
+    loop does; its liveness beat key is written only while the loop turns, and lapses 2 x
+    run.liveness_timeout_s after the last beat: a stuck loop is unhealthy then."""
+    if client.exists(keys.worker_beat(worker, index)):
+        return None
+    return (
+        f"{worker}-{index} holds its identity but its loop is stuck: no liveness beat for "
+        "2 x run.liveness_timeout_s"
+    )
 
 
 def main(args: argparse.Namespace, cfg: Config) -> int:

@@ -140,3 +140,16 @@ def test_a_replica_whose_identity_was_taken_exits_non_zero(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_health_sees_a_stuck_loop(rclient: redis.Redis, keys: Keys) -> None:
+    """Review N9: the health check looked at the identity slot, which the heartbeat thread
+    renews whatever the worker's loop does. A worker whose slot is held but whose liveness
+    beat has lapsed (its loop stuck past 2 x run.liveness_timeout_s) is unhealthy."""
+    from streamrl_workers.health import check
+
+    rclient.set(keys.worker_slot("grouper", 3), "somehost:7", px=60_000)
+    why = check(rclient, keys, "grouper", 3)
+    assert why is not None and "its loop is stuck" in why
+    rclient.set(keys.worker_beat("grouper", 3), "somehost:7 12", px=60_000)
+    assert check(rclient, keys, "grouper", 3) is None
