@@ -300,8 +300,8 @@ def test_crashed_workers_are_restarted_alone(
 
 
 def test_tripped_circuit_breaker_stops_the_run(tmp_path: Path, warm_cache: str) -> None:
-    """Tool workers that cannot start (their sandbox image is missing) keep crashing and are
-    restarted; the rollout's calls meet no worker, the first infrastructure error trips the
+    """The tool side gone for good: tool workers that cannot start (their sandbox image is
+    missing) keep crashing and are restarted; the rollout's calls meet no worker, the first infrastructure error trips the
     breaker (window 0, one call), and the run stops at once with the breaker's reason: no
     restart of a fatal error, no hang."""
     run_dir = tmp_path / "run"
@@ -322,6 +322,10 @@ def test_tripped_circuit_breaker_stops_the_run(tmp_path: Path, warm_cache: str) 
     err = (run_dir / "logs" / "rollout-0.stderr").read_text()
     assert "CircuitOpenError: tool infrastructure errors for 0s: 1 of 1 calls failed" in err
     assert s["worker_restarts"]["tools-0"] >= 1  # the crashing tool workers were restarted
+    # Issue 30 item 4 (the tool side gone for good): the calls that met no tool worker are
+    # counted as infrastructure errors, and the run stopped with that reason, not waiting.
+    assert s["tool_infra_errors"] >= 1, s
+    assert "circuit" in s["exit_reason"] or "fatal error" in s["exit_reason"], s["exit_reason"]
     assert_nothing_left(s)
 
 
