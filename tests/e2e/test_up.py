@@ -301,9 +301,9 @@ def test_crashed_workers_are_restarted_alone(
 
 def test_tripped_circuit_breaker_stops_the_run(tmp_path: Path, warm_cache: str) -> None:
     """The tool side gone for good: tool workers that cannot start (their sandbox image is
-    missing) keep crashing and are restarted; the rollout's calls meet no worker, the first infrastructure error trips the
-    breaker (window 0, one call), and the run stops at once with the breaker's reason: no
-    restart of a fatal error, no hang."""
+    missing) keep crashing and are restarted; the rollout's calls meet no worker, the
+    first infrastructure error trips the breaker (window 0, one call), and the run stops
+    at once with the breaker's reason: no restart of a fatal error, no hang."""
     run_dir = tmp_path / "run"
     proc = up(
         run_dir, 5, f'model.cache_dir="{warm_cache}"', "tools.sandbox=container",

@@ -292,3 +292,19 @@ def test_rollout_advertises_its_slots_and_the_feeder_reads_them(connect: Connect
     assert live_slots(feeder, KEYS.rollout_capacity, 5_000) == [16]
     assert feeder.hkeys(KEYS.rollout_capacity) == [b"rollout-0"]
     assert denied(connect("tools"), "HSET", KEYS.rollout_capacity, "x", "1:1")
+
+
+def test_no_role_scans_every_key_or_commands_a_tool_worker(connect: Connect) -> None:
+    """Review N18: @keyspace granted SCAN and RANDOMKEY, whose answers no key pattern
+    filters (every run's key names on the server), and the tool role could PUBLISH rq's
+    `shutdown` command to any tool worker (which exits 0 and is not restarted). Only the
+    trainer scans (the member hashes it clears before a restore); no role takes a random
+    key; no tool worker publishes."""
+    for role in ("feeder", "rollout", "tools", "grouper"):
+        assert denied(connect(role), "SCAN", "0"), role
+    for role in ROLES:
+        if role != OPERATOR:
+            assert denied(connect(role), "RANDOMKEY"), role
+    assert not denied(connect("trainer"), "SCAN", "0", "MATCH", KEYS.group_members("*"))
+    assert denied(connect("tools"), "PUBLISH", "rq:pubsub:tools-1", '{"command": "shutdown"}')
+    # (it still subscribes to its own: test_each_role_does_its_own_work runs an rq worker)

@@ -203,6 +203,15 @@ def roles(keys: Keys) -> dict[str, Role]:
     out = {
         name: role.union(replace(slot, keys=_own_keys(k, name))) for name, role in workers.items()
     }
+    # Review N18: @keyspace brings SCAN and RANDOMKEY, whose answers no key pattern
+    # filters: only the trainer scans (the member hashes it clears before a restore). And
+    # no tool worker publishes (rq's workers only listen on their command channels: a
+    # PUBLISH there would shut another worker down, exit 0, not restarted).
+    for name, role in out.items():
+        deny = ["-randomkey"] if name in ("trainer", "colocated") else ["-scan", "-randomkey"]
+        if name == "tools":
+            deny.append("-publish")
+        out[name] = replace(role, commands=(*role.commands, *deny))
     return {**out, OPERATOR: operator}
 
 
