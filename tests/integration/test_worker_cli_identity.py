@@ -153,3 +153,23 @@ def test_health_sees_a_stuck_loop(rclient: redis.Redis, keys: Keys) -> None:
     assert why is not None and "its loop is stuck" in why
     rclient.set(keys.worker_beat("grouper", 3), "somehost:7 12", px=60_000)
     assert check(rclient, keys, "grouper", 3) is None
+
+
+def test_a_stray_module_in_the_launch_directory_shadows_nothing(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Review N19: workers run as `python -m streamrl_workers.cli`, so the launch directory
+    came first on sys.path and a stray redis.py there replaced the real module in every
+    worker. It comes last now; a plug-in package there is still importable."""
+    (tmp_path / "redis.py").write_text("raise ImportError('the stray redis.py was imported')\n")
+    (tmp_path / "myplugin.py").write_text("VALUE = 42\n")
+    env = {**os.environ, "REDIS_URL": redis_url}
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "health", "--config", str(TINY)]
+    r = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       check=False)  # fmt: skip
+    assert r.returncode == 0 and "healthy" in r.stdout, r.stdout + r.stderr
+    probe = "import streamrl_workers, myplugin, redis; print(myplugin.VALUE, redis.__file__)"
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=False)  # fmt: skip
+    value, path = r.stdout.split()
+    assert value == "42" and "site-packages" in path, r.stdout + r.stderr
