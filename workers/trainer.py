@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 
 from streamrl.evaluation import watch as evalrun
 from streamrl.names import RunPaths
-from streamrl.run.runtime import WorkerContext
+from streamrl.run.runtime import NONBLOCKING_TIMEOUT_S, WorkerContext
 from streamrl.trainer.cluster import init_distributed
 from streamrl.trainer.hooks import (
     CheckpointHook,
@@ -136,7 +136,7 @@ def build_loop(
         liveness=ctx.liveness,
         metrics=ctx.metrics,
         tracer=ctx.tracer,
-        fence=functools.partial(ctx.holds_identity, ctx.client()),
+        fence=functools.partial(ctx.holds_identity, ctx.client(NONBLOCKING_TIMEOUT_S)),
         hooks=[
             publish,
             CheckpointHook(

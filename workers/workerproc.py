@@ -29,7 +29,13 @@ from streamrl.obs.tracing import Span
 from streamrl.run import incarnation
 from streamrl.run.identity import Heartbeat, claim_index, default_holder
 from streamrl.run.logs import redact_url
-from streamrl.run.runtime import WORKER_NAMES, WorkerContext, make_context, stop_on_signals
+from streamrl.run.runtime import (
+    NONBLOCKING_TIMEOUT_S,
+    WORKER_NAMES,
+    WorkerContext,
+    make_context,
+    stop_on_signals,
+)
 from streamrl_workers.args import config_arguments
 
 IDENTITY_LOST_EXIT_CODE = 4  # not 0: a supervisor (compose on-failure) starts it again
@@ -82,7 +88,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
             )
         ctx.holder = holder
         beat = Heartbeat(
-            ctx.client(),
+            ctx.client(socket_timeout=NONBLOCKING_TIMEOUT_S),
             ctx.keys,
             args.name,
             ctx.index,

@@ -25,6 +25,8 @@ from streamrl.run.liveness import Liveness
 from streamrl.run.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
+# A command of a client that never blocks fails after this long on a half-open socket.
+NONBLOCKING_TIMEOUT_S = 10.0
 # host:port of trainer process 0's coordination service (trainer.num_processes > 1)
 COORDINATOR_ENV = "STREAMRL_COORDINATOR"
 
@@ -110,9 +112,17 @@ class WorkerContext:
             return True
         return holder_of(client, self.keys, self.name, self.index) == self.holder
 
-    def client(self) -> redis.Redis:
+    def client(self, socket_timeout: float | None = None) -> redis.Redis:
+        """A client of the run's Redis. `socket_timeout`: for one that never blocks (the
+        heartbeat's, the trainer's fence), so a half-open socket fails a command instead
+        of hanging it (review N9); the worker's own clients block in stream reads."""
         r = self.cfg.redis
-        return make_client(self.redis_url, cluster=r.cluster, busy_wait_s=r.busy_wait_s)
+        return make_client(
+            self.redis_url,
+            cluster=r.cluster,
+            busy_wait_s=r.busy_wait_s,
+            socket_timeout=socket_timeout,
+        )
 
     def start_metrics(self, sinks: Iterable[Sink] | None = None) -> Sampler:
         """Start the thread that samples `metrics` every `metrics.interval_s` into the
@@ -122,7 +132,11 @@ class WorkerContext:
         # A client of its own, with no retries: a sample that fails is dropped and the
         # next one tries again (the worker's own clients wait out outages instead).
         client = make_client(
-            self.redis_url, retries=0, cluster=self.cfg.redis.cluster, busy_wait_s=0
+            self.redis_url,
+            retries=0,
+            cluster=self.cfg.redis.cluster,
+            busy_wait_s=0,
+            socket_timeout=NONBLOCKING_TIMEOUT_S,
         )
         return Sampler(
             self.metrics,
