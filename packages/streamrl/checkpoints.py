@@ -567,6 +567,7 @@ def trim_history(
     *,
     keep_dead_letters: int,
     keep_metrics: int,
+    keep_dead_letter_bytes: int = 0,
 ) -> dict[str, int]:
     """Keep a window of what grows with the run; returns how many went, per key.
 
@@ -574,8 +575,9 @@ def trim_history(
     which starts with the group id) and the episode states (keyed by the trajectory id:
     those a dead-lettered task left) of groups older than `group_floor` of `floor` go: no
     member of such a group can arrive again, so nothing asks for them (without a kept
-    checkpoint, all stay). The dead letters keep the newest `keep_dead_letters`,
-    the metrics stream the newest `keep_metrics` steps. Read a page per command (SSCAN,
+    checkpoint, all stay). The dead letters keep the newest `keep_dead_letters`, and of
+    those no more than `keep_dead_letter_bytes` take (0: no byte cap), the metrics stream
+    the newest `keep_metrics` steps. Read a page per command (SSCAN,
     HSCAN), so other clients are served in between."""
     out: dict[str, int] = {}
     if floor is not None:
@@ -594,7 +596,22 @@ def trim_history(
             out[key] = _in_pages(partial(client.hdel, key), gone)
     for stream, keep in ((keys.dead, keep_dead_letters), (keys.metrics, keep_metrics)):
         out[stream] = int(client.xtrim(stream, maxlen=keep, approximate=False))
+    if keep_dead_letter_bytes:
+        out[keys.dead] += _trim_to_bytes(client, keys.dead, keep_dead_letter_bytes)
     return {key: n for key, n in out.items() if n}
+
+
+def _trim_to_bytes(client: redis.Redis, stream: str, limit: int) -> int:
+    """Keep the newest entries of `stream` that fit in about `limit` bytes of Redis memory
+    (review part 3: 1,000 dead letters of whole 1 MB groups were 1 GB in Redis and in every
+    snapshot). MEMORY USAGE counts them in Redis, no payload travels; entries are taken as
+    of the average size. Returns how many went."""
+    used = client.memory_usage(stream, samples=0)
+    if used is None or used <= limit:
+        return 0
+    count = int(client.xlen(stream))
+    keep = max(1, int(count * limit / used))
+    return int(client.xtrim(stream, maxlen=keep, approximate=False))
 
 
 def _in_pages(remove: Callable[..., Any], items: list[Any]) -> int:

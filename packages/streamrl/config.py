@@ -1011,6 +1011,16 @@ class TrainerConfig(_Section):
             "beyond this are deleted after each checkpoint (with trim_streams)."
         ),
     )
+    keep_dead_letters_mb: float = Field(
+        256.0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "And at most this much of Redis memory (MiB) for them, the newest kept (each "
+            "holds a whole group or task): they are copied into every checkpoint too; 0: "
+            "no byte cap."
+        ),
+    )
     keep_metrics: int = Field(
         10_000,
         ge=1,

@@ -372,13 +372,17 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
         make_task(cfg.task, cfg.run.seed, c, cfg.rollout.num_generations).group_id
         for c in range(cursor)
     }
-    logged_drops = {
-        e["group_id"]
+    drop_reasons = {
+        e["group_id"]: str(e["reason"])
         for name, es in logs.events.items()
         if name.startswith(("grouper", "trainer"))
         for e in es
         if e["event"] == "group_dropped" and e.get("reason")
     }
+    logged_drops = set(drop_reasons)
+    # Issue 30 (review N1): a restart used to judge the rewound groups against a version
+    # that jumped at resume, and about 40 % of them were dropped as stale.
+    stale = {g for g, reason in drop_reasons.items() if "stale" in reason}
     assert dropped <= logged_drops, dropped - logged_drops
     # Redis keeps only a window of the dropped ids (README, "Bounded state"); the log has all.
     dropped = logged_drops
@@ -401,6 +405,7 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
         "tasks_issued": len(issued),
         "groups_trained": len(trained),
         "groups_dropped": len(dropped),
+        "groups_dropped_stale": len(stale),
         "groups_queued_at_stop": len(queued - trained - dropped),
         "groups_lost": len(lost),
         "groups_duplicated": len(trained_list) - len(trained),
@@ -416,6 +421,7 @@ def test_kill_anything_lose_nothing_repeat_nothing(tmp_path: Path, warm_cache: s
     print("\nfault injection report\n" + json.dumps(report, indent=2))
     assert sorted(lost) == [], f"groups lost: {sorted(lost)[:10]}"
     assert report["groups_duplicated"] == 0
+    assert report["groups_dropped_stale"] == 0, sorted(stale)[:10]
     assert twice == {}, f"tool side effects run twice: {twice}"
     assert report["episodes_resumed"] > 0
     # Recovery does not favour short episodes: trained trajectories are not shorter than

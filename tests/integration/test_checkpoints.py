@@ -14,7 +14,7 @@ import redis
 from streamrl import checkpoints as ck
 from streamrl.names import Keys
 from streamrl.tasks.base import Prompt, build_task
-from streamrl.transport import ensure_group, entry_id_key, publish
+from streamrl.transport import as_str, ensure_group, entry_id_key, publish
 from streamrl.wire import DeadLetter, Trajectory, decode, pack_arrays
 from tests.conftest import entries
 
@@ -494,3 +494,19 @@ def test_a_state_read_after_the_script_that_became_a_marker_is_left_out(
     })  # fmt: skip
     got = ck._states_after(rclient, keys.episodes, ["a", "b", "c"])
     assert got == {"a": later}
+
+
+def test_dead_letters_are_capped_in_bytes_too(rclient: redis.Redis, keys: Keys) -> None:
+    """Issue 30 item 5: the dead letters were capped by count only (1,000), each a whole
+    payload: 1,000 groups of 1 MB were 1 GB in Redis and in every snapshot. Past
+    `keep_dead_letter_bytes` of Redis memory the oldest go; the newest stay."""
+    ids = [rclient.xadd(keys.dead, {"v": b"1", "data": bytes([i]) * 100_000}) for i in range(20)]
+    used = rclient.memory_usage(keys.dead, samples=0)
+    assert used is not None and used > 2_000_000
+    deleted = ck.trim_history(rclient, keys, None, keep_dead_letters=1000, keep_metrics=10,
+                              keep_dead_letter_bytes=500_000)  # fmt: skip
+    left = [e for e, _ in entries(rclient, keys.dead)]
+    assert 3 <= len(left) <= 5 and deleted[keys.dead] == 20 - len(left)
+    assert [as_str(e) for e in left] == [as_str(i) for i in ids[-len(left) :]]  # the newest
+    after = rclient.memory_usage(keys.dead, samples=0)
+    assert after is not None and after <= 600_000

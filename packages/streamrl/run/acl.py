@@ -181,7 +181,8 @@ def roles(keys: Keys) -> dict[str, Role]:
             members,  # declared to the snapshot's EVAL too (Redis Cluster), read by HGETALL
         ),
         categories=("stream", "string", "hash", "set", "keyspace"),
-        commands=(*_SCRIPTS, "+time"),
+        # MEMORY USAGE: the dead letters' bytes, which it caps (checkpoints.trim_history)
+        commands=(*_SCRIPTS, "+time", "+memory|usage"),
     )
     operator = Role(
         keys=(k.every_key,),

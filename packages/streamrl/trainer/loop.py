@@ -744,6 +744,7 @@ class TrainerLoop:
                 self.keys,
                 floor,
                 keep_dead_letters=self.cfg.trainer.keep_dead_letters,
+                keep_dead_letter_bytes=int(self.cfg.trainer.keep_dead_letters_mb * 2**20),
                 keep_metrics=self.cfg.trainer.keep_metrics,
             )
             if trimmed:
