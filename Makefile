@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # the backpressure and resume tests failed.
 TEST_WORKERS ?= 2
 
-.PHONY: demo report test lint typecheck unit integration e2e faults slow bench fmt clean sandbox-host
+.PHONY: demo report test lint typecheck unit integration e2e faults soak slow bench fmt clean sandbox-host
 
 # The worked example task package (examples/unitconv) is installed beside streamrl, as a
 # user's own task package would be.
@@ -70,6 +70,11 @@ e2e: $(VENV)/.installed
 
 faults: $(VENV)/.installed
 	$(PY) -m pytest -s tests/faults $(PYTEST_ARGS)
+
+# The chaos soak (not in CI): a long stub run, a random worker killed every few seconds and
+# Redis now and then; 0 lost, 0 duplicated, footprints flat after warm-up (ops/soak.py).
+soak: $(VENV)/.installed
+	$(PY) ops/soak.py $(SOAK_ARGS)
 
 slow: $(VENV)/.installed
 	$(PY) -m pytest -m "slow and not compose" $(PYTEST_ARGS)
