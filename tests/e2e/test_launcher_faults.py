@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,17 @@ def _wait_for(what: str, check: Any, timeout_s: float = 120.0) -> Any:
             return got
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """`proc` (a `streamrl up`), killed and waited for if the block leaves it running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _wait_for_steps(logs: Path, n: int) -> None:

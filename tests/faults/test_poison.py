@@ -19,7 +19,7 @@ import redis
 import structlog
 from structlog.testing import capture_logs
 
-from streamrl.config import parse_config
+from streamrl.config import Config, parse_config
 from streamrl.grouper import Outcome
 from streamrl.names import Keys
 from streamrl.transport import publish
@@ -46,6 +46,18 @@ from tests.integration.test_trainer_loop import (
 __all__ = ["checkpointer"]  # a fixture, used by name
 
 
+def poison_config(per_step: int) -> Config:
+    """The stub trainer, `per_step` groups a step, a group dead-lettered at its 3rd try."""
+    return parse_config(
+        {
+            "model": {"kind": "stub", "init": "checkpoint"},
+            "trainer": {"groups_per_step": per_step},
+            "grouper": {"off_policy_steps": 1000},
+            "transport": {"block_ms": 50, "max_deliveries": 3},
+        }
+    )
+
+
 @pytest.mark.parametrize("per_step", [1, 2])
 def test_a_group_that_kills_every_step_is_dead_lettered_not_looped(
     rclient: redis.Redis,
@@ -61,14 +73,7 @@ def test_a_group_that_kills_every_step_is_dead_lettered_not_looped(
     so a batch-mate is not blamed) and dead-letters it once it reached
     transport.max_deliveries; the groups around it train."""
     root = tmp_path / "checkpoints"
-    cfg = parse_config(
-        {
-            "model": {"kind": "stub", "init": "checkpoint"},
-            "trainer": {"groups_per_step": per_step},
-            "grouper": {"off_policy_steps": 1000},
-            "transport": {"block_ms": 50, "max_deliveries": 3},
-        }
-    )
+    cfg = poison_config(per_step)
     for g in (group("g0"), poison("g1"), *(group(f"g{i}") for i in range(2, 6))):
         publish(rclient, keys.groups, g)
     deaths = 0
@@ -109,14 +114,7 @@ def test_a_step_out_of_memory_splits_the_batch_without_a_restart(
     the next steps), and the group that does not fit even alone is dead-lettered after
     transport.max_deliveries tries; no restart, each other group trained once."""
     root = tmp_path / "checkpoints"
-    cfg = parse_config(
-        {
-            "model": {"kind": "stub", "init": "checkpoint"},
-            "trainer": {"groups_per_step": per_step},
-            "grouper": {"off_policy_steps": 1000},
-            "transport": {"block_ms": 50, "max_deliveries": 3},
-        }
-    )
+    cfg = poison_config(per_step)
     for g in (group("g0"), poison("g1"), *(group(f"g{i}") for i in range(2, 6))):
         publish(rclient, keys.groups, g)
     loop = make_loop(cfg, rclient, keys, root, PoisonStep(MemoryError), checkpointer, 10)

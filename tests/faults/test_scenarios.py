@@ -23,7 +23,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
 from streamrl.run import failpoints
 from streamrl.run.redis_server import url_from_conf
-from tests.e2e.test_launcher_faults import STUB, _events, _wait_for, _wait_for_steps
+from tests.e2e.test_launcher_faults import STUB, _events, _wait_for, _wait_for_steps, reaped
 from tests.e2e.test_up import assert_nothing_left, summary_of, up
 from tests.helpers import REPO
 
@@ -42,7 +42,7 @@ def test_empty_redis_mid_run_stops_the_run_and_resume_restores_it(tmp_path: Path
     sets = ("trainer.checkpoint_every=2",)
     proc = up(run_dir, 100_000, *sets, config=STUB)
     keys = Keys("stub")
-    try:
+    with reaped(proc):
         logs = run_dir / "logs"
         _wait_for("a checkpoint", lambda: ckpts.latest_complete(run_dir / "checkpoints"))
         url = url_from_conf(run_dir / "redis")
@@ -52,10 +52,6 @@ def test_empty_redis_mid_run_stops_the_run_and_resume_restores_it(tmp_path: Path
             gone = list(client.scan_iter(match=keys.every_key))
             client.delete(*gone)
         out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 1, out
     # the feeder refused to write the data again from cursor 0
     fatal = _events(logs / "feeder-0.log", "worker_fatal")
@@ -106,7 +102,7 @@ def test_weight_update_mid_turn_under_hundreds_of_requests_kill_mid_publish_and_
     def paused(worker: str, name: str) -> list[dict[str, Any]]:
         return [e for e in _events(logs / f"{worker}.log", "failpoint") if e["name"] == name]
 
-    try:
+    with reaped(proc):
         _wait_for_steps(logs, 3)  # past the checkpoint at step 2
         failpoints.arm(points, failpoints.WEIGHTS_LOAD, 3.0)
         _wait_for("a load held", lambda: paused("rollout-0", failpoints.WEIGHTS_LOAD))
@@ -122,10 +118,6 @@ def test_weight_update_mid_turn_under_hundreds_of_requests_kill_mid_publish_and_
         )
         os.kill(resuming["pid"], signal.SIGKILL)  # killed mid resume
         out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out
     s = summary_of(run_dir)
     assert s["trainer_steps"] == steps and s["worker_restarts"]["trainer-0"] == 2, s
