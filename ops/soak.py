@@ -50,7 +50,7 @@ from streamrl.names import Keys  # noqa: E402
 from streamrl.run import rundir  # noqa: E402
 from streamrl.run.redis_server import url_from_conf  # noqa: E402
 from streamrl.tasks.registry import make_task  # noqa: E402
-from tests.faults.test_faults import Logs, final_redis_state  # noqa: E402
+from tests.faults.test_faults import final_redis_state  # noqa: E402
 
 STUB = REPO / "configs" / "stub.toml"
 PARTS = ("trainer", "rollout", "grouper", "feeder", "tools")
@@ -66,6 +66,46 @@ SETS = [
     "run.log_max_mb=8",
     "run.log_backups=2",
 ]
+
+
+class Tail:
+    """The events the account needs (train_step, group_dropped), read from the run's JSON
+    logs as they are written, across their roll-overs: the soak's caps delete rolled
+    files within minutes, so reading them only at the end would lose history."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.where: dict[str, tuple[int, int]] = {}  # log name -> (inode, offset read)
+        self.history: dict[int, list[str]] = {}  # step -> its groups (the last line wins)
+        self.dropped: set[str] = set()
+
+    def poll(self) -> None:
+        for path in sorted(self.logs.glob("*.log")):
+            try:
+                inode = path.stat().st_ino
+            except OSError:
+                continue
+            old_inode, offset = self.where.get(path.name, (inode, 0))
+            if old_inode != inode:  # rolled over: finish the file it became, then start anew
+                self._read(path.with_name(path.name + ".1"), offset, path.stem)
+                offset = 0
+            self.where[path.name] = (inode, self._read(path, offset, path.stem))
+
+    def _read(self, path: Path, offset: int, worker: str) -> int:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return offset
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            if b'"train_step"' in line and worker.startswith("trainer"):
+                e = json.loads(line)
+                self.history[int(e["step"])] = list(e["group_ids"])
+            elif b'"group_dropped"' in line:
+                self.dropped.add(json.loads(line)["group_id"])
+        return offset + end
 
 
 def dir_bytes(path: Path) -> int:
@@ -97,14 +137,10 @@ def sample(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def account(run_dir: Path, ns: str) -> dict[str, Any]:
+def account(run_dir: Path, ns: str, tail: Tail) -> dict[str, Any]:
     """Trained, dropped, queued, lost and duplicated groups, as the fault test counts them."""
-    logs = Logs(run_dir / "logs")
-    logs.poll()
-    history: dict[int, list[str]] = {}
-    for e in logs.events.get("trainer-0", []):
-        if e["event"] == "train_step":
-            history[int(e["step"])] = list(e["group_ids"])
+    tail.poll()
+    history = tail.history
     final = ckpts.latest_complete(run_dir / "checkpoints")
     last = final.step if final is not None else 0
     trained_list = [g for s in range(1, last + 1) for g in history.get(s, [])]
@@ -115,13 +151,7 @@ def account(run_dir: Path, ns: str) -> dict[str, Any]:
         make_task(cfg.task, cfg.run.seed, c, cfg.rollout.num_generations).group_id
         for c in range(cursor)
     }
-    dropped = {
-        e["group_id"]
-        for name, es in logs.events.items()
-        if name.startswith(("grouper", "trainer"))
-        for e in es
-        if e["event"] == "group_dropped"
-    }
+    dropped = tail.dropped
     lost = issued - trained - dropped - queued
     return {
         "trainer_steps": last,
@@ -138,7 +168,7 @@ def account(run_dir: Path, ns: str) -> dict[str, Any]:
 
 
 def chaos(
-    args: argparse.Namespace, up: subprocess.Popen[bytes], run_dir: Path
+    args: argparse.Namespace, up: subprocess.Popen[bytes], run_dir: Path, tail: Tail
 ) -> tuple[dict[str, int], list[dict[str, float]]]:
     """Kill a random worker every `kill_every_s`, Redis every `redis_every_s`, and sample
     the footprint every `sample_every_s`, until the soak's time is up (or the run ended)."""
@@ -169,6 +199,7 @@ def chaos(
         if now >= next_sample:
             samples.append({**sample(run_dir), "elapsed_s": now - start})
             next_sample = now + args.sample_every_s
+        tail.poll()
         time.sleep(0.2)
     return kills, samples
 
@@ -219,17 +250,22 @@ def main() -> int:
     start = time.monotonic()
     with open(run_dir.parent / "soak-up.out", "wb") as out_log:
         up = subprocess.Popen(cmd, cwd=REPO, stdout=out_log, stderr=subprocess.STDOUT)
-        kills, samples = chaos(args, up, run_dir)
+        tail = Tail(run_dir / "logs")
+        kills, samples = chaos(args, up, run_dir, tail)
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
-        code = up.wait(timeout=600)
+        deadline = time.monotonic() + 600
+        while up.poll() is None and time.monotonic() < deadline:  # the last steps' lines
+            tail.poll()
+            time.sleep(0.2)
+        code = up.wait(timeout=60)
     samples.append({**sample(run_dir), "elapsed_s": time.monotonic() - start})
     result: dict[str, Any] = {
         "minutes": round((time.monotonic() - start) / 60, 2),
         "exit_code": code,
         "kills": kills,
         "kills_total": sum(kills.values()),
-        **account(run_dir, ns),
+        **account(run_dir, ns, tail),
         "footprint": footprint(samples, args.warmup_s, args.flat),
     }
     result["ok"] = (
