@@ -16,16 +16,36 @@ class PolicyClock:
     the first of its lineage), `offset` versions past the state's own: that jump is no
     age. A turn of the current lineage (version >= since) is `version - v` old; an older
     one (the common ancestry, or a lineage the restore discarded) `version - offset - v`,
-    at least 0: the age it had against the restored state."""
+    at least 0: the age it had against the restored state. `earlier`: the jumps of the
+    resumes before (size, since), oldest first: a turn sampled before several resumes is
+    judged with each jump after it taken out (two restarts a few steps apart otherwise
+    aged the groups of the first restart's lineage by the first jump)."""
 
     version: int
     offset: int = 0
     since: int = 0
+    earlier: tuple[tuple[int, int], ...] = ()
+
+    def _jumps(self) -> tuple[tuple[int, int], ...]:
+        return (*self.earlier, (self.offset, self.since)) if self.offset else self.earlier
+
+    def _lineage(self, v: int) -> int:
+        """`v` less every jump at or before it: versions as if no resume had jumped."""
+        return v - sum(size for size, since in self._jumps() if since <= v)
 
     def age(self, v: int) -> int:
-        if v >= self.since:
-            return self.version - v
-        return max(0, self.version - self.offset - v)
+        return max(0, self._lineage(self.version) - self._lineage(v))
+
+    def resumed(self, version: int, jump: int, keep: int = 32) -> PolicyClock:
+        """The clock after a resume that took `version`, `jump` past its restored state's
+        (the jump before it kept, unless it is this resume's again: a restart that
+        published nothing; the newest `keep` jumps)."""
+        jumps = [j for j in self._jumps() if j[1] != version]
+        return PolicyClock(version, jump, version, tuple(jumps[-(keep - 1) :] if keep > 1 else ()))
+
+    def encode(self) -> str:
+        """As `Keys.policy_offset` holds it: "size:since" per jump, oldest first."""
+        return ",".join(f"{size}:{since}" for size, since in self._jumps()) or "0:0"
 
     def __str__(self) -> str:
         jumped = f" ({self.offset} jumped by a resume at {self.since})" if self.offset else ""
@@ -42,8 +62,16 @@ def clock_of(trainer_version: TrainerVersion) -> PolicyClock:
 
 
 def policy_clock(version: bytes | str | None, offset: bytes | str | None) -> PolicyClock:
-    """The clock from `Keys.policy_version` and `Keys.policy_offset` ("offset:since", set
-    by a resumed trainer; absent: no jump) as Redis holds them."""
+    """The clock from `Keys.policy_version` and `Keys.policy_offset` ("size:since" per
+    resume jump, oldest first, set by a resumed trainer; absent: no jump) as Redis holds
+    them."""
     raw = offset.decode() if isinstance(offset, bytes) else offset
-    jump, _, since = (raw or "0:0").partition(":")
-    return PolicyClock(int(version or 0), int(jump or 0), int(since or 0))
+    jumps = []
+    for part in (raw or "").split(","):
+        size, _, since = part.partition(":")
+        if size and int(size):
+            jumps.append((int(size), int(since or 0)))
+    if not jumps:
+        return PolicyClock(int(version or 0))
+    (offset_, since_), earlier = jumps[-1], tuple(jumps[:-1])
+    return PolicyClock(int(version or 0), offset_, since_, earlier)

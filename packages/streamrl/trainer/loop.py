@@ -49,7 +49,7 @@ from streamrl.names import Keys
 from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
 from streamrl.obs.tracing import GROUP_FLOW, Arg, Span, Tracer, flow_id
 from streamrl.queues import backlog
-from streamrl.rl.clock import PolicyClock
+from streamrl.rl.clock import PolicyClock, policy_clock
 from streamrl.rl.losses import check_rollout_logps, missing_logp_rows
 from streamrl.run import incarnation
 from streamrl.run.failpoints import TRAINER_RESUME, failpoint
@@ -619,8 +619,9 @@ class TrainerLoop:
         # Review N1: the restored state is the checkpoint's version (0: the initial state),
         # published again as `version`; the jump between them is no policy age.
         state_version = max(restored.meta.version, 0) if restored is not None else 0
-        self.clock = PolicyClock(self.version, self.version - state_version, self.version)
-        self.client.set(self.keys.policy_offset, f"{self.clock.offset}:{self.clock.since}")
+        before = policy_clock(None, self.client.get(self.keys.policy_offset))
+        self.clock = before.resumed(self.version, self.version - state_version)
+        self.client.set(self.keys.policy_offset, self.clock.encode())
         self.unacked.clear()
         self.log.info(
             "trainer_resumed",
