@@ -447,7 +447,7 @@ def clear_run_state(client: redis.Redis, keys: Keys) -> int:
     names += [keys.dead, keys.groups_started, keys.groups_emitted, keys.groups_dropped]
     names += [*_hash_keys(keys), *_scanned_hash_keys(keys), *_string_keys(keys)]
     names += [keys.feeder_end, keys.trainer_attempts, keys.groups_attempts, keys.policy_offset]
-    names += [bytes(k).decode() for k in client.scan_iter(match=keys.group_members("*"))]
+    names += [as_str(k) for k in client.scan_iter(match=keys.group_members("*"))]
     return int(client.delete(*names)) if names else 0
 
 

@@ -606,18 +606,25 @@ class ServerClock(Protocol):
     def time(self) -> tuple[int, int] | dict[str, tuple[int, int]]: ...
 
 
+def server_time_ns(client: ServerClock) -> int:
+    """The Redis server's clock now, ns (TIME; a cluster client answers per node: any one
+    will do)."""
+    raw = client.time()
+    if isinstance(raw, dict):
+        raw = next(iter(raw.values()))
+    sec, usec = raw
+    return int(sec) * 1_000_000_000 + int(usec) * 1000
+
+
 def clock_offset_ns(client: ServerClock, tries: int = 5) -> tuple[int, int]:
     """(offset, round trip), ns: the Redis server's clock minus this host's wall clock,
     taken at the midpoint of the shortest of `tries` TIME round trips."""
     best: tuple[int, int] | None = None
     for _ in range(tries):
         t0 = time.time_ns()
-        raw = client.time()
+        server = server_time_ns(client)
         t1 = time.time_ns()
-        if isinstance(raw, dict):  # a cluster client answers per node: any one will do
-            raw = next(iter(raw.values()))
-        sec, usec = raw
-        offset, rtt = int(sec) * 1_000_000_000 + int(usec) * 1000 - (t0 + t1) // 2, t1 - t0
+        offset, rtt = server - (t0 + t1) // 2, t1 - t0
         if best is None or rtt < best[1]:
             best = (offset, rtt)
     assert best is not None

@@ -34,7 +34,7 @@ import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
-from streamrl.obs.tracing import ServerClock, Span, Tracer
+from streamrl.obs.tracing import Span, Tracer, server_time_ns
 from streamrl.tools.backends import WorkerSandbox, builder
 from streamrl.tools.bwrap import BubblewrapConfig
 from streamrl.tools.containers import ContainerConfig
@@ -131,15 +131,6 @@ def _run(name: str, arguments: str, time_limit_s: float, output_cap: int) -> tup
         return Outcome(False, "", f"sandbox failed: {type(err).__name__}: {err}"), True
 
 
-def _server_s(client: ServerClock) -> float:
-    """The Redis server's clock, in seconds (TIME; a cluster client answers per node)."""
-    raw = client.time()
-    if isinstance(raw, dict):
-        raw = next(iter(raw.values()))
-    sec, usec = raw
-    return int(sec) + int(usec) / 1e6
-
-
 def execute_call(
     call_id: str, name: str, arguments: str, time_limit_s: float, output_cap: int, worker: str
 ) -> ToolResult:
@@ -195,7 +186,7 @@ def run_tool_call(
     job = rq.get_current_job()
     # The deadline is on the Redis clock (the caller's offset to it): so is `now`, from
     # the job's own connection; a job run without one has only this host's clock.
-    now = _server_s(job.connection) if job is not None else time.time()
+    now = server_time_ns(job.connection) / 1e9 if job is not None else time.time()
     if now > deadline:
         # The caller has given up on this attempt and sent another; it still listens on
         # this attempt's list, where an "expired" would end its call. Skip it.

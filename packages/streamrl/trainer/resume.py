@@ -117,18 +117,17 @@ def restore_queues(
     first), write back the queue snapshot of the checkpoint the state came from (none: the
     run starts afresh), so that queues and state are one cut; then let the workers start."""
     pending = root / ckpts.RESTORE_PENDING
-    if not pending.exists():
-        if restored is None or keys.run_id not in restored.snapshot.strings:
-            return
-        if client.exists(keys.run_id):
-            return  # Redis kept the run
+    lost = (
+        not pending.exists()
+        and restored is not None
+        and keys.run_id in restored.snapshot.strings
+        and not client.exists(keys.run_id)
+    )
+    if not (pending.exists() or lost):
+        return  # Redis kept the run
+    if lost:
         cleared = ckpts.clear_run_state(client, keys)
-        log.error("redis_lost_run", key=keys.run_id, cleared=cleared,
-                  restoring_from=str(restored.checkpoint.path))  # fmt: skip
-        counts = ckpts.restore_queues(client, keys, restored.snapshot)
-        log.info("queues_restored", step=restored.meta.step,
-                 path=str(restored.checkpoint.path), entries=counts)  # fmt: skip
-        return
+        log.error("redis_lost_run", key=keys.run_id, cleared=cleared)
     if not client.xlen(keys.groups):  # made empty by this trainer's consumer
         client.delete(keys.groups)
     if ckpts.namespace_present(client, keys):
@@ -139,7 +138,7 @@ def restore_queues(
         counts = ckpts.restore_queues(client, keys, restored.snapshot)
         log.info("queues_restored", step=restored.meta.step,
                  path=str(restored.checkpoint.path), entries=counts)  # fmt: skip
-    pending.unlink()
+    pending.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

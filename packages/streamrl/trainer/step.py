@@ -271,13 +271,20 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec((DATA, FSDP)))
 
 
+def padded_shape(lengths: list[int], row_multiple: int = 1) -> tuple[int, int]:
+    """(rows, length) of the batch `build_batch` makes of rows of these lengths: rows to a
+    power of two, then to a multiple of `row_multiple`; length to its bucket."""
+    b = -(-round_batch(len(lengths)) // row_multiple) * row_multiple
+    return b, round_length(max(lengths))
+
+
 def padded_tokens(lengths: list[int], row_multiple: int = 1) -> int:
     """Tokens of the batch `build_batch` makes of rows of these lengths, padding
-    included (rows x length, each bucketed as it buckets them)."""
+    included."""
     if not lengths:
         return 0
-    b = -(-round_batch(len(lengths)) // row_multiple) * row_multiple
-    return b * round_length(max(lengths))
+    b, length = padded_shape(lengths, row_multiple)
+    return b * length
 
 
 def build_batch(
@@ -302,9 +309,7 @@ def build_batch(
                 f"sequence {i}: tokens, mask and logprobs differ in length "
                 f"({len(t)}, {len(m)}, {len(lp)})"
             )
-    b = round_batch(len(items))
-    b = -(-b // row_multiple) * row_multiple
-    length = round_length(max(len(t) for t, _, _ in items))
+    b, length = padded_shape([len(t) for t, _, _ in items], row_multiple)
     tokens = np.full((b, length), pad_id, np.int32)
     mask = np.zeros((b, length), np.float32)
     old_logp = np.zeros((b, length), np.float32)
