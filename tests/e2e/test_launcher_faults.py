@@ -231,7 +231,7 @@ def test_worker_logs_roll_over(tmp_path: Path) -> None:
     `run.log_max_mb` and keeping `run.log_backups` old ones (review M4, logs)."""
     run_dir = tmp_path / "run"
     host = os.environ.get("DOCKER_HOST") or "unix:///run/streamrl-podman.sock"
-    proc = up(run_dir, 8, "run.log_max_mb=0.02", "run.log_backups=2",
+    proc = up(run_dir, 30, "run.log_max_mb=0.02", "run.log_backups=2",
               env={"DOCKER_HOST": host}, config=STUB)  # fmt: skip
     # Review N15: every worker inherited DOCKER_HOST, the container engine's socket (root
     # under the README's setup), plug-in code included; only the tool workers get it now.
