@@ -64,3 +64,31 @@ def test_a_log_file_rolls_over_by_size(tmp_path: Path) -> None:
     assert all(f.stat().st_size <= 0.01 * 2**20 for f in files)
     lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
     assert max(e["n"] for e in lines) == 999 and len(lines) < 1000  # the oldest rolled off
+
+
+def test_an_exception_python_cannot_raise_is_one_json_event() -> None:
+    """CI saw a proxy log broken by the interpreter's plain "Exception ignored in: <coroutine
+    object ...>" lines (a connection's task collected while suspended): such reports now
+    come as one JSON event like every other line."""
+    import gc
+    import sys
+
+    class Broken:
+        def __del__(self) -> None:
+            raise RuntimeError("closing failed")
+
+    out = io.StringIO()
+    before = sys.unraisablehook
+    try:
+        configure_logging("proxy", stream=out)
+        Broken()
+        gc.collect()
+    finally:
+        sys.unraisablehook = before
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    event = json.loads(lines[0])
+    assert event["event"] == "unraisable_exception"
+    assert event["worker"] == "proxy"
+    assert "Broken.__del__" in event["object"]
+    assert "RuntimeError: closing failed" in event["exception"]

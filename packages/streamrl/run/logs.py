@@ -150,4 +150,18 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     log: structlog.stdlib.BoundLogger = structlog.get_logger().bind(worker=worker, **ids)
+    sys.unraisablehook = functools.partial(_log_unraisable, log)
     return log
+
+
+def _log_unraisable(log: structlog.stdlib.BoundLogger, info: Any) -> None:
+    """Python's report of an exception it could not raise (a `__del__` that failed, a
+    coroutine collected while suspended) as one log event, instead of the interpreter's
+    plain lines on stderr, which would break a log of one JSON object per line."""
+    exc = (info.exc_type, info.exc_value, info.exc_traceback)
+    log.error(
+        "unraisable_exception",
+        message=info.err_msg or "Exception ignored in",
+        object=repr(info.object)[:200],
+        exc_info=exc if info.exc_type is not None else None,
+    )

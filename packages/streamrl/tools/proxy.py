@@ -139,6 +139,10 @@ class SandboxProxy:
         self.execs = _Ids(cfg.tracked_max)
         self._active = 0
         self._creating = 0  # container creates forwarded, not answered yet (the quota's)
+        # asyncio's stream server drops its reference to a connection's task once the
+        # client hangs up: held here, a task still relaying (or closing) is never collected
+        # mid-await, and stop() ends those left.
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def serve(self, stop: asyncio.Event) -> None:
         path = self.cfg.listen_path
@@ -164,11 +168,16 @@ class SandboxProxy:
             async with server:
                 await stop.wait()
         finally:
+            await cancel_and_wait(list(self._tasks))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             self.log.info("sandbox_proxy_stop")
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         self._active += 1
         peer = _peer(writer)
         start = time.monotonic()
