@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     queuescli.add_parser(sub)
     aclcli.add_parser(sub)
     sandboxproxy.add_parser(sub)
+    plugins = sub.add_parser(
+        "check-plugins",
+        help="load every plug-in the config names (task, data, environment, agent, reward, "
+        "tools) and exit 2 naming the first that fails; `up` runs it in a process of its own",
+    )
+    config_arguments(plugins, run_dir=False)
     reportcli.add_parser(sub)
     statuscli.add_parser(sub)
     tracecli.add_parser(sub)
@@ -127,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(aclcli.main(args, cfg))
     if args.command == "health":
         return int(health.main(args, cfg))
+    if args.command == "check-plugins":
+        from streamrl.tasks.registry import check_plugins
+
+        try:
+            check_plugins(cfg)
+        except ConfigError as err:
+            print(f"streamrl: {err}", file=sys.stderr)
+            return 2
+        return 0
     resume = getattr(args, "resume", None)
     if resume and args.run_dir and Path(args.run_dir).resolve() != Path(resume).resolve():
         print("streamrl: --resume names the run directory; drop --run-dir", file=sys.stderr)
@@ -137,15 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("up", "worker") and (code := _fit_gate(args, cfg)) is not None:
         return code
     if args.command == "up":
-        from streamrl.run.launcher import Launcher
-        from streamrl.tasks.registry import check_plugins
+        from streamrl.run.launcher import Launcher, check_plugins_apart
 
-        try:
-            check_plugins(cfg)  # the user's task, options, data and tools, before any worker
-        except ConfigError as err:
-            print(f"streamrl: {err}", file=sys.stderr)
-            return 2
-
+        # the user's task, options, data and tools, before any worker starts
+        if (code := check_plugins_apart(args.config, args.set)) != 0:
+            return code
         return Launcher(cfg, args.config, args.set, run_dir, args.steps, resume=bool(resume)).run()
     try:
         return int(workerproc.main(args, cfg, run_dir))

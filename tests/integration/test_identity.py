@@ -133,3 +133,31 @@ def test_the_liveness_beat_follows_the_loop_not_the_thread(
         assert bytes(rclient.get(beat_key)).startswith(b"host:7 ")  # type: ignore[arg-type]
     finally:
         beat.close()
+
+
+def test_replicas_on_the_host_network_get_distinct_holders() -> None:
+    """Review N22: under compose's `network_mode: host` every replica has the host's name
+    and, with `init: true`, the same pid, so `<host name>:<pid>` named two replicas alike.
+    Two real containers on the host network each find their own container id in their
+    mount table, which the holder id then carries."""
+    from streamrl.run.identity import container_id
+    from streamrl.tools.containers import DEFAULT_IMAGE
+    from tests.helpers import sandbox_engine
+
+    engine = sandbox_engine()
+    found: dict[str, str | None] = {}
+    try:
+        for _ in range(2):
+            box = engine.containers.run(
+                DEFAULT_IMAGE, ["cat", "/proc/self/mountinfo"], network_mode="host", detach=True
+            )
+            try:
+                box.wait(timeout=60)
+                found[str(box.id)] = container_id(box.logs(stdout=True, stderr=False).decode())
+            finally:
+                box.remove(force=True)
+    finally:
+        engine.close()
+    assert len(found) == 2
+    assert all(cid == seen for cid, seen in found.items())  # each its own id
+    assert container_id("") is None  # outside a container: hostname:pid as before

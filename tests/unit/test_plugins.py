@@ -235,3 +235,30 @@ def test_example_package_uses_only_the_public_api() -> None:
     import unitconv.task
 
     assert issubclass(unitconv.task.UnitConversion, __import__("streamrl.api").api.TaskDef)
+
+
+def test_up_checks_plugins_in_a_process_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review N19: `streamrl up` imported the user's plug-ins in the launcher, which holds
+    the operator password and parents every worker. They load in a throw-away process
+    now, whose environment names no Redis, password file or container engine; a plug-in
+    that fails still stops `up` with the field named."""
+    import json
+    import os
+    import sys
+
+    from streamrl.run.launcher import check_plugins_apart
+
+    probe = tmp_path / "probe.json"
+    config = tmp_path / "run.toml"
+    config.write_text('[task]\nname = "arithmetic"\n')
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("STREAMRL_TEST_PLUGIN_PROBE", str(probe))
+    for name in ("REDIS_URL", "REDIS_PASSWORD_FILE", "DOCKER_HOST"):
+        monkeypatch.setenv(name, "secret-or-socket")
+    assert check_plugins_apart(config, ["task.name=tests.plugin_probe:EchoTask"]) == 0
+    seen = json.loads(probe.read_text())
+    assert seen["pid"] != os.getpid() and seen["env"] == []
+    assert "tests.plugin_probe" not in sys.modules
+    assert check_plugins_apart(config, ["task.name=tests.plugin_probe:Missing"]) == 2

@@ -24,6 +24,7 @@ stops changing.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -47,11 +48,41 @@ class IdentityError(RuntimeError):
 
 
 def default_holder(pid: int | None = None) -> str:
-    """This process's holder id (or process `pid`'s on this host), `<host name>:<pid>`:
+    """This process's holder id (or process `pid`'s in this container), `<host name>:<pid>`:
     unique among the processes of one host, and the same for a restarted container (its
     host name is the container's id, and its process tree starts the same way each time, so
-    the worker gets the same pid)."""
-    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
+    the worker gets the same pid). A container whose host name is not its own (compose's
+    `network_mode: host`: every replica has the host's name and, with `init: true`, the
+    same pid) adds its container id, `<host name>:<container id>:<pid>` (review N22)."""
+    host = socket.gethostname()
+    cid = container_id(_read("/proc/self/mountinfo"))
+    if cid and not cid.startswith(host):
+        host = f"{host}:{cid[:12]}"
+    return f"{host}:{os.getpid() if pid is None else pid}"
+
+
+_CONTAINER_DIR = re.compile(r"containers/([0-9a-f]{64})/")
+
+
+def container_id(mountinfo: str) -> str | None:
+    """The id of the container this process runs in, from its mount table (docker and
+    podman mount the container's own /etc/hostname from `.../containers/<id>/...`), or
+    None outside a container."""
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4 and fields[4] in ("/etc/hostname", "/etc/hosts", "/etc/resolv.conf"):
+            found = _CONTAINER_DIR.search(fields[3])
+            if found:
+                return found.group(1)
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def claim_index(

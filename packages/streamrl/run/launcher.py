@@ -702,6 +702,19 @@ def evaluator_command(
     return _cli(args, overrides)
 
 
+def check_plugins_apart(config: str | Path, overrides: list[str]) -> int:
+    """`streamrl check-plugins` in a process of its own (review N19): the user's plug-in
+    code is imported and run there, never in the launcher, which holds the operator's
+    password and parents every worker. Its environment has no Redis address, password file
+    or container engine. Returns its exit code (2, its message printed, when a plug-in
+    fails)."""
+    drop = {"REDIS_URL", PASSWORD_FILE_ENV, COORDINATOR_ENV, *ENGINE_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    cmd = _cli(["check-plugins", "--config", str(config)], overrides)
+    done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, check=False)
+    return done.returncode
+
+
 def _cli(args: list[str], overrides: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "streamrl_workers.cli", *args]
     for item in overrides:
