@@ -85,6 +85,27 @@ NO_CONFIG: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _check_plugins(_args: argparse.Namespace, cfg: Config) -> int:
+    """`streamrl check-plugins`: 0 when every plug-in the config names loads, else 2."""
+    from streamrl.tasks.registry import check_plugins
+
+    try:
+        check_plugins(cfg)
+    except ConfigError as err:
+        print(f"streamrl: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# The commands that need the config and no run directory.
+CONFIG_ONLY: dict[str, Callable[[argparse.Namespace, Config], int]] = {
+    "tools": toolexec.main,
+    "acl": aclcli.main,
+    "health": health.main,
+    "check-plugins": _check_plugins,
+}
+
+
 def _fit_gate(args: argparse.Namespace, cfg: Config) -> int | None:
     """`up --explain`: the values the config implies, and exit (2 when it is refused).
     Otherwise an exit code when the config would drop most of its own work as stale (it
@@ -127,21 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"streamrl: {err}", file=sys.stderr)
         return 2
-    if args.command == "tools":
-        return int(toolexec.main(args, cfg))
-    if args.command == "acl":
-        return int(aclcli.main(args, cfg))
-    if args.command == "health":
-        return int(health.main(args, cfg))
-    if args.command == "check-plugins":
-        from streamrl.tasks.registry import check_plugins
-
-        try:
-            check_plugins(cfg)
-        except ConfigError as err:
-            print(f"streamrl: {err}", file=sys.stderr)
-            return 2
-        return 0
+    if args.command in CONFIG_ONLY:
+        return int(CONFIG_ONLY[args.command](args, cfg))
     resume = getattr(args, "resume", None)
     if resume and args.run_dir and Path(args.run_dir).resolve() != Path(resume).resolve():
         print("streamrl: --resume names the run directory; drop --run-dir", file=sys.stderr)

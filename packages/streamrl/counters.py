@@ -118,8 +118,11 @@ TOOL_INFRA_ERRORS = _field(
     "tool calls that failed in the infrastructure (no worker, sandbox down, timeout)",
 )  # fmt: skip
 TOOL_LEDGER_HITS = _field(
-    "tool_ledger_hits", "counter", "tools.ledger", "operators (queues --json)", True,
-    "non-idempotent tool calls answered from the ledger instead of running again",
+    "tool_ledger_hits", "counter", "tools.client and tools.ledger's AsyncToolLedger (rollout)",
+    "operators (queues --json)", False,
+    "non-idempotent tool calls answered from the ledger instead of running again (a tool "
+    "worker marks the result `ledger_hit`, the rollout counts it: tool workers write no "
+    "stats, review N18)",
 )  # fmt: skip
 
 # -- grouper (its Lua scripts) -------------------------------------------------------------

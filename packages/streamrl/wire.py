@@ -239,6 +239,9 @@ class ToolResult(Message, frozen=True, kw_only=True):
     duration_s: float = 0.0
     worker: str = ""
     infra: bool = False
+    # The result an earlier execution recorded (the ledger of a non-idempotent tool), not a
+    # new run: the rollout counts it (counters.TOOL_LEDGER_HITS).
+    ledger_hit: bool = False
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -35,7 +35,7 @@ from streamrl.run.runtime import with_password
 from streamrl.tools import JOB_PATH
 from streamrl.tools.ledger import ToolLedger
 from streamrl.transport import RedisStreamConsumer, publish
-from streamrl.wire import Task
+from streamrl.wire import Task, ToolResult
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.toml"
@@ -149,7 +149,13 @@ def test_default_user_is_off(server: EmbeddedRedis) -> None:
 def test_writes_outside_a_role_are_refused(connect: Connect, op: redis.Redis) -> None:
     xadd = ("XADD", "*", "v", "1")
     refused = {
-        "tools": [(xadd[0], KEYS.groups, *xadd[1:]), ("SET", KEYS.policy_version, "9")],
+        # review N18: the stats feed flow control (rollout's backpressure reads
+        # groups_trained): the role next to the container engine writes none of them
+        "tools": [
+            (xadd[0], KEYS.groups, *xadd[1:]),
+            ("SET", KEYS.policy_version, "9"),
+            ("HSET", KEYS.stats, "groups_trained", "1000000"),
+        ],
         "feeder": [(xadd[0], KEYS.groups, *xadd[1:]), ("HSET", "rq:job:x", "func", "os.system")],
         "grouper": [(xadd[0], KEYS.weights, *xadd[1:]), ("DEL", KEYS.feeder_cursor)],
         "rollout": [(xadd[0], KEYS.groups, *xadd[1:]), ("SET", KEYS.policy_version, "9")],
@@ -227,6 +233,9 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
     token = ledger.claim("k1")
     assert token is not None
     ledger.finish("k1", token, None)  # records nothing, frees the claim
+    ran = ToolResult(call_id="c1", ok=True, output="once")
+    assert ledger.run_once("k2", "c1", lambda: ran) == ran
+    assert ledger.run_once("k2", "c1", lambda: pytest.fail("ran twice")).ledger_hit
     worker.unsubscribe()
     worker.register_death()
     assert rollout.blpop([KEYS.tool_result("c0", "n0")], timeout=1) is not None

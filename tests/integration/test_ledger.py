@@ -14,6 +14,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import structlog
+from msgspec.structs import replace
 
 from streamrl.agents.base import Action, ToolInfraError
 from streamrl.agents.envs import ToolEnvironment, ToolLimits, ToolRecord
@@ -139,8 +140,11 @@ def test_blocking_ledger_records_results_not_infra_errors(rclient: redis.Redis, 
     assert ledger.run_once(key, "c-0", lambda: run(True)).infra
     assert ledger.recorded(key) is None
     tool_error = ledger.run_once(key, "c-0", lambda: run(False))
-    assert ledger.run_once(key, "c-0", lambda: run(False)) == tool_error == ledger.recorded(key)
-    assert len(runs) == 2 and hits(rclient, keys) == 1
+    hit = ledger.run_once(key, "c-0", lambda: run(False))
+    assert hit == replace(tool_error, ledger_hit=True) and tool_error == ledger.recorded(key)
+    # a tool worker's ledger counts nothing (it may write no stats): the rollout that gets
+    # the result marked `ledger_hit` does (test_sandbox_call_runs_once_per_key)
+    assert len(runs) == 2 and hits(rclient, keys) == 0
     assert not ledger.record(key, ToolResult(call_id="c-0", ok=True, output="x"))  # first stays
 
 
@@ -203,7 +207,8 @@ def test_sandbox_call_runs_once_per_key(
         first = asyncio.run(shell(redis_url, keys, ONCE, command, "g1-m0-2-0"))
         replay = asyncio.run(shell(redis_url, keys, ONCE, command, "g1-m0-2-0"))
         assert first.ok and first.output.endswith("stdout:\n1")
-        assert replay == first  # the recorded result itself: same output, worker, duration
+        # the recorded result itself: same output, worker, duration; marked a hit
+        assert replay == replace(first, ledger_hit=True) and not first.ledger_hit
         assert lines(effects) == 1 and hits(rclient, keys) == 1
         # The same calls to a tool not in tools.non_idempotent run every time.
         plain = asyncio.run(shell(redis_url, keys, ToolsConfig(), command, "g1-m0-2-0"))
@@ -230,7 +235,8 @@ def test_concurrent_sandbox_calls_run_once(
             return list(await asyncio.gather(*calls))
 
         a, b = asyncio.run(both())
-        assert a.ok and a == b and a.output.endswith("stdout:\n1")
+        assert a.ok and a.output.endswith("stdout:\n1") and a.ledger_hit != b.ledger_hit
+        assert replace(a, ledger_hit=False) == replace(b, ledger_hit=False)
         assert lines(effects) == 1 and hits(rclient, keys) == 1
     finally:
         assert [stop(w) for w in workers] == [0, 0]
@@ -258,5 +264,6 @@ def test_two_executions_of_one_call_queued_together_are_both_answered(
             assert stop(worker) == 0
 
     a, b = asyncio.run(both())
-    assert a.ok and a == b and a.output.endswith("stdout:\n1"), (a, b)
-    assert lines(effects) == 1
+    assert a.ok and a.output.endswith("stdout:\n1"), (a, b)
+    assert replace(a, ledger_hit=False) == replace(b, ledger_hit=False)  # one ran, one hit
+    assert lines(effects) == 1 and a.ledger_hit != b.ledger_hit and hits(rclient, keys) == 1

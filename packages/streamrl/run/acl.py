@@ -124,7 +124,8 @@ def roles(keys: Keys) -> dict[str, Role]:
         commands=(*_SCRIPTS, *_RQ),
     )
     tools = Role(
-        keys=(RQ_KEYS, k.tool_result_pattern, *ledger, k.stats),
+        # no stats: they feed flow control (review N18); a ledger hit is counted by rollout
+        keys=(RQ_KEYS, k.tool_result_pattern, *ledger),
         read_keys=(k.run_id,),
         channels=(RQ_CHANNELS,),
         categories=("stream", "string", "hash", "list", "set", "sortedset", "keyspace", "pubsub"),

@@ -110,6 +110,8 @@ class ToolClient:
             pipe.hincrby(self.keys.stats, counters.TOOL_ERRORS, 1)
         if result.infra:
             pipe.hincrby(self.keys.stats, counters.TOOL_INFRA_ERRORS, 1)
+        if result.ledger_hit:
+            pipe.hincrby(self.keys.stats, counters.TOOL_LEDGER_HITS, 1)
         await pipe.execute()
         return result
 

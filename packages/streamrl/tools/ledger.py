@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
 import structlog
@@ -40,14 +41,14 @@ from streamrl.wire import ToolResult, decode_body, encode_body
 
 POLL_S = 0.05  # how often a waiting execution looks for the holder's record
 
-# KEYS: ledger hash, claim key, stats hash. ARGV: ledger key, claim token, claim TTL (ms),
-# hit counter (counters.TOOL_LEDGER_HITS). -> {1, record} (recorded: a hit, counted),
-# {2, ''} (claimed: run it), {0, ''} (claimed by another execution).
-# One script, so no execution can record between our look at the hash and our claim.
+# KEYS: ledger hash, claim key. ARGV: ledger key, claim token, claim TTL (ms).
+# -> {1, record} (recorded: a hit), {2, ''} (claimed: run it), {0, ''} (claimed by another
+# execution). One script, so no execution can record between our look at the hash and our
+# claim. It counts nothing: a tool worker may write no stats (review N18); the hit comes
+# back marked `ledger_hit` and the rollout counts it.
 _CLAIM = """
 local rec = redis.call('HGET', KEYS[1], ARGV[1])
 if rec then
-  redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
   return {1, rec}
 end
 if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then
@@ -126,8 +127,8 @@ class _Ledger:
         self.wait_s = max(0.0, wait_s)
 
     def _claim_args(self, key: str, token: str) -> tuple[list[str], list[str | int]]:
-        keys = [self.keys.tool_ledger, self.keys.tool_ledger_claim(key), self.keys.stats]
-        return keys, [key, token, max(1, round(self.claim_ttl_s * 1000)), counters.TOOL_LEDGER_HITS]
+        keys = [self.keys.tool_ledger, self.keys.tool_ledger_claim(key)]
+        return keys, [key, token, max(1, round(self.claim_ttl_s * 1000))]
 
     def _finish_args(
         self, key: str, token: str, body: bytes
@@ -136,7 +137,7 @@ class _Ledger:
 
     def _hit(self, key: str, record: bytes) -> ToolResult:
         self.log.info("tool_ledger_hit", key=key)
-        return _decode(record)
+        return msgspec.structs.replace(_decode(record), ledger_hit=True)
 
     def _finished(self, key: str, result: ToolResult, wrote: int) -> None:
         # One line per execution under a claim: what an audit counts side effects from.
@@ -269,7 +270,8 @@ class AsyncToolLedger(_Ledger):
         while True:
             token = uuid.uuid4().hex
             state, record = await self._claim(*self._claim_args(key, token))
-            if state == _HIT:
+            if state == _HIT:  # in the rollout itself: counted here (rollout writes stats)
+                await self.client.hincrby(self.keys.stats, counters.TOOL_LEDGER_HITS, 1)
                 return self._hit(key, record)
             if state == _CLAIMED:
                 try:
