@@ -7,13 +7,18 @@ bound and against a synchronous barrier, per latency mix and max_concurrency.
     .venv/bin/python ops/bench/stragglers.py --mixes heavy --concurrency 64 --tools 1,2,4
         # beside it: every step a real sandbox call through 1, 2, 4 tool workers
 
-Each async run is a whole `streamrl up` with configs/stub.toml (embedded Redis with AOF,
-feeder, one rollout worker, grouper, trainer, two idle tool workers), the synthetic task
-(`turns` = 2 steps per episode, each step's latency drawn from the mix) and the stub policy
-(each model call answers after `--model-ms`). A JSONL file of N prompts with
-`task.epochs = 1` makes the feeder write exactly N tasks, and `--steps` N / groups_per_step
-ends the run when every group is trained. N = `--waves` waves of C/G groups (rounded up to
-whole trainer steps) unless `--groups` says N.
+Each async run is a whole `streamrl up` of the default config (DEFAULTS below: the
+synthetic task, `turns` = 2 steps per episode, each step's latency drawn from the mix, and
+the stub policy, each model call answering after `--model-ms`; embedded Redis with AOF,
+feeder, `--workers` rollout workers, grouper, trainer, a tool worker). Only what the user of
+issue 29 sets is set: the task and its latency mix, G, C per rollout worker, the stub
+latency and the data; the backlog, the trainer's batch, the ready-group cap and the
+staleness bound are the defaults ("auto": derived from C and G), unless `--backlogs` or
+`--set` says otherwise. A JSONL file of N prompts with `task.epochs = 1` makes the feeder
+write exactly N tasks and the run ends by itself once every group is trained or dropped
+(no --steps): the row says whether it did, and how many groups were trained and dropped.
+N = `--waves` waves of W x C / G groups unless `--groups` says N. The null and tools modes
+run configs/stub.toml with --steps, as before.
 
 Definitions (C = rollout.max_concurrency, G = rollout.num_generations):
 
@@ -47,6 +52,8 @@ Definitions (C = rollout.max_concurrency, G = rollout.num_generations):
 - ideal async: the same draws with each episode started, in order, the moment a slot
   frees, at no cost; its efficiency (ideal / bound) is what the whole-run definition
   allows at this N: the ramp is free, but the drain of the last stragglers is not.
+  "of ideal" is the measured whole-run rate over it. W workers of C slots are W x C slots
+  to the bound and the ideal.
 - latency p50/p99: per trajectory, from the `trajectories_committed` event of the rollout
   log that holds it (written once its batch is committed, just after the episode's end) to
   the trainer's `train_step` event whose `group_ids` holds its group. It includes waiting
@@ -95,7 +102,23 @@ from typing import Any
 from streamrl.tasks.synthetic import SyntheticOptions
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "stub.toml"
+CONFIG = REPO / "configs" / "stub.toml"  # the null and tools modes
+# The async sweep's config: what a user of the synthetic task writes, every other field at
+# its default (the sweep adds G, C, the stub latency, the mix and the data with --set).
+DEFAULTS = """\
+[run]
+name = "stragglers"
+seed = 0
+
+[task]
+name = "synthetic"
+
+[task.options]
+turns = 2
+
+[model]
+kind = "stub"
+"""
 SEED = 0  # run.seed of configs/stub.toml: the latency draws are replayed with it
 TURNS = 2  # task.options.turns of configs/stub.toml
 GROUPS_PER_STEP = 25  # trainer.groups_per_step of configs/stub.toml
@@ -227,11 +250,22 @@ class Run:
     cpu: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
-def up(run_dir: Path, groups: int, sets: list[str], timeout_s: float) -> Run:
+def up(
+    run_dir: Path,
+    groups: int,
+    sets: list[str],
+    timeout_s: float,
+    config: Path = CONFIG,
+    steps: bool = True,
+) -> Run:
+    """`streamrl up` of `groups` prompts, once each; `steps`: stop after groups /
+    GROUPS_PER_STEP trainer steps (configs/stub.toml), else the run ends by itself."""
     data = run_dir.parent / f"{run_dir.name}.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(groups)))
-    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(CONFIG)]
-    cmd += ["--steps", str(groups // GROUPS_PER_STEP), "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(config)]
+    cmd += ["--run-dir", str(run_dir)]
+    if steps:
+        cmd += ["--steps", str(groups // GROUPS_PER_STEP)]
     for s in [f'task.dataset="{data}"', "task.epochs=1", *sets]:
         cmd += ["--set", s]
     log = run_dir.parent / f"{run_dir.name}.out"
@@ -373,12 +407,10 @@ def tuned_backlog(c: int, g: int) -> int:
 
 
 def base_sets(c: int, g: int, model_s: float, extra: list[str], backlog: str = "auto") -> list[str]:
-    # The ready-groups bound is opened past what C episodes can use, so only
-    # max_concurrency limits the async run; nothing is dropped as stale (a trainer taking
-    # 25 groups per step in no time publishes a version every ~0.1 s at C = 256, and a 2 s
-    # straggler would be 17 behind configs/stub.toml's bound of 16). The backlog is the
-    # config's "auto" (the rollout worker's advertised slots), or with `--backlogs tuned`
-    # the number this bench used to set by hand.
+    # The null and tools modes on configs/stub.toml (the async sweep: default_sets). The
+    # ready-groups bound is opened past what C episodes can use and nothing is dropped as
+    # stale, so only max_concurrency limits these runs, which measure the orchestration's
+    # and the tools' cost, not the defaults.
     size = {"auto": "auto", "tuned": str(tuned_backlog(c, g))}.get(backlog, backlog)
     return [
         f"rollout.max_concurrency={c}",
@@ -396,40 +428,69 @@ def option_sets(opts: dict[str, Any]) -> list[str]:
     return [f"task.options.{k}={json.dumps(v)}" for k, v in opts.items()]
 
 
+def default_sets(
+    c: int, g: int, w: int, model_s: float, extra: list[str], backlog: str
+) -> list[str]:
+    """The async sweep's settings on DEFAULTS: C per worker, G, W workers, the stub latency;
+    the backlog only when it is not the default "auto"."""
+    sets = [
+        f"rollout.max_concurrency={c}",
+        f"rollout.num_generations={g}",
+        f"rollout.num_workers={w}",
+        f"model.stub_latency_s={model_s}",
+        *extra,
+    ]
+    if backlog != "auto":
+        size = tuned_backlog(w * c, g) if backlog == "tuned" else int(backlog)
+        sets.append(f"task.max_backlog={size}")
+    return sets
+
+
 def run_point(
-    args: argparse.Namespace, work: Path, mix: str, c: int, backlog: str = "auto"
+    args: argparse.Namespace, work: Path, mix: str, c: int, backlog: str = "auto", w: int = 1
 ) -> dict[str, Any]:
     g, model_s = args.generations, args.model_ms / 1000
     opts_d = MIXES[mix][1]
     opts = SyntheticOptions(turns=TURNS, **opts_d)
     episode_s = TURNS * (step_mean_s(opts) + model_s)
-    bound = c / episode_s / g  # groups/s
-    row: dict[str, Any] = {"mix": mix, "C": c, "G": g, "episode_s": episode_s, "backlog": backlog}
+    slots = w * c
+    bound = slots / episode_s / g  # groups/s
+    row: dict[str, Any] = {
+        "mix": mix, "W": w, "C": c, "G": g, "episode_s": episode_s, "backlog": backlog,
+    }  # fmt: skip
     row["bound_gpm"] = bound * 60
-    groups = args.groups or whole_steps(math.ceil(args.waves * c / g))
-    groups = whole_steps(groups)
+    groups = args.groups or math.ceil(args.waves * slots / g)
     row["groups"] = groups
     episodes = episode_times(opts, groups, g, model_s)
-    row["ideal_async_gpm"] = groups / ideal_async_s(episodes, c) * 60
+    row["ideal_async_gpm"] = groups / ideal_async_s(episodes, slots) * 60
     if "barrier" in args.modes:
-        row["barrier_gpm"] = groups / barrier_s(episodes, c) * 60
+        row["barrier_gpm"] = groups / barrier_s(episodes, slots) * 60
     if "async" not in args.modes:
         return row
     expected = groups / bound
     limit = args.timeout_s or 120 + 4 * expected
-    run_dir = work / f"{mix}-c{c}-{backlog}"
-    sets = base_sets(c, g, model_s, [*option_sets(opts_d), *args.set], backlog)
-    r = up(run_dir, groups, sets, limit)
+    run_dir = work / f"{mix}-w{w}-c{c}-{backlog}"
+    config = work / "defaults.toml"
+    config.write_text(DEFAULTS)
+    sets = default_sets(c, g, w, model_s, [*option_sets(opts_d), *args.set], backlog)
+    r = up(run_dir, groups, sets, limit, config=config, steps=False)
     row["wall_s"] = r.wall_s
     if r.timed_out or r.returncode != 0:
         row["failed"] = f"timed out after {limit:.0f} s" if r.timed_out else f"rc {r.returncode}"
         row["output_tail"] = r.output_tail
         return row
+    summary = json.loads((run_dir / "summary.json").read_text())
+    row["groups_trained"] = summary["groups_trained"]
+    row["groups_dropped"] = summary["groups_dropped"]
+    row["trainer_steps"] = summary["trainer_steps"]
+    # ended by itself: exit 0 without --steps, each of the N groups trained or dropped
+    row["ended"] = row["groups_trained"] + row["groups_dropped"] == groups
     m = measure(run_dir)
     row.update(asdict(m))
     row["async_gpm"] = m.groups / m.window_s * 60
     row["steady_gpm"] = m.steady_groups_per_s * 60
     row["efficiency"] = row["async_gpm"] / row["bound_gpm"]
+    row["of_ideal"] = row["async_gpm"] / row["ideal_async_gpm"]
     row["steady_efficiency"] = row["steady_gpm"] / row["bound_gpm"]
     row["in_flight"] = m.steady_groups_per_s * g * episode_s
     if "barrier_gpm" in row:
@@ -529,24 +590,27 @@ def print_mix(mix: str, rows: list[dict[str, Any]], model_ms: float) -> None:
     print(f"\n### {MIXES[mix][0]} ({mix}), {TURNS} steps + {TURNS} model calls of {model_ms:g} ms")
     print(f"episode time T = {rows[0]['episode_s'] * 1000:.0f} ms\n")
     print(
-        "| C | backlog | groups | bound g/min | async g/min (whole / steady)"
-        " | efficiency (whole / steady) | ideal async eff. | barrier g/min | speedup"
-        " | latency p50 / p99 (s) | in flight |"
+        "| W x C | backlog | groups | trained / dropped | ended | bound g/min"
+        " | async g/min (whole / steady) | efficiency (whole / steady) | ideal async eff."
+        " | of ideal | barrier g/min | speedup | latency p50 / p99 (s) | in flight |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         b = r.get("backlog", "auto")
+        wc = f"{r['W']} x {r['C']}"
         if "skipped" in r or "failed" in r:
             why = r.get("skipped") or r["failed"]
             print(
-                f"| {r['C']} | {b} | {r.get('groups', '-')} | {r['bound_gpm']:.0f} | {why} ||||||"
+                f"| {wc} | {b} | {r.get('groups', '-')} ||| {r['bound_gpm']:.0f} | {why} ||||||||"
             )
             continue
         print(
-            f"| {r['C']} | {b} | {r['groups']} | {r['bound_gpm']:.0f} "
+            f"| {wc} | {b} | {r['groups']} "
+            f"| {r.get('groups_trained', '-')} / {r.get('groups_dropped', '-')} "
+            f"| {'yes' if r.get('ended') else 'no'} | {r['bound_gpm']:.0f} "
             f"| {fmt(r.get('async_gpm'), '.0f')} / {fmt(r.get('steady_gpm'), '.0f')} "
             f"| {fmt(r.get('efficiency'), '.2f')} / {fmt(r.get('steady_efficiency'), '.2f')} "
-            f"| {r['ideal_async_gpm'] / r['bound_gpm']:.2f} "
+            f"| {r['ideal_async_gpm'] / r['bound_gpm']:.2f} | {fmt(r.get('of_ideal'), '.2f')} "
             f"| {fmt(r.get('barrier_gpm'), '.0f')} | {fmt(r.get('speedup'), '.2f')} "
             f"| {fmt(r.get('latency_p50_s'), '.2f')} / {fmt(r.get('latency_p99_s'), '.2f')} "
             f"| {fmt(r.get('in_flight'), '.1f')} |"
@@ -576,7 +640,12 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--concurrency", type=ints, default=[8, 64], help="max_concurrency list")
+    p.add_argument(
+        "--concurrency", type=ints, default=[8, 64], help="max_concurrency (per worker) list"
+    )
+    p.add_argument(
+        "--workers", type=ints, default=[1], help="rollout.num_workers list (async sweep)"
+    )
     p.add_argument("--mixes", default="heavy", help=f"comma list of {','.join(MIXES)}")
     p.add_argument("--modes", default="async,barrier", help="async and/or barrier")
     p.add_argument("--groups", type=int, default=0, help="groups per run; 0: from --waves")
@@ -619,14 +688,17 @@ def main() -> None:
         work = Path(tmp)
         for mix in mixes:
             rows = []
-            for c, backlog in [(c, b) for c in args.concurrency for b in args.backlogs]:
-                rows.append(run_point(args, work, mix, c, backlog))
+            points = [
+                (w, c, b) for w in args.workers for c in args.concurrency for b in args.backlogs
+            ]
+            for w, c, backlog in points:
+                rows.append(run_point(args, work, mix, c, backlog, w))
                 r = rows[-1]
                 print(
-                    f"# {mix} C={c} backlog {backlog}: "
+                    f"# {mix} W={w} C={c} backlog {backlog}: "
                     + ", ".join(
                         f"{k} {r[k]:.3g}"
-                        for k in ("async_gpm", "bound_gpm", "efficiency", "wall_s")
+                        for k in ("async_gpm", "bound_gpm", "efficiency", "of_ideal", "wall_s")
                         if isinstance(r.get(k), float)
                     )
                     + (f" {r.get('failed', '')}" if "failed" in r else ""),

@@ -7,6 +7,7 @@ config fails in milliseconds, before any worker loads the model stack.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -18,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -45,6 +47,15 @@ KlEstimator = Literal["k1", "k3"]
 Correction = Literal["none", "tis", "icepop"]
 Checksum = Literal["xxh3_128", "sha256"]
 ChannelName = Literal["dir", "redis"]
+
+
+# A field whose value the config derives from the others ("auto" in TOML, or 0): resolved by
+# `Config` (`Config.derived` names those it filled in); a section built alone keeps 0.
+AUTO = 0
+
+
+def _auto(v: object) -> object:
+    return AUTO if v == "auto" else v
 
 
 class ConfigError(ValueError):
@@ -544,12 +555,13 @@ class RolloutConfig(_Section):
         32, ge=1, le=4096, description="KV-cache slots: sequences the engine decodes together."
     )
     max_ready_groups: int = Field(
-        64,
-        ge=1,
+        AUTO,
+        ge=0,
         le=1_000_000,
         description=(
             "Backpressure: rollout reads no new task while this many groups (or more) wait "
-            "for the trainer."
+            'for the trainer. "auto" (or 0): two trainer steps of groups, '
+            "2 x trainer.groups_per_step."
         ),
     )
     max_partial_groups: int = Field(
@@ -588,6 +600,11 @@ class RolloutConfig(_Section):
             "engine's programs compile once more, per shape bucket, for that structure)."
         ),
     )
+
+    @field_validator("max_ready_groups", mode="before")
+    @classmethod
+    def _ready_auto(cls, v: object) -> object:
+        return _auto(v)
 
     @model_validator(mode="after")
     def _sizes(self) -> RolloutConfig:
@@ -758,12 +775,15 @@ class ToolsConfig(_Section):
 class GrouperConfig(_Section):
     num_workers: int = Field(1, ge=1, le=1024, description="Grouper processes.")
     off_policy_steps: int = Field(
-        2,
+        8,
         ge=0,
         le=1_000_000,
         description=(
             "A trajectory whose oldest turn is more than this many policy versions behind the "
-            "trainer is dropped (with its group) and counted."
+            "trainer is dropped (with its group) and counted. With trainer.groups_per_step "
+            '"auto" the trainer publishes about one version per mean episode time while '
+            "rollout is the limit, so the default 8 keeps a group whose slowest member takes "
+            "up to about 9 mean episode times (stragglers)."
         ),
     )
     advantage_epsilon: float = Field(
@@ -848,7 +868,17 @@ class GrouperConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    groups_per_step: int = Field(4, ge=1, le=65536, description="Groups per optimizer step.")
+    groups_per_step: int = Field(
+        AUTO,
+        ge=0,
+        le=65536,
+        description=(
+            'Groups per optimizer step. "auto" (or 0): the groups the rollout workers keep in '
+            "flight, rollout.num_workers x rollout.max_concurrency / rollout.num_generations "
+            "(rounded up; one worker when run.colocated): one step a wave, so a group's "
+            "policy lag in versions does not grow with the rollout's scale."
+        ),
+    )
     max_batch_tokens: int = Field(
         0,
         ge=0,
@@ -1105,6 +1135,11 @@ class TrainerConfig(_Section):
         description="Dense layers that get adapters (q/k/v/o_proj, gate/up/down_proj).",
     )
 
+    @field_validator("groups_per_step", mode="before")
+    @classmethod
+    def _batch_auto(cls, v: object) -> object:
+        return _auto(v)
+
     @model_validator(mode="after")
     def _lora(self) -> TrainerConfig:
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
@@ -1265,6 +1300,36 @@ class Config(_Section):
         default_factory=TraceConfig,
         description="Perfetto trace files of the workers.",
     )
+
+    _derived: tuple[str, ...] = PrivateAttr(())
+
+    @model_validator(mode="after")
+    def _derive(self) -> Config:
+        """Fill in the "auto" fields (issue 29): the trainer's batch from the groups in
+        flight, the ready-group cap from the batch."""
+        derived = []
+        if self.trainer.groups_per_step == AUTO:
+            workers = 1 if self.run.colocated else self.rollout.num_workers
+            batch = max(
+                1, math.ceil(workers * self.rollout.max_concurrency / self.rollout.num_generations)
+            )
+            object.__setattr__(
+                self, "trainer", self.trainer.model_copy(update={"groups_per_step": batch})
+            )
+            derived.append("trainer.groups_per_step")
+        if self.rollout.max_ready_groups == AUTO:
+            ready = 2 * self.trainer.groups_per_step
+            object.__setattr__(
+                self, "rollout", self.rollout.model_copy(update={"max_ready_groups": ready})
+            )
+            derived.append("rollout.max_ready_groups")
+        self._derived = tuple(derived)
+        return self
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        """The fields this config derived from the others ("auto"), as `section.key`."""
+        return self._derived
 
     @property
     def model_seed(self) -> int:

@@ -49,6 +49,7 @@ class Fit:
     ready_cap: int  # R: rollout.max_ready_groups
     backlog: int  # tasks the feeder keeps written ahead (auto: for W workers of C slots)
     backlog_auto: bool  # task.max_backlog = "auto"
+    derived: tuple[str, ...] = ()  # the fields the config derived ("auto": Config.derived)
 
     @property
     def groups_in_flight(self) -> float:
@@ -124,6 +125,9 @@ class Fit:
             f"grouper.off_policy_steps + 1 = {self.limit}, and is dropped; {cap}"
         ]
 
+    def _auto(self, value: int, name: str) -> str:
+        return f"{value} (auto)" if name in self.derived else str(value)
+
     def explain(self) -> str:
         """The derived values, one a line, then the problems and warnings."""
         mode = self.mode + (", colocated" if self.colocated else "")
@@ -136,11 +140,12 @@ class Fit:
             ),
             ("groups in flight", f"{self.groups_in_flight:g} (groups of {self.group_size})"),
             ("task backlog", backlog),
-            ("groups a trainer step", str(self.groups_per_step)),
+            ("groups a trainer step", self._auto(self.groups_per_step, "trainer.groups_per_step")),
             ("policy lag, rollout the limit", f"{self.lag_rollout_bound:g} versions"),
             (
                 "policy lag, trainer the limit",
-                f"{self.lag_trainer_bound:g} versions ({self.ready_cap} ready groups at most)",
+                f"{self.lag_trainer_bound:g} versions "
+                f"({self._auto(self.ready_cap, 'rollout.max_ready_groups')} ready groups at most)",
             ),
             (
                 "staleness bound",
@@ -180,6 +185,7 @@ def fit(cfg: Config) -> Fit:
         ready_cap=r.max_ready_groups,
         backlog=backlog,
         backlog_auto=auto,
+        derived=cfg.derived,
     )
 
 

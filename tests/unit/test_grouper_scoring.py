@@ -96,9 +96,10 @@ def test_one_stale_member_drops_the_whole_group() -> None:
     # off_policy_steps 2, trainer at 5: version 3 is 2 behind (kept), version 2 is 3 (dropped),
     # whatever the member's other, newer turns
     fresh = [member(0, 1.0, versions=(3, 5)), member(1, 0.0, versions=(4,))]
-    assert score(fresh, 5, cfg()).action == "emit"
+    k2 = cfg(off_policy_steps=2)
+    assert score(fresh, 5, k2).action == "emit"
     stale = [member(0, 1.0), member(1, 0.0, versions=(2, 5))]
-    d = score(stale, 5, cfg())
+    d = score(stale, 5, k2)
     assert (d.action, d.counter) == ("drop", "")
     assert d.reason == "stale: member 1's policy version 2 is 3 behind trainer version 5"
     # a member without model turns has no version to be stale by
