@@ -1,13 +1,15 @@
 """streamrl.fit: the values a config implies and the combinations refused, worked by hand."""
 
+from collections.abc import Mapping
+
 import pytest
 
 from streamrl.config import Config, ConfigError, parse_config
 from streamrl.fit import check_fit, fit, fit_live
 
 
-def cfg(**sections: dict[str, object]) -> Config:
-    return parse_config(dict(sections))
+def cfg(**sections: Mapping[str, object]) -> Config:
+    return parse_config({k: dict(v) for k, v in sections.items()})
 
 
 def test_the_issue_29_combination_is_refused_with_its_arithmetic_and_fixes() -> None:
