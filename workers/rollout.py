@@ -173,6 +173,10 @@ async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | N
             tasks_read=worker.read_tasks,
             empty_reads=worker.empty_reads,
             paused_reads=worker.paused_reads,
+            admission=worker.cfg.rollout.admission,
+            admission_limit=worker.admission.limit,
+            admission_grows=worker.admission.grows,
+            admission_trims=worker.admission.trims,
         )
         await aclient.aclose()
 

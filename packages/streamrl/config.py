@@ -469,7 +469,31 @@ class RolloutConfig(_Section):
     num_generations: int = Field(
         4, ge=2, le=1024, description="Episodes per task (the GRPO group size)."
     )
-    max_concurrency: int = Field(16, ge=1, le=4096, description="Episodes running at once.")
+    max_concurrency: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description=(
+            'Episodes running at once. "auto": adaptive admission (rollout.admission = '
+            '"auto") with rollout.max_concurrency_cap as this number.'
+        ),
+    )
+    admission: Literal["fixed", "auto"] = Field(
+        "fixed",
+        description=(
+            "`fixed`: max_concurrency episodes run at once. `auto` (what max_concurrency = "
+            '"auto" sets): the limit follows the engine (streamrl.rollout.admission): it '
+            "grows while the KV pool has room and the limit binds, and drops below the "
+            "episodes running (none preempted) when the engine evicts a parked session or "
+            "its pool is full; max_concurrency is then the hard cap."
+        ),
+    )
+    max_concurrency_cap: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description='The hard cap of max_concurrency = "auto" (its max_concurrency).',
+    )
     max_model_calls: int = Field(
         0,
         ge=0,
@@ -600,6 +624,14 @@ class RolloutConfig(_Section):
             "engine's programs compile once more, per shape bucket, for that structure)."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_concurrency(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("max_concurrency") == "auto":
+            cap = data.get("max_concurrency_cap", 256)
+            return {**data, "max_concurrency": cap, "admission": "auto"}
+        return data
 
     @field_validator("max_ready_groups", mode="before")
     @classmethod
@@ -1311,7 +1343,7 @@ class Config(_Section):
         if self.trainer.groups_per_step == AUTO:
             workers = 1 if self.run.colocated else self.rollout.num_workers
             batch = max(
-                1, math.ceil(workers * self.rollout.max_concurrency / self.rollout.num_generations)
+                1, math.ceil(workers * self.concurrency_estimate / self.rollout.num_generations)
             )
             object.__setattr__(
                 self, "trainer", self.trainer.model_copy(update={"groups_per_step": batch})
@@ -1325,6 +1357,16 @@ class Config(_Section):
             derived.append("rollout.max_ready_groups")
         self._derived = tuple(derived)
         return self
+
+    @property
+    def concurrency_estimate(self) -> int:
+        """Episodes a rollout worker runs at once: max_concurrency, or under adaptive
+        admission what its engine's KV pool holds (rollout.max_batch_size, within the
+        cap; the stub policy has no pool: the cap)."""
+        r = self.rollout
+        if r.admission == "fixed" or self.model.kind == "stub":
+            return r.max_concurrency
+        return min(r.max_concurrency, r.max_batch_size)
 
     @property
     def derived(self) -> tuple[str, ...]:

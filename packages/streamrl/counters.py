@@ -101,6 +101,11 @@ EPISODES_RESUMED_SAVED_S = _field(
     "episodes_resumed_saved_s", "sum", "rollout.worker", "operators (queues --json)", False,
     "seconds of sampling and tool time the resumed episodes did not redo",
 )  # fmt: skip
+ADMISSION_TRIMS = _field(
+    "admission_trims", "counter", "rollout.worker", "status, operators (queues --json)", False,
+    'times adaptive admission (rollout.max_concurrency = "auto") cut its limit below the '
+    "episodes running, on an eviction or a full KV pool",
+)  # fmt: skip
 BACKPRESSURE_PAUSES = _field(
     "backpressure_pauses", "counter", "rollout.worker", "queues", False,
     "times a rollout worker entered a backpressure pause (each worker counts its own)",

@@ -50,6 +50,7 @@ class Fit:
     backlog: int  # tasks the feeder keeps written ahead (auto: for W workers of C slots)
     backlog_auto: bool  # task.max_backlog = "auto"
     derived: tuple[str, ...] = ()  # the fields the config derived ("auto": Config.derived)
+    admission_cap: int = 0  # rollout.max_concurrency = "auto": its cap (slots: the estimate)
 
     @property
     def groups_in_flight(self) -> float:
@@ -136,7 +137,12 @@ class Fit:
             ("mode", mode),
             (
                 "rollout workers x slots",
-                f"{self.workers} x {self.slots} = {self.workers * self.slots} episodes",
+                f"{self.workers} x {self.slots} = {self.workers * self.slots} episodes"
+                + (
+                    f" (auto admission, cap {self.admission_cap}: about the KV pool)"
+                    if self.admission_cap
+                    else ""
+                ),
             ),
             ("groups in flight", f"{self.groups_in_flight:g} (groups of {self.group_size})"),
             ("task backlog", backlog),
@@ -168,16 +174,15 @@ def fit(cfg: Config) -> Fit:
     r = cfg.rollout
     workers = 1 if cfg.run.colocated else r.num_workers
     auto = cfg.task.max_backlog == "auto"
+    slots = cfg.concurrency_estimate  # max_concurrency, or what auto admission expects
     backlog = (
-        auto_backlog([r.max_concurrency] * workers, r.num_generations)
-        if auto
-        else int(cfg.task.max_backlog)
+        auto_backlog([slots] * workers, r.num_generations) if auto else int(cfg.task.max_backlog)
     )
     return Fit(
         mode=r.mode,
         colocated=cfg.run.colocated,
         workers=workers,
-        slots=r.max_concurrency,
+        slots=slots,
         group_size=r.num_generations,
         groups_per_step=cfg.trainer.groups_per_step,
         publish_every=cfg.trainer.publish_every,
@@ -186,6 +191,7 @@ def fit(cfg: Config) -> Fit:
         backlog=backlog,
         backlog_auto=auto,
         derived=cfg.derived,
+        admission_cap=r.max_concurrency if r.admission == "auto" else 0,
     )
 
 

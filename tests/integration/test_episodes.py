@@ -18,6 +18,7 @@ from streamrl.chat.hf import HFChat
 from streamrl.config import Config
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
+from streamrl.rollout.admission import Occupancy
 from streamrl.rollout.engine_server import EngineServer, EngineServerError
 from streamrl.rollout.episode import EpisodeRunner
 from streamrl.wire import EpisodeState, Trajectory
@@ -346,6 +347,14 @@ async def _run_turns(
     rollout = cfg.rollout.model_copy(update={"max_steps": 8, "max_response_length": 800})
     runner = EpisodeRunner(server, chat.dialogue, rollout, 0, "test", log)
     serving = asyncio.create_task(server.serve())
+    seen: list[Occupancy] = []  # what adaptive admission sees, every 10 ms
+
+    async def look() -> None:
+        while True:
+            seen.append(server.occupancy())
+            await asyncio.sleep(0.01)
+
+    looking = asyncio.create_task(look())
     try:
         trajs = await asyncio.gather(
             *(
@@ -353,6 +362,11 @@ async def _run_turns(
                 for i, e in enumerate(envs)
             )
         )
+        looking.cancel()
+        # with reuse the 4 episodes hold the 4 slots across their turns (parked between)
+        most = max(o.held for o in seen)
+        assert {o.slots for o in seen} == {4} and seen[-1].evictions == 0
+        assert most == 4 if reuse else 1 <= most <= 4
         for _ in range(200):  # the episodes' end_session calls reach the engine thread
             if engine.parked == 0 and server._inbox.empty():
                 break

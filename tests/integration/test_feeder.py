@@ -150,7 +150,8 @@ def test_the_live_rollout_capacity_is_checked_against_the_staleness_bound(
     that put more groups in flight than the staleness bound allows are logged with the
     arithmetic, and the lag at the live capacity is a metric `streamrl status` shows; the
     capacity back within the bound is logged too."""
-    cfg = parse_config({})  # the defaults: C 16, G 4, B 4, K 2, one worker
+    # C 16, G 4, B 4 (auto for one worker), K 2 (the default is 8: stragglers), one worker
+    cfg = parse_config({"grouper": {"off_policy_steps": 2}})
     feeder = Feeder(rclient, keys, cfg, LOG)
 
     def advertise(*workers: str) -> None:

@@ -24,6 +24,7 @@ from streamrl.agents.flow import CircuitOpenError
 from streamrl.checkpoints import restore_queues, take_snapshot
 from streamrl.config import Config, parse_config
 from streamrl.names import Keys
+from streamrl.rollout.admission import Occupancy
 from streamrl.rollout.episode import traj_id
 from streamrl.rollout.weights import SyncLock
 from streamrl.rollout.worker import RolloutWorker
@@ -416,3 +417,79 @@ def test_a_stalled_engine_stops_the_liveness_tick(redis_url: str, keys: Keys) ->
         assert [e["event"] for e in logs].count("engine_stalled") == 1
     finally:
         asyncio.run(aclient.aclose())
+
+
+class PoolRunner(SleepyRunner):
+    """Episodes that each hold one slot of a KV pool of `slots` while they run; a start
+    with every slot held evicts a parked session (counted, as the engine does)."""
+
+    def __init__(self, episode_s: float, slots: int) -> None:
+        super().__init__(episode_s)
+        self.slots = slots
+        self.evictions = 0
+
+    async def run(self, t: Task, member: int, make_episode: object, **kw: object) -> Trajectory:
+        if self.running >= self.slots:
+            self.evictions += 1
+        return await super().run(t, member, make_episode, **kw)
+
+    def occupancy(self) -> Occupancy:
+        held = min(self.running, self.slots)
+        return Occupancy(self.slots, held, self.running - held, self.evictions)
+
+
+def test_auto_admission_fills_the_kv_pool_and_never_overflows_it(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """rollout.max_concurrency = "auto" (issue 29 item 4) on an engine of 8 slots: the limit
+    starts at half the pool (4), grows by one a look while the pool is under 80 % held
+    (4 -> 5 -> 6 -> 7: 7 / 8 = 0.875 holds), so episodes never outnumber the slots (no
+    eviction, no trim), where a fixed max_concurrency of 16 runs 16 at once and evicts."""
+    # no grouper here: the ready-group cap opened (else rollout pauses after 2 B groups)
+    cfg = config(max_concurrency="auto", max_concurrency_cap=64, max_batch_size=8,
+                 max_ready_groups=1000)  # fmt: skip
+    assert (cfg.rollout.admission, cfg.rollout.max_concurrency) == ("auto", 64)
+    write_tasks(rclient, keys, cfg, 40)
+    runner = PoolRunner(0.1, slots=8)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    worker.server = cast(Any, SimpleNamespace(serve=_forever, stalled_s=lambda: 0.0,
+                                              occupancy=runner.occupancy))  # fmt: skip
+    limits: list[int] = []
+
+    def done() -> bool:
+        limits.append(worker.admission.limit)
+        return len(written(rclient, keys)) == 40 * G
+
+    run_until(worker, aclient, done)
+    assert limits[0] == 4 and max(limits) == 7 and worker.admission.trims == 0
+    assert runner.evictions == 0 and runner.most_running == 7
+    assert rclient.hget(keys.stats, "admission_trims") is None
+    fixed = PoolRunner(0.1, slots=8)
+    cfg16 = config(max_concurrency=16, max_batch_size=8, max_ready_groups=1000)
+    write_tasks(rclient, keys, cfg16, 8)
+    worker, aclient = make_worker(redis_url, keys, cfg16, fixed, lambda: False)
+    run_until(worker, aclient, lambda: len(written(rclient, keys)) == 48 * G)
+    assert fixed.most_running == 16 and fixed.evictions > 0
+
+
+def test_auto_admission_trims_below_the_running_on_a_full_pool(
+    rclient: redis.Redis, redis_url: str, keys: Keys
+) -> None:
+    """A pool of 4 slots: the limit starts at max(G, 4 / 2) = 4, the pool is full (pressure
+    1.0 > 0.95): trimmed to 0.9 x 4 = 3, counted in the stats and logged; no episode is
+    preempted (each of the 4 running ends)."""
+    cfg = config(max_concurrency="auto", max_concurrency_cap=64, max_batch_size=4,
+                 max_ready_groups=1000)  # fmt: skip
+    write_tasks(rclient, keys, cfg, 10)
+    runner = PoolRunner(0.3, slots=4)
+    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
+    worker.server = cast(Any, SimpleNamespace(serve=_forever, stalled_s=lambda: 0.0,
+                                              occupancy=runner.occupancy))  # fmt: skip
+    with capture_logs() as logs:
+        run_until(worker, aclient, lambda: len(written(rclient, keys)) == 10 * G)
+    trims = [e for e in logs if e["event"] == "admission_trimmed"]
+    assert trims and trims[0]["was"] == 4 and trims[0]["limit"] == 3
+    assert int(rclient.hget(keys.stats, "admission_trims") or 0) == worker.admission.trims >= 1
+    assert runner.evictions == 0 and sorted(t.member for t in written(rclient, keys)) == sorted(
+        m for _ in range(10) for m in range(G)
+    )

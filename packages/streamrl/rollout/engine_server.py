@@ -30,6 +30,7 @@ from streamrl.config import RolloutConfig
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
 from streamrl.model.spec import PyTree
+from streamrl.rollout.admission import Occupancy
 
 T = TypeVar("T")
 
@@ -110,6 +111,17 @@ class EngineServer:
         steps, waits idle or is held for a weight sync): a thread wedged inside a step (a
         device hang, a dead collective) grows it without bound (review N9)."""
         return time.monotonic() - self._progress_at
+
+    def occupancy(self) -> Occupancy:
+        """One look at the engine's KV pool for adaptive admission (read from the event
+        loop while the engine thread runs: ints and lengths, a moment's view)."""
+        e = self.engine
+        return Occupancy(
+            slots=e.cfg.num_slots,
+            held=e.active + e.parked,
+            waiting=e.waiting + self._inbox.qsize(),
+            evictions=e.evictions,
+        )
 
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
         """Sample one turn; the result and the policy version that produced it.

@@ -38,6 +38,7 @@ from streamrl.config import RolloutConfig
 from streamrl.model.sampling import GenRequest, GenResult
 from streamrl.model.spec import PyTree
 from streamrl.obs.tracing import TRAJ_FLOW, Span, Tracer, flow_id
+from streamrl.rollout.admission import Occupancy
 from streamrl.wire import EpisodeState, SavedTurn, Status, Task, Trajectory, pack_arrays
 
 
@@ -60,6 +61,8 @@ class ModelServer(ModelService, Protocol):
     stall_s: float
 
     def stalled_s(self) -> float: ...
+
+    def occupancy(self) -> Occupancy | None: ...
 
     async def serve(self) -> None: ...
 

@@ -68,6 +68,10 @@ class StubServer:
         self.swaps = 0
         self.stall_s = 0.0  # the stub never stalls on a sync: nothing to reload
 
+    def occupancy(self) -> None:
+        """No KV pool: adaptive admission grows to its cap."""
+        return None
+
     def stalled_s(self) -> float:
         """0: the stub answers on the event loop, which the rollout's liveness watches."""
         return 0.0

@@ -63,6 +63,7 @@ from streamrl.obs.metrics import (
     Metrics,
 )
 from streamrl.obs.tracing import Span, Tracer
+from streamrl.rollout.admission import TICK_S, Admission
 from streamrl.rollout.episode import EpisodeRunner, ModelServer, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
@@ -296,6 +297,13 @@ class RolloutWorker:
         self._on_cluster = is_cluster(client)
         r = cfg.rollout
         self.threads = threads or WorkerThreads(r.env_threads or r.max_concurrency)
+        # Episodes at once: max_concurrency, or under adaptive admission a limit that
+        # follows the engine's KV pool (streamrl.rollout.admission), starting at half of it.
+        start = r.max_concurrency
+        if r.admission == "auto":
+            pool = None if cfg.model.kind == "stub" else r.max_batch_size
+            start = min(r.max_concurrency, max(r.num_generations, (pool or 32) // 2))
+        self.admission = Admission(cap=r.max_concurrency, auto=r.admission == "auto", start=start)
         self.paused = False  # backpressure, as the reader last read it
         self.active = 0
         # Admission figures for the stop log: episode-seconds run (the time integral of
@@ -346,6 +354,8 @@ class RolloutWorker:
             asyncio.create_task(self._reader(), name="tasks"),
             asyncio.create_task(self._starter(), name="episodes"),
         ]
+        if self.admission.auto:
+            parts.append(asyncio.create_task(self._admitting(), name="admission"))
         committer = asyncio.create_task(self._committer(), name="commits")
         try:
             while not self.stop() and self._failure is None:
@@ -377,7 +387,7 @@ class RolloutWorker:
         """Members to read for: free slots, plus one task's members read ahead so that a
         slot that frees starts its next episode without waiting for Redis."""
         ahead = self.cfg.rollout.num_generations
-        return self.cfg.rollout.max_concurrency + ahead - self.active - len(self._waiting)
+        return self.admission.limit + ahead - self.active - len(self._waiting)
 
     def _ended(self) -> int:
         """Tasks whose members have all ended, not yet committed: groups ready in a moment
@@ -489,17 +499,17 @@ class RolloutWorker:
 
     async def _starter(self) -> None:
         """Start waiting members as slots free (not only when a whole group fits)."""
-        limit = self.cfg.rollout.max_concurrency
         while self._starting():
             async with self._changed:
-                await self._changed.wait_for(lambda: bool(self._waiting) and self.active < limit)
+                await self._changed.wait_for(
+                    lambda: bool(self._waiting) and self.active < self.admission.limit
+                )
             # no await between this and `enter`
             await self.follower.lock.wait_open(self._starter_track)
             self._start_waiting()
 
     def _start_waiting(self) -> None:
-        limit = self.cfg.rollout.max_concurrency
-        while self._waiting and self.active < limit and self._starting():
+        while self._waiting and self.active < self.admission.limit and self._starting():
             d, member, state = self._waiting.popleft()
             self.follower.lock.enter()
             self._count_active(+1)
@@ -509,6 +519,31 @@ class RolloutWorker:
             )
             self._episodes.add(ep)
             ep.add_done_callback(self._episode_done)
+
+    async def _admitting(self) -> None:
+        """Adaptive admission: one look at the engine every TICK_S; a grown limit wakes the
+        reader and the starter, a trim is counted, logged and traced (the limit's track)."""
+        self.tracer.counter("admission_limit", self.admission.limit, time.time_ns())
+        while not self._stopping:
+            await asyncio.sleep(TICK_S)
+            before = self.admission.limit
+            occupancy = self.server.occupancy()
+            action = self.admission.update(self.active, len(self._waiting), occupancy)
+            if action == "grow":
+                async with self._changed:
+                    self._changed.notify_all()
+            elif action == "trim":
+                await self.aclient.hincrby(self.keys.stats, counters.ADMISSION_TRIMS, 1)
+                self.log.info(
+                    "admission_trimmed",
+                    limit=self.admission.limit,
+                    was=before,
+                    running=self.active,
+                    pressure=None if occupancy is None else round(occupancy.pressure, 3),
+                    evictions=None if occupancy is None else occupancy.evictions,
+                )
+            if self.admission.limit != before:
+                self.tracer.counter("admission_limit", self.admission.limit, time.time_ns())
 
     def _count_active(self, delta: int) -> None:
         now = time.monotonic()
@@ -708,7 +743,7 @@ class RolloutWorker:
         while not self._stopping:  # as well as cancelled: a cancel can be lost (run/tasks.py)
             await self._advertise(
                 keys=[self.keys.rollout_capacity],
-                args=[self.input.name, self.cfg.rollout.max_concurrency],
+                args=[self.input.name, self.admission.limit],  # the feeder's backlog
             )
             await asyncio.sleep(every)
             ids = [e for e, r in self._tasks.items() if r.owned]

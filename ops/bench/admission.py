@@ -1,0 +1,179 @@
+"""Adaptive admission against fixed concurrency on the real engine (issue 29 item 4).
+
+    .venv/bin/python ops/bench/admission.py                      # C 8,16,32,64 and auto
+    .venv/bin/python ops/bench/admission.py --fixed 16,64 --groups 32
+
+Each row is a whole `streamrl up` of the built-in tiny transformer (random init: its
+answers are noise, which is all a throughput bench needs) on the synthetic task with
+`--turns` environment steps an episode (each a drawn latency, 90 % 50 ms / 10 % 500 ms):
+multi-turn episodes whose KV slot is parked between turns. The engine's pool has
+`--slots` slots (`rollout.max_batch_size`); each fixed row sets `rollout.max_concurrency`,
+the auto row sets it to "auto" (cap `--cap`). `--groups` prompts, `task.epochs = 1`: the
+run ends by itself once every group is trained.
+
+Figures, per row:
+- goodput: tokens of the trajectories the policy finished (ok or truncated; prompt and
+  sampled, as committed)
+  over the window from the rollout worker's `rollout_ready` to its last commit;
+- episodes/s over the same window;
+- evictions: parked sessions the engine evicted for another request (each one prefills its
+  whole conversation again), from the rollout's `rollout_stop` line;
+- the admission limit at the end, and its trims.
+
+The baseline is the best fixed row of the same run (the sweep's highest goodput): "of best
+fixed" is a row's goodput over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+CONFIG = """\
+[run]
+name = "admission"
+seed = 0
+
+[task]
+name = "synthetic"
+
+[task.options]
+turns = {turns}
+latency = "mixture"
+mixture = [[0.9, 0.05], [0.1, 0.5]]
+
+[rollout]
+max_batch_size = {slots}
+"""
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def ts(e: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def run_row(
+    work: Path, name: str, sets: list[str], groups: int, timeout_s: float
+) -> dict[str, Any]:
+    run_dir = work / name
+    data = work / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(groups)))
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(work / "c.toml")]
+    cmd += ["--run-dir", str(run_dir)]
+    for s in [f'task.dataset="{data}"', "task.epochs=1", *sets]:
+        cmd += ["--set", s]
+    start = time.monotonic()
+    row: dict[str, Any] = {"row": name}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its workers
+        proc.communicate(timeout=60)
+        row["failed"] = f"timed out after {timeout_s:.0f} s"
+        return row
+    row["wall_s"] = round(time.monotonic() - start, 1)
+    if proc.returncode != 0:
+        row["failed"] = f"rc {proc.returncode}: {err[-400:]}"
+        return row
+    logs = [e for p in sorted((run_dir / "logs").glob("rollout-*.log")) for e in events(p)]
+    ready = max(ts(e) for e in logs if e.get("event") == "rollout_ready")
+    commits = [e for e in logs if e.get("event") == "trajectories_committed"]
+    trajs = [t for e in commits for t in e["trajectories"]]
+    end = max(ts(e) for e in commits)
+    ok = [t for t in trajs if t["status"] in ("ok", "truncated")]  # finished by the policy
+    [stop] = [e for e in logs if e.get("event") == "rollout_stop"]
+    window = end - ready
+    row.update(
+        episodes=len(trajs),
+        ok=len(ok),
+        window_s=round(window, 2),
+        goodput_tok_s=sum(t["tokens"] for t in ok) / window,
+        episodes_s=len(trajs) / window,
+        evictions=stop["kv"].get("evictions", 0),
+        limit=stop.get("admission_limit"),
+        trims=stop.get("admission_trims"),
+        grows=stop.get("admission_grows"),
+    )
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--fixed", default="8,16,32,64", help="fixed max_concurrency list")
+    p.add_argument("--slots", type=int, default=16, help="rollout.max_batch_size")
+    p.add_argument("--cap", type=int, default=64, help='the cap of "auto"')
+    p.add_argument("--turns", type=int, default=3, help="environment steps an episode")
+    p.add_argument("--groups", type=int, default=48, help="prompts (groups) per run")
+    p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="admission-") as tmp:
+        work = Path(tmp)
+        (work / "c.toml").write_text(CONFIG.format(turns=args.turns, slots=args.slots))
+        common = [f"rollout.max_steps={args.turns + 1}", "trainer.checkpoint_every=1000"]
+        points = [(f"fixed C={c}", [f"rollout.max_concurrency={c}"]) for c in args.fixed.split(",")]
+        points.append(
+            (
+                f"auto (cap {args.cap})",
+                ['rollout.max_concurrency="auto"', f"rollout.max_concurrency_cap={args.cap}"],
+            )
+        )
+        for i, (name, sets) in enumerate(points):
+            rows.append(run_row(work, f"row{i}", [*common, *sets], args.groups, args.timeout_s))
+            rows[-1]["row"] = name
+            print(f"# {rows[-1]}", file=sys.stderr, flush=True)
+    fixed = [r for r in rows if r["row"].startswith("fixed") and "failed" not in r]
+    best = max((r["goodput_tok_s"] for r in fixed), default=float("nan"))
+    print(
+        f"\n### admission: tiny transformer, {args.slots} KV slots, synthetic task of "
+        f"{args.turns} steps (90 % 50 ms / 10 % 500 ms), {args.groups} groups of 4\n"
+    )
+    print(
+        "| row | episodes (ok) | goodput tok/s | of best fixed | episodes/s | evictions "
+        "| limit at end (trims / grows) | wall s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['row']} | {r['failed']} ||||||||")
+            continue
+        adm = "-" if r["trims"] is None else f"{r['limit']} ({r['trims']} / {r['grows']})"
+        print(
+            f"| {r['row']} | {r['episodes']} ({r['ok']}) | {r['goodput_tok_s']:.0f} "
+            f"| {r['goodput_tok_s'] / best:.2f} | {r['episodes_s']:.1f} | {r['evictions']} "
+            f"| {adm} | {r['wall_s']} |"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""streamrl.rollout.admission: the adaptive episode limit, worked by hand."""
+
+import pytest
+
+from streamrl.rollout.admission import Admission, Occupancy
+
+
+def occ(held: int, waiting: int = 0, evictions: int = 0, slots: int = 32) -> Occupancy:
+    return Occupancy(slots=slots, held=held, waiting=waiting, evictions=evictions)
+
+
+def test_a_fixed_limit_never_moves() -> None:
+    a = Admission(cap=64, auto=False, start=8)
+    assert a.limit == 64
+    assert a.update(64, 10, occ(32, waiting=40, evictions=5)) == "fixed" and a.limit == 64
+
+
+def test_grows_while_the_pool_has_room_and_the_limit_binds() -> None:
+    # start 8 of a 32-slot pool: 8 running, more waiting, 8 held: pressure 0.25 < 0.8:
+    # + max(1, 8 // 8) = 9; then 9 -> 10 ... while it binds; not when nothing waits to
+    # start, nor when fewer run than the limit allows.
+    a = Admission(cap=256, auto=True, start=8)
+    assert a.update(8, 4, occ(8)) == "grow" and a.limit == 9
+    assert a.update(9, 4, occ(9)) == "grow" and a.limit == 10
+    assert a.update(10, 0, occ(10)) == "hold" and a.limit == 10  # nothing waits to start
+    assert a.update(7, 4, occ(7)) == "hold" and a.limit == 10  # it does not bind
+    # 16 running: + 16 // 8 = 2
+    a.limit = 16
+    assert a.update(16, 4, occ(16)) == "grow" and a.limit == 18
+    # pressure (25 + 1) / 32 = 0.81: above low 0.8, below high 0.95: hold
+    a.limit = 25
+    assert a.update(25, 4, occ(25, waiting=1)) == "hold" and a.limit == 25
+    assert a.grows == 3
+
+
+def test_an_eviction_or_a_full_pool_trims_to_nine_tenths_of_the_running() -> None:
+    a = Admission(cap=256, auto=True, start=40)
+    # first look: the eviction count is a baseline; pressure 30 / 32 = 0.94: hold
+    assert a.update(40, 4, occ(30, evictions=3)) == "hold" and a.limit == 40
+    # 3 -> 5 evictions since the last look: 40 running x 0.9 = 36
+    assert a.update(40, 4, occ(30, evictions=5)) == "trim" and a.limit == 36
+    # still 40 running (none preempted), no new eviction, pressure 0.94: hold at 36
+    assert a.update(40, 4, occ(30, evictions=5)) == "hold" and a.limit == 36
+    # no new eviction, but pressure (32 + 8) / 32 = 1.25 > 0.95: 38 running x 0.9 = 34
+    assert a.update(38, 0, occ(32, waiting=8, evictions=5)) == "trim" and a.limit == 34
+    # the pool still overflows with 35 running: 35 x 0.9 = 31
+    assert a.update(35, 0, occ(32, waiting=4, evictions=5)) == "trim" and a.limit == 31
+    # 31 running and room (0.84, between low and high): hold
+    assert a.update(31, 4, occ(27, evictions=5)) == "hold" and a.limit == 31
+    assert a.trims == 3
+    # one running: the limit stays at least 1
+    b = Admission(cap=8, auto=True, start=2)
+    b.update(1, 1, occ(1, evictions=0))
+    assert b.update(1, 1, occ(4, waiting=4, evictions=1, slots=4)) == "trim" and b.limit == 1
+
+
+def test_without_a_kv_pool_it_grows_to_the_cap() -> None:
+    a = Admission(cap=20, auto=True, start=16)
+    assert [a.update(a.limit, 4, None) for _ in range(3)] == ["grow", "grow", "hold"]
+    assert a.limit == 20  # 16 + 16 // 8 = 18, 18 + 18 // 8 = 20, the cap
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="start 0"):
+        Admission(cap=8, auto=True, start=0)
+    with pytest.raises(ValueError, match="low"):
+        Admission(cap=8, auto=True, start=4, low=0.9, high=0.8)
