@@ -132,6 +132,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3, help="environment steps an episode")
     p.add_argument("--groups", type=int, default=48, help="prompts (groups) per run")
     p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--set", action="append", default=[], help="more overrides, every row")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = []
@@ -139,6 +140,7 @@ def main() -> None:
         work = Path(tmp)
         (work / "c.toml").write_text(CONFIG.format(turns=args.turns, slots=args.slots))
         common = [f"rollout.max_steps={args.turns + 1}", "trainer.checkpoint_every=1000"]
+        common += args.set
         points = [(f"fixed C={c}", [f"rollout.max_concurrency={c}"]) for c in args.fixed.split(",")]
         points.append(
             (
