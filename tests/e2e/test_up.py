@@ -394,11 +394,14 @@ def test_stalled_trainer_pauses_rollout(
         # The count rollout reads is the grouper's, published every 0.2 s: on loaded cores
         # one more wave can start on a stale one (a CI run saw 12 = 3 + 9 here). And the
         # trainer may have taken its next batch (groups_per_step, 2) before it stopped: those
-        # left the lag backpressure reads but are not trained yet (a CI run saw 16).
+        # left the lag backpressure reads but are not trained yet (a CI run saw 16; a fresh
+        # clone's run on slow cores 18: 3 ready, then the 15 groups in flight or ended and
+        # not emitted yet, the grouper behind). Without backpressure the feeder's backlog
+        # (32 tasks) and more would be ready: the bound below still tells the two apart.
         r = load_config(TINY).rollout
         in_flight = r.max_concurrency // r.num_generations
         taken = 2  # trainer.groups_per_step above
-        assert max(ready for ready, _ in samples) <= bound + taken + 3 * in_flight, samples
+        assert max(ready for ready, _ in samples) <= bound + taken + 4 * in_flight, samples
         assert len({traj for _, traj in samples[-8:]}) == 1, samples  # rollout stopped
         assert stat("backpressure_pauses") >= 1
         out, _ = proc.communicate(timeout=600)
