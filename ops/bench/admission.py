@@ -73,8 +73,57 @@ def ts(e: dict[str, Any]) -> float:
     return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+def _rollout_events(run_dir: Path) -> list[dict[str, Any]]:
+    logs = sorted((run_dir / "logs").glob("rollout-*.log"))
+    return [e for p in logs for e in events(p)]
+
+
+def _committed(run_dir: Path) -> int:
+    return sum(
+        len(e["trajectories"])
+        for e in _rollout_events(run_dir)
+        if e.get("event") == "trajectories_committed"
+    )
+
+
+def _rollout_alone(
+    proc: subprocess.Popen[str], run_dir: Path, episodes: int, timeout_s: float
+) -> str:
+    """--rollout-only: stop the trainer (SIGSTOP) once rollout is ready, so the engine has
+    the CPU to itself; once `episodes` trajectories are committed, let it go and stop the
+    run (SIGTERM to the launcher). Returns why it gave up, or ""."""
+    deadline = time.monotonic() + timeout_s
+    trainer = 0
+    while not trainer or not any(
+        e.get("event") == "rollout_ready" for e in _rollout_events(run_dir)
+    ):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return "the run did not get ready"
+        launcher = run_dir / "logs" / "launcher.log"
+        if launcher.exists():
+            for e in events(launcher):
+                if e.get("event") == "workers_started":
+                    trainer = int(e["pids"]["trainer-0"])
+        time.sleep(0.2)
+    os.kill(trainer, signal.SIGSTOP)
+    try:
+        while _committed(run_dir) < episodes:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return f"{_committed(run_dir)} of {episodes} episodes in time"
+            time.sleep(0.2)
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGTERM)
+    return ""
+
+
 def run_row(
-    work: Path, name: str, sets: list[str], groups: int, timeout_s: float
+    work: Path,
+    name: str,
+    sets: list[str],
+    groups: int,
+    timeout_s: float,
+    rollout_only: bool = False,
 ) -> dict[str, Any]:
     run_dir = work / name
     data = work / f"{name}.jsonl"
@@ -85,20 +134,30 @@ def run_row(
         cmd += ["--set", s]
     start = time.monotonic()
     row: dict[str, Any] = {"row": name}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its workers
-        proc.communicate(timeout=60)
-        row["failed"] = f"timed out after {timeout_s:.0f} s"
-        return row
+    out = work / f"{name}.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+    if rollout_only:
+        why = _rollout_alone(proc, run_dir, groups * 4, timeout_s)
+        proc.wait(timeout=120)
+        if why:
+            row["failed"] = why
+            return row
+        code = 0  # stopped by the bench: its exit code says nothing
+    else:
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its workers
+            proc.wait(timeout=60)
+            row["failed"] = f"timed out after {timeout_s:.0f} s"
+            return row
     row["wall_s"] = round(time.monotonic() - start, 1)
-    if proc.returncode != 0:
-        row["failed"] = f"rc {proc.returncode}: {err[-400:]}"
+    if code != 0:
+        row["failed"] = f"rc {code}: {out.read_text()[-400:]}"
         return row
     logs = [e for p in sorted((run_dir / "logs").glob("rollout-*.log")) for e in events(p)]
     ready = max(ts(e) for e in logs if e.get("event") == "rollout_ready")
@@ -133,6 +192,12 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=48, help="prompts (groups) per run")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--set", action="append", default=[], help="more overrides, every row")
+    p.add_argument(
+        "--rollout-only",
+        action="store_true",
+        help="stop the trainer (SIGSTOP) while rollout runs: the engine has the CPU alone; "
+        "the ready-group cap is opened and the run is stopped once every episode committed",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = []
@@ -141,6 +206,8 @@ def main() -> None:
         (work / "c.toml").write_text(CONFIG.format(turns=args.turns, slots=args.slots))
         common = [f"rollout.max_steps={args.turns + 1}", "trainer.checkpoint_every=1000"]
         common += args.set
+        if args.rollout_only:
+            common.append("rollout.max_ready_groups=100000")
         points = [(f"fixed C={c}", [f"rollout.max_concurrency={c}"]) for c in args.fixed.split(",")]
         points.append(
             (
@@ -149,7 +216,16 @@ def main() -> None:
             )
         )
         for i, (name, sets) in enumerate(points):
-            rows.append(run_row(work, f"row{i}", [*common, *sets], args.groups, args.timeout_s))
+            rows.append(
+                run_row(
+                    work,
+                    f"row{i}",
+                    [*common, *sets],
+                    args.groups,
+                    args.timeout_s,
+                    args.rollout_only,
+                )
+            )
             rows[-1]["row"] = name
             print(f"# {rows[-1]}", file=sys.stderr, flush=True)
     fixed = [r for r in rows if r["row"].startswith("fixed") and "failed" not in r]

@@ -119,7 +119,9 @@ class EngineServer:
         return Occupancy(
             slots=e.cfg.num_slots,
             held=e.active + e.parked,
-            waiting=e.waiting + self._inbox.qsize(),
+            # the engine's own queue: the inbox also carries session ends and cancels, and
+            # the engine thread empties it into the queue at its next step
+            waiting=e.waiting,
             evictions=e.evictions,
         )
 
