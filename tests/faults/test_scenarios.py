@@ -100,7 +100,11 @@ def test_weight_update_mid_turn_under_hundreds_of_requests_kill_mid_publish_and_
     history, and only the restarts the kills made."""
     run_dir, points = tmp_path / "run", tmp_path / "failpoints"
     points.mkdir()
-    steps = 10
+    # Steps enough that the trainer is still training when the publication is armed: at
+    # 512 slots the stub writes 250 groups in about a second (a CI run ended all of 10
+    # steps before the test could arm it); while the load is held the trainer can take
+    # only the ready cap (50) and the groups in flight (128), about 7 steps.
+    steps = 40
     proc = up(run_dir, steps, "rollout.max_concurrency=512", "trainer.checkpoint_every=2",
               env={failpoints.ENV: str(points)}, config=STUB)  # fmt: skip
     logs = run_dir / "logs"
