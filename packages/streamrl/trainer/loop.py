@@ -281,6 +281,12 @@ class TrainerLoop:
             self.log.warning("group_already_trained", group_id=gid, entry_id=d.entry_id)
             self.unacked[d.entry_id] = self.consumed.get(gid, step)
             return False
+        if self.client.sismember(self.keys.groups_dropped, gid):
+            # Dropped by a trainer that died before the checkpoint that acknowledges it: the
+            # verdict stands (judged again after the resume's version jump, a stale group
+            # could pass and be trained while the dropped set and counters say dropped)
+            self._set_aside([d], "dropped before a restart (the dropped set holds it)", dead=False)
+            return False
         stale = self._stale(d.msg)
         if stale:
             self._set_aside([d], stale, dead=False)
