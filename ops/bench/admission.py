@@ -1,27 +1,34 @@
 """Adaptive admission against fixed concurrency on the real engine (issue 29 item 4).
 
-    .venv/bin/python ops/bench/admission.py                      # C 8,16,32,64 and auto
-    .venv/bin/python ops/bench/admission.py --fixed 16,64 --groups 32
+    .venv/bin/python ops/bench/admission.py --rollout-only       # C 8,16,32,64 and auto
+    .venv/bin/python ops/bench/admission.py --fixed 16,64 --groups 32 --repeats 3
 
 Each row is a whole `streamrl up` of the built-in tiny transformer (random init: its
 answers are noise, which is all a throughput bench needs) on the synthetic task with
 `--turns` environment steps an episode (each a drawn latency, 90 % 50 ms / 10 % 500 ms):
-multi-turn episodes whose KV slot is parked between turns. The engine's pool has
-`--slots` slots (`rollout.max_batch_size`); each fixed row sets `rollout.max_concurrency`,
-the auto row sets it to "auto" (cap `--cap`). `--groups` prompts, `task.epochs = 1`: the
-run ends by itself once every group is trained.
+multi-turn episodes whose KV slot is parked between turns, first prompts of
+`--prompt-words` words (about 4 tokens each: a conversation long enough that re-prefilling
+an evicted one is not free). The engine's pool has `--slots` slots
+(`rollout.max_batch_size`); each fixed row sets `rollout.max_concurrency`, the auto row
+sets it to "auto" (cap `--cap`). `--groups` prompts, `task.epochs = 1`. `--rollout-only`
+stops the trainer (SIGSTOP) once rollout is ready, so that the engine has the 2 cores
+alone and the rows differ only in admission.
+
+Rows run in interleaved rounds (`--repeats`, after `--warmup` rounds not counted), all
+with one persistent XLA compilation cache, so the counted rounds measure the engine, not
+the compiler; the table gives each row's median and its runs.
 
 Figures, per row:
 - goodput: tokens of the trajectories the policy finished (ok or truncated; prompt and
-  sampled, as committed)
-  over the window from the rollout worker's `rollout_ready` to its last commit;
+  sampled, as committed) over the window from the rollout worker's `rollout_ready` to its
+  last commit;
 - episodes/s over the same window;
 - evictions: parked sessions the engine evicted for another request (each one prefills its
   whole conversation again), from the rollout's `rollout_stop` line;
 - the admission limit at the end, and its trims.
 
-The baseline is the best fixed row of the same run (the sweep's highest goodput): "of best
-fixed" is a row's goodput over it.
+The baseline is the best fixed row of the same run (the highest median goodput): "of best
+fixed" is a row's median goodput over it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "the", "of", "and", "to", "value")
 
 CONFIG = """\
 [run]
@@ -52,8 +62,14 @@ turns = {turns}
 latency = "mixture"
 mixture = [[0.9, 0.05], [0.1, 0.5]]
 
+[model]
+max_seq_len = 1024
+
 [rollout]
 max_batch_size = {slots}
+kv_cache_size = 1024
+max_prompt_length = 768
+max_response_length = 256
 """
 
 
@@ -117,6 +133,14 @@ def _rollout_alone(
     return ""
 
 
+def long_prompt(i: int, words: int) -> str:
+    """Prompt i: its number, then `words` words drawn from a seeded generator (a long first
+    prompt makes every re-prefill of an evicted conversation cost what it does on a real
+    model, relative to a decode step)."""
+    rng = random.Random(i)
+    return f"prompt {i}: " + " ".join(rng.choice(VOCAB) for _ in range(words))
+
+
 def run_row(
     work: Path,
     name: str,
@@ -124,10 +148,13 @@ def run_row(
     groups: int,
     timeout_s: float,
     rollout_only: bool = False,
+    words: int = 0,
 ) -> dict[str, Any]:
     run_dir = work / name
     data = work / f"{name}.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(groups)))
+    data.write_text(
+        "".join(json.dumps({"prompt": long_prompt(i, words)}) + "\n" for i in range(groups))
+    )
     cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(work / "c.toml")]
     cmd += ["--run-dir", str(run_dir)]
     for s in [f'task.dataset="{data}"', "task.epochs=1", *sets]:
@@ -135,10 +162,18 @@ def run_row(
     start = time.monotonic()
     row: dict[str, Any] = {"row": name}
     out = work / f"{name}.out"
+    # one persistent compilation cache for every row: the programs a row compiles are read
+    # back by the later rounds, so the medians measure the engine, not XLA
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(work / "xla-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     with out.open("w") as sink:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
+            start_new_session=True, env=env,
         )  # fmt: skip
     if rollout_only:
         why = _rollout_alone(proc, run_dir, groups * 4, timeout_s)
@@ -172,6 +207,7 @@ def run_row(
         ok=len(ok),
         window_s=round(window, 2),
         goodput_tok_s=sum(t["tokens"] for t in ok) / window,
+        tokens_per_episode=sum(t["tokens"] for t in ok) / max(1, len(ok)),
         episodes_s=len(trajs) / window,
         evictions=stop["kv"].get("evictions", 0),
         limit=stop.get("admission_limit"),
@@ -179,6 +215,10 @@ def run_row(
         grows=stop.get("admission_grows"),
     )
     return row
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def main() -> None:
@@ -189,7 +229,12 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=16, help="rollout.max_batch_size")
     p.add_argument("--cap", type=int, default=64, help='the cap of "auto"')
     p.add_argument("--turns", type=int, default=3, help="environment steps an episode")
-    p.add_argument("--groups", type=int, default=48, help="prompts (groups) per run")
+    p.add_argument("--groups", type=int, default=24, help="prompts (groups) per run")
+    p.add_argument("--prompt-words", type=int, default=150, help="words of each first prompt")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every row, interleaved")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="rounds first run and not counted (they compile)"
+    )
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--set", action="append", default=[], help="more overrides, every row")
     p.add_argument(
@@ -200,7 +245,7 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    rows = []
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="admission-") as tmp:
         work = Path(tmp)
         (work / "c.toml").write_text(CONFIG.format(turns=args.turns, slots=args.slots))
@@ -215,42 +260,62 @@ def main() -> None:
                 ['rollout.max_concurrency="auto"', f"rollout.max_concurrency_cap={args.cap}"],
             )
         )
-        for i, (name, sets) in enumerate(points):
-            rows.append(
-                run_row(
+        # interleaved: a slow minute hits every row alike
+        for rnd in range(-args.warmup, args.repeats):
+            for i, (name, sets) in enumerate(points):
+                row = run_row(
                     work,
-                    f"row{i}",
+                    f"r{rnd + args.warmup}-{i}",
                     [*common, *sets],
                     args.groups,
                     args.timeout_s,
                     args.rollout_only,
+                    args.prompt_words,
                 )
-            )
-            rows[-1]["row"] = name
-            print(f"# {rows[-1]}", file=sys.stderr, flush=True)
-    fixed = [r for r in rows if r["row"].startswith("fixed") and "failed" not in r]
-    best = max((r["goodput_tok_s"] for r in fixed), default=float("nan"))
+                row["row"] = name
+                if rnd >= 0:
+                    runs.setdefault(name, []).append(row)
+                print(f"# round {rnd}: {row}", file=sys.stderr, flush=True)
+    rows: list[dict[str, Any]] = []
+    for name, rs in runs.items():
+        ok = [r for r in rs if "failed" not in r]
+        rows.append(
+            {
+                "row": name,
+                "runs": len(rs),
+                "failed": [r["failed"] for r in rs if "failed" in r],
+                "goodput": median([r["goodput_tok_s"] for r in ok]),
+                "goodputs": [round(r["goodput_tok_s"]) for r in ok],
+                "episodes_s": median([r["episodes_s"] for r in ok]),
+                "evictions": median([r["evictions"] for r in ok]),
+                "tokens": median([r["tokens_per_episode"] for r in ok]),
+                "limit": [r["limit"] for r in ok],
+                "trims": sum(r["trims"] or 0 for r in ok),
+                "wall_s": median([r["wall_s"] for r in ok]),
+            }
+        )
+    best = max((r["goodput"] for r in rows if r["row"].startswith("fixed")), default=float("nan"))
     print(
-        f"\n### admission: tiny transformer, {args.slots} KV slots, synthetic task of "
-        f"{args.turns} steps (90 % 50 ms / 10 % 500 ms), {args.groups} groups of 4\n"
+        f"\n### admission: tiny transformer, {args.slots} KV slots, "
+        f"first prompts of {args.prompt_words} words, synthetic task of {args.turns} steps "
+        f"(90 % 50 ms / 10 % 500 ms), {args.groups} groups of 4, medians of {args.repeats} "
+        f"interleaved rounds after {args.warmup} not counted (compilation)\n"
     )
     print(
-        "| row | episodes (ok) | goodput tok/s | of best fixed | episodes/s | evictions "
-        "| limit at end (trims / grows) | wall s |"
+        "| row | goodput tok/s (runs) | of best fixed | episodes/s | tokens/episode "
+        "| evictions | limit at end | trims | wall s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
-        if "failed" in r:
-            print(f"| {r['row']} | {r['failed']} ||||||||")
-            continue
-        adm = "-" if r["trims"] is None else f"{r['limit']} ({r['trims']} / {r['grows']})"
+        failed = f" ({len(r['failed'])} failed: {r['failed'][0][:80]})" if r["failed"] else ""
         print(
-            f"| {r['row']} | {r['episodes']} ({r['ok']}) | {r['goodput_tok_s']:.0f} "
-            f"| {r['goodput_tok_s'] / best:.2f} | {r['episodes_s']:.1f} | {r['evictions']} "
-            f"| {adm} | {r['wall_s']} |"
+            f"| {r['row']}{failed} | {r['goodput']:.0f} ({', '.join(map(str, r['goodputs']))}) "
+            f"| {r['goodput'] / best:.2f} | {r['episodes_s']:.2f} | {r['tokens']:.0f} "
+            f"| {r['evictions']:.0f} | {', '.join(map(str, r['limit']))} | {r['trims']} "
+            f"| {r['wall_s']:.0f} |"
         )
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=2))
+        args.out.write_text(json.dumps({"rows": rows, "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":

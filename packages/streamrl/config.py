@@ -483,9 +483,10 @@ class RolloutConfig(_Section):
         description=(
             "`fixed`: max_concurrency episodes run at once. `auto` (what max_concurrency = "
             '"auto" sets): the limit follows the engine (streamrl.rollout.admission): it '
-            "grows while the KV pool has room and the limit binds, and drops below the "
-            "episodes running (none preempted) when the engine evicts a parked session or "
-            "its pool is full; max_concurrency is then the hard cap."
+            "starts at the KV pool's slots (one an episode), drops below the episodes "
+            "running (none preempted) when the engine evicts a parked session or a request "
+            "finds no slot, and grows while slots are free and the limit binds; "
+            "max_concurrency is then the hard cap."
         ),
     )
     max_concurrency_cap: int = Field(
@@ -629,7 +630,7 @@ class RolloutConfig(_Section):
     @classmethod
     def _auto_concurrency(cls, data: object) -> object:
         if isinstance(data, dict) and data.get("max_concurrency") == "auto":
-            cap = data.get("max_concurrency_cap", 256)
+            cap = data.get("max_concurrency_cap", cls.model_fields["max_concurrency_cap"].default)
             return {**data, "max_concurrency": cap, "admission": "auto"}
         return data
 
@@ -1341,9 +1342,11 @@ class Config(_Section):
         flight, the ready-group cap from the batch."""
         derived = []
         if self.trainer.groups_per_step == AUTO:
-            workers = 1 if self.run.colocated else self.rollout.num_workers
             batch = max(
-                1, math.ceil(workers * self.concurrency_estimate / self.rollout.num_generations)
+                1,
+                math.ceil(
+                    self.rollout_workers * self.concurrency_estimate / self.rollout.num_generations
+                ),
             )
             object.__setattr__(
                 self, "trainer", self.trainer.model_copy(update={"groups_per_step": batch})
@@ -1357,6 +1360,11 @@ class Config(_Section):
             derived.append("rollout.max_ready_groups")
         self._derived = tuple(derived)
         return self
+
+    @property
+    def rollout_workers(self) -> int:
+        """Rollout workers the run starts: one in the colocated process, else num_workers."""
+        return 1 if self.run.colocated else self.rollout.num_workers
 
     @property
     def concurrency_estimate(self) -> int:

@@ -172,7 +172,7 @@ class Fit:
 def fit(cfg: Config) -> Fit:
     """The values `cfg` implies."""
     r = cfg.rollout
-    workers = 1 if cfg.run.colocated else r.num_workers
+    workers = cfg.rollout_workers
     auto = cfg.task.max_backlog == "auto"
     slots = cfg.concurrency_estimate  # max_concurrency, or what auto admission expects
     backlog = (

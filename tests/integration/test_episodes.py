@@ -366,6 +366,9 @@ async def _run_turns(
         # with reuse the 4 episodes hold the 4 slots across their turns (parked between)
         most = max(o.held for o in seen)
         assert {o.slots for o in seen} == {4} and seen[-1].evictions == 0
+        # as many episodes as slots: no request ever lacks one (a next turn waiting to take
+        # its parked slot back is not counted), so adaptive admission would never trim
+        assert max(o.waiting for o in seen) == 0 and max(o.pressure for o in seen) <= 1
         assert most == 4 if reuse else 1 <= most <= 4
         for _ in range(200):  # the episodes' end_session calls reach the engine thread
             if engine.parked == 0 and server._inbox.empty():

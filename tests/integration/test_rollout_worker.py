@@ -421,11 +421,14 @@ def test_a_stalled_engine_stops_the_liveness_tick(redis_url: str, keys: Keys) ->
 
 class PoolRunner(SleepyRunner):
     """Episodes that each hold one slot of a KV pool of `slots` while they run; a start
-    with every slot held evicts a parked session (counted, as the engine does)."""
+    with every slot held by an episode evicts a parked session (counted, as the engine
+    does). `foreign` slots are held decoding by something else (a request that arrives
+    with none free waits, as in the engine)."""
 
-    def __init__(self, episode_s: float, slots: int) -> None:
+    def __init__(self, episode_s: float, slots: int, foreign: int = 0) -> None:
         super().__init__(episode_s)
         self.slots = slots
+        self.foreign = foreign
         self.evictions = 0
 
     async def run(self, t: Task, member: int, make_episode: object, **kw: object) -> Trajectory:
@@ -434,17 +437,17 @@ class PoolRunner(SleepyRunner):
         return await super().run(t, member, make_episode, **kw)
 
     def occupancy(self) -> Occupancy:
-        held = min(self.running, self.slots)
-        return Occupancy(self.slots, held, self.running - held, self.evictions)
+        held = min(self.running + self.foreign, self.slots)
+        return Occupancy(self.slots, held, self.running + self.foreign - held, self.evictions)
 
 
 def test_auto_admission_fills_the_kv_pool_and_never_overflows_it(
     rclient: redis.Redis, redis_url: str, keys: Keys
 ) -> None:
     """rollout.max_concurrency = "auto" (issue 29 item 4) on an engine of 8 slots: the limit
-    starts at half the pool (4), grows by one a look while the pool is under 80 % held
-    (4 -> 5 -> 6 -> 7: 7 / 8 = 0.875 holds), so episodes never outnumber the slots (no
-    eviction, no trim), where a fixed max_concurrency of 16 runs 16 at once and evicts."""
+    starts at the pool and, no slot being free beyond it, stays there: episodes never
+    outnumber the slots (no eviction, no trim), where a fixed max_concurrency of 16 runs
+    16 at once and evicts."""
     # no grouper here: the ready-group cap opened (else rollout pauses after 2 B groups)
     cfg = config(max_concurrency="auto", max_concurrency_cap=64, max_batch_size=8,
                  max_ready_groups=1000)  # fmt: skip
@@ -461,8 +464,8 @@ def test_auto_admission_fills_the_kv_pool_and_never_overflows_it(
         return len(written(rclient, keys)) == 40 * G
 
     run_until(worker, aclient, done)
-    assert limits[0] == 4 and max(limits) == 7 and worker.admission.trims == 0
-    assert runner.evictions == 0 and runner.most_running == 7
+    assert set(limits) == {8} and worker.admission.trims == worker.admission.grows == 0
+    assert runner.evictions == 0 and runner.most_running == 8
     assert rclient.hget(keys.stats, "admission_trims") is None
     fixed = PoolRunner(0.1, slots=8)
     cfg16 = config(max_concurrency=16, max_batch_size=8, max_ready_groups=1000)
@@ -472,24 +475,34 @@ def test_auto_admission_fills_the_kv_pool_and_never_overflows_it(
     assert fixed.most_running == 16 and fixed.evictions > 0
 
 
-def test_auto_admission_trims_below_the_running_on_a_full_pool(
+def test_auto_admission_follows_slots_that_others_hold(
     rclient: redis.Redis, redis_url: str, keys: Keys
 ) -> None:
-    """A pool of 4 slots: the limit starts at max(G, 4 / 2) = 4, the pool is full (pressure
-    1.0 > 0.95): trimmed to 0.9 x 4 = 3, counted in the stats and logged; no episode is
-    preempted (each of the 4 running ends)."""
+    """A pool of 4 slots, one of them held by something else: the limit starts at the pool
+    (4), 4 episodes and the foreign slot overflow it (a request finds no slot): trimmed to
+    0.9 x 4 = 3, counted in the stats and logged, no episode preempted (each of the 4
+    running ends); once the foreign slot frees, the limit grows back to 4."""
     cfg = config(max_concurrency="auto", max_concurrency_cap=64, max_batch_size=4,
                  max_ready_groups=1000)  # fmt: skip
-    write_tasks(rclient, keys, cfg, 10)
-    runner = PoolRunner(0.3, slots=4)
+    write_tasks(rclient, keys, cfg, 16)
+    runner = PoolRunner(0.3, slots=4, foreign=1)
     worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
     worker.server = cast(Any, SimpleNamespace(serve=_forever, stalled_s=lambda: 0.0,
                                               occupancy=runner.occupancy))  # fmt: skip
+    limits: list[int] = []
+
+    def done() -> bool:
+        limits.append(worker.admission.limit)
+        if len(written(rclient, keys)) >= 8 * G:
+            runner.foreign = 0  # half the run done: the other holder lets its slot go
+        return len(written(rclient, keys)) == 16 * G
+
     with capture_logs() as logs:
-        run_until(worker, aclient, lambda: len(written(rclient, keys)) == 10 * G)
+        run_until(worker, aclient, done)
     trims = [e for e in logs if e["event"] == "admission_trimmed"]
     assert trims and trims[0]["was"] == 4 and trims[0]["limit"] == 3
     assert int(rclient.hget(keys.stats, "admission_trims") or 0) == worker.admission.trims >= 1
+    assert min(limits) == 3 and limits[-1] == 4 and worker.admission.grows >= 1
     assert runner.evictions == 0 and sorted(t.member for t in written(rclient, keys)) == sorted(
-        m for _ in range(10) for m in range(G)
+        m for _ in range(16) for m in range(G)
     )

@@ -15,10 +15,10 @@ def test_a_fixed_limit_never_moves() -> None:
     assert a.update(64, 10, occ(32, waiting=40, evictions=5)) == "fixed" and a.limit == 64
 
 
-def test_grows_while_the_pool_has_room_and_the_limit_binds() -> None:
-    # start 8 of a 32-slot pool: 8 running, more waiting, 8 held: pressure 0.25 < 0.8:
-    # + max(1, 8 // 8) = 9; then 9 -> 10 ... while it binds; not when nothing waits to
-    # start, nor when fewer run than the limit allows.
+def test_grows_while_slots_are_free_and_the_limit_binds() -> None:
+    # a 32-slot pool, limit 8 (trimmed earlier): 8 running, more waiting to start, 8 held:
+    # free = 32 - max(8, 8) = 24: + min(24, max(1, 8 // 8)) = 9; then 10; not when nothing
+    # waits to start, nor when fewer run than the limit allows.
     a = Admission(cap=256, auto=True, start=8)
     assert a.update(8, 4, occ(8)) == "grow" and a.limit == 9
     assert a.update(9, 4, occ(9)) == "grow" and a.limit == 10
@@ -27,26 +27,39 @@ def test_grows_while_the_pool_has_room_and_the_limit_binds() -> None:
     # 16 running: + 16 // 8 = 2
     a.limit = 16
     assert a.update(16, 4, occ(16)) == "grow" and a.limit == 18
-    # pressure (25 + 1) / 32 = 0.81: above low 0.8, below high 0.95: hold
-    a.limit = 25
-    assert a.update(25, 4, occ(25, waiting=1)) == "hold" and a.limit == 25
-    assert a.grows == 3
+    # 30 running, 31 held (one slot held by something else): free 1: + min(1, 3) = 31
+    a.limit = 30
+    assert a.update(30, 4, occ(31)) == "grow" and a.limit == 31
+    # 31 running, 31 held, one request found no slot: free 32 - 32 = 0: hold
+    assert a.update(31, 4, occ(31, waiting=1)) == "hold" and a.limit == 31
+    # the episodes running count even where they hold no slot yet (between two turns
+    # after a weight swap dropped the parked slots): 32 running, 20 held: free 0: hold
+    a.limit = 32
+    assert a.update(32, 4, occ(20)) == "hold" and a.limit == 32
+    assert a.grows == 4
 
 
-def test_an_eviction_or_a_full_pool_trims_to_nine_tenths_of_the_running() -> None:
+def test_the_limit_never_passes_the_pool_from_its_start() -> None:
+    # started at the pool (the worker does): it binds, but no slot is free: it holds.
+    a = Admission(cap=64, auto=True, start=32)
+    assert [a.update(32, 8, occ(32)) for _ in range(3)] == ["hold"] * 3 and a.limit == 32
+
+
+def test_an_eviction_or_an_overflowing_pool_trims_to_nine_tenths_of_the_running() -> None:
     a = Admission(cap=256, auto=True, start=40)
-    # first look: the eviction count is a baseline; pressure 30 / 32 = 0.94: hold
+    # first look: the eviction count is a baseline; held 30 of 32, none lacking a slot:
+    # no overflow; 40 running: free < 0: hold
     assert a.update(40, 4, occ(30, evictions=3)) == "hold" and a.limit == 40
     # 3 -> 5 evictions since the last look: 40 running x 0.9 = 36
     assert a.update(40, 4, occ(30, evictions=5)) == "trim" and a.limit == 36
-    # still 40 running (none preempted), no new eviction, pressure 0.94: hold at 36
+    # still 40 running (none preempted), no new eviction, no overflow: hold at 36
     assert a.update(40, 4, occ(30, evictions=5)) == "hold" and a.limit == 36
-    # no new eviction, but pressure (32 + 8) / 32 = 1.25 > 0.95: 38 running x 0.9 = 34
+    # no new eviction, but 8 requests found no slot: (32 + 8) / 32 > 1: 38 x 0.9 = 34
     assert a.update(38, 0, occ(32, waiting=8, evictions=5)) == "trim" and a.limit == 34
-    # the pool still overflows with 35 running: 35 x 0.9 = 31
+    # still overflowing with 35 running: 35 x 0.9 = 31
     assert a.update(35, 0, occ(32, waiting=4, evictions=5)) == "trim" and a.limit == 31
-    # 31 running and room (0.84, between low and high): hold
-    assert a.update(31, 4, occ(27, evictions=5)) == "hold" and a.limit == 31
+    # 31 running, 27 held: free 1, but it does not bind with nothing waiting: hold
+    assert a.update(31, 0, occ(27, evictions=5)) == "hold" and a.limit == 31
     assert a.trims == 3
     # one running: the limit stays at least 1
     b = Admission(cap=8, auto=True, start=2)
@@ -63,5 +76,5 @@ def test_without_a_kv_pool_it_grows_to_the_cap() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="start 0"):
         Admission(cap=8, auto=True, start=0)
-    with pytest.raises(ValueError, match="low"):
-        Admission(cap=8, auto=True, start=4, low=0.9, high=0.8)
+    with pytest.raises(ValueError, match="cap 8"):
+        Admission(cap=8, auto=True, start=9)

@@ -251,3 +251,23 @@ def test_suffix_buckets() -> None:
     sizes = [suffix_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 129, 193, 257)]
     assert sizes == [16, 16, 24, 24, 32, 48, 48, 64, 192, 256, 384]
     assert len({suffix_bucket(n) for n in range(1, 4097)}) == 17  # 16, then 2 a doubling
+
+
+def test_unplaced_counts_the_requests_that_found_no_slot_not_next_turns() -> None:
+    """What adaptive admission reads as `waiting`: after a step, the requests the admission
+    found no slot for (every slot decoding); a next turn queued for its own parked slot is
+    not one (it takes that slot back)."""
+    e = make_engine(True, slots=2, stop=())
+    [r] = e.generate([GenRequest(prompt(1, 20), TURN, seed=1, session="a")])
+    assert (e.parked, e.unplaced) == (1, 0)
+    e.submit(GenRequest(prompt(1, 20) + r.tokens + prompt(2, 4), TURN, seed=2, session="a"))
+    assert e.waiting == 1  # queued, its slot parked: held 1 + waiting 1 on 2 slots
+    e.step()
+    assert (e.active, e.unplaced) == (1, 0)  # it took its slot back
+    e.submit(GenRequest(prompt(3, 20), TURN, seed=3, session="b"))
+    e.submit(GenRequest(prompt(4, 20), TURN, seed=4, session="c"))
+    e.step()
+    assert (e.active, e.unplaced) == (2, 1)  # c found every slot decoding
+    while e.has_work():
+        e.step()
+    assert e.unplaced == 0 and e.kv_stats()["evictions"] == 1  # c took a parked slot

@@ -222,6 +222,10 @@ class Engine:
         if mesh is not None:
             self.pool = shard_cache(self.pool, mesh)
         self._waiting: deque[_Seq] = deque()
+        # requests the last admission found no slot for (every slot decoding): what adaptive
+        # admission reads as waiting (the queue itself also holds, between two steps,
+        # requests that will take their session's parked slot back)
+        self.unplaced = 0
         self._slots: list[_Seq | None] = [None] * cfg.num_slots
         self._ids = itertools.count()
         self.compile_counts = {"prefill": 0, "copy": 0, "decode": 0}
@@ -373,6 +377,7 @@ class Engine:
         """Take waiting requests into slots: their session's parked slot, else the lowest
         free one, else the least recently parked one (an eviction)."""
         if not self._waiting:
+            self.unplaced = 0
             return []
         admitted: list[_Seq] = []
         if self._parked:  # requests whose session parked a slot take it back first
@@ -400,6 +405,7 @@ class Engine:
             seq = self._waiting.popleft()
             seq.slot = slot
             admitted.append(seq)
+        self.unplaced = len(self._waiting)
         return admitted
 
     def _prefill_batch(self, seqs: list[_Seq], suffix: bool) -> None:

@@ -8,19 +8,29 @@ episodes run than the pool has slots, every new request evicts a parked session,
 then prefills its whole conversation again, or waits for a slot.
 
 `Admission` is the pure rule (no clock, no engine: each `update` is one look at the
-engine's counters, taken every `TICK_S` by the worker):
+engine's counters, taken every `TICK_S` by the worker). An episode holds one slot from its
+first model call to its end, so the pool takes exactly `slots` episodes without eviction:
 
-- **pressure** = (slots decoding or parked + requests waiting for a slot) / slots.
-- **trim** when the engine evicted a parked session since the last look, or pressure is
-  above `high`: the limit drops to 9/10 of the episodes running (at least 1). Nothing is
-  preempted: running episodes go on; new ones start only once fewer run than the limit.
-- **grow** when pressure is below `low`, no eviction happened, and the limit binds (as
-  many episodes run as it allows, and more wait to start): + max(1, limit / 8), up to the
-  hard cap (`max_concurrency_cap`).
+- **free** = slots - max(episodes running, slots held + requests waiting for one): the
+  slots neither an episode of this worker nor anything else holds or awaits.
+- **trim** when the engine evicted a parked session since the last look, or the pool
+  overflows (slots held + requests waiting > slots): the limit drops to 9/10 of the
+  episodes running (at least 1). Nothing is preempted: running episodes go on; new ones
+  start only once fewer run than the limit.
+- **grow** when slots are free, no eviction happened, and the limit binds (as many episodes
+  run as it allows, and more wait to start): + min(free, max(1, limit / 8)), up to the hard
+  cap (`max_concurrency_cap`).
 - otherwise **hold**.
 
-An engine without a KV pool (the stub policy) reports no occupancy: the limit grows
-while it binds, up to the cap. A fixed `max_concurrency` is a limit that never moves.
+The worker starts the limit at the pool (within the cap: `Config.concurrency_estimate`), so
+a run that shares its engine with nothing holds it there; the rule brings it down when
+slots are held by more than its episodes (each trim counted, logged and traced) and back up
+as they free. Why not more episodes than slots: each extra one evicts a parked session at
+its next request, and that session prefills its whole conversation again
+(`ops/bench/admission.py` measures what this costs against what the extra episodes win).
+
+An engine without a KV pool (the stub policy) reports no occupancy: the limit grows while
+it binds, up to the cap. A fixed `max_concurrency` is a limit that never moves.
 """
 
 from __future__ import annotations
@@ -46,7 +56,12 @@ class Occupancy:
 
     @property
     def pressure(self) -> float:
+        """Slots held or awaited over the slots (above 1: the pool overflows)."""
         return (self.held + self.waiting) / max(1, self.slots)
+
+    def free(self, running: int) -> int:
+        """Slots neither `running` episodes nor anything else holds or awaits."""
+        return self.slots - max(running, self.held + self.waiting)
 
 
 @dataclass
@@ -56,8 +71,6 @@ class Admission:
     cap: int
     auto: bool
     start: int
-    low: float = 0.8
-    high: float = 0.95
     limit: int = 0
     trims: int = 0
     grows: int = 0
@@ -66,8 +79,6 @@ class Admission:
     def __post_init__(self) -> None:
         if not 1 <= self.start <= self.cap:
             raise ValueError(f"start {self.start} must be in [1, cap {self.cap}]")
-        if not 0 < self.low < self.high:
-            raise ValueError(f"need 0 < low ({self.low}) < high ({self.high})")
         self.limit = self.start if self.auto else self.cap
 
     def update(self, running: int, waiting_to_start: int, occ: Occupancy | None) -> Action:
@@ -79,7 +90,7 @@ class Admission:
         if occ is not None:
             evicted = self._evictions is not None and occ.evictions > self._evictions
             self._evictions = occ.evictions
-        if evicted or (occ is not None and occ.pressure > self.high):
+        if evicted or (occ is not None and occ.pressure > 1):
             new = max(1, min(self.limit, int(running * TRIM)))
             if new < self.limit:
                 self.limit = new
@@ -87,8 +98,11 @@ class Admission:
                 return "trim"
             return "hold"
         binds = running >= self.limit and waiting_to_start > 0
-        if binds and (occ is None or occ.pressure < self.low) and self.limit < self.cap:
-            self.limit = min(self.cap, self.limit + max(1, self.limit // GROW_DIV))
+        room = self.cap - self.limit
+        if occ is not None:
+            room = min(room, occ.free(running))
+        if binds and room > 0:
+            self.limit += min(room, max(1, self.limit // GROW_DIV))
             self.grows += 1
             return "grow"
         return "hold"

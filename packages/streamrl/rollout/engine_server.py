@@ -119,9 +119,10 @@ class EngineServer:
         return Occupancy(
             slots=e.cfg.num_slots,
             held=e.active + e.parked,
-            # the engine's own queue: the inbox also carries session ends and cancels, and
-            # the engine thread empties it into the queue at its next step
-            waiting=e.waiting,
+            # requests the engine's last admission found no slot for (not its queue, which
+            # between steps also holds next turns that take their parked slot back, nor the
+            # inbox, which also carries session ends and cancels)
+            waiting=e.unplaced,
             evictions=e.evictions,
         )
 

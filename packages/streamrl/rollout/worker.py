@@ -298,12 +298,10 @@ class RolloutWorker:
         r = cfg.rollout
         self.threads = threads or WorkerThreads(r.env_threads or r.max_concurrency)
         # Episodes at once: max_concurrency, or under adaptive admission a limit that
-        # follows the engine's KV pool (streamrl.rollout.admission), starting at half of it.
-        start = r.max_concurrency
-        if r.admission == "auto":
-            pool = None if cfg.model.kind == "stub" else r.max_batch_size
-            start = min(r.max_concurrency, max(r.num_generations, (pool or 32) // 2))
-        self.admission = Admission(cap=r.max_concurrency, auto=r.admission == "auto", start=start)
+        # follows the engine's KV pool (streamrl.rollout.admission), starting at the pool.
+        self.admission = Admission(
+            cap=r.max_concurrency, auto=r.admission == "auto", start=cfg.concurrency_estimate
+        )
         self.paused = False  # backpressure, as the reader last read it
         self.active = 0
         # Admission figures for the stop log: episode-seconds run (the time integral of
