@@ -1,0 +1,189 @@
+"""One episode's conversation as the endpoint holds it: token-exact across calls (issue 31).
+
+An agent of the OpenAI kind sends its whole conversation with every call. The session
+keeps what it has seen and returned (`wire`: each message as the agent must send it back)
+and the episode's tokens (`transcript`): the first prompt as the template renders it, each
+sampled turn's ids exactly as sampled, and after each turn the continuation the template
+renders for the new messages (`HFChat.continuation_ids`, the path the built-in agent's
+dialogue takes). A call is served from the ids held, never from a re-tokenisation of the
+agent's copy of the text, so the trajectory trains on what the policy sampled.
+
+- The first call may hold system, developer and user messages only (an assistant turn the
+  policy did not sample cannot be trained on as its own), and fixes the tools.
+- A later call's messages must begin with everything sent and returned so far (an assistant
+  message compared by its text and its calls: ids, names and arguments as JSON values),
+  followed by new tool or user messages, and carry the same tools.
+- A call that does not extend the conversation held (an edited, dropped or reordered
+  message, other tools) is refused with `TranscriptEdited` (400, code `transcript_edited`;
+  the caller counts it and marks the episode). The session is unchanged by a refusal or a
+  failed model call: `prepare` computes a call's prompt, only `record` keeps it.
+
+Text from the agent enters through `HFChat.as_text`, like tool results in the built-in
+dialogue: it cannot forge a control token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from streamrl.chat.hf import ChatError, HFChat
+from streamrl.chat.transcript import Transcript
+from streamrl.endpoint.protocol import ApiError, ChatRequest, Message, assistant_message
+
+FIRST_ROLES = ("system", "developer", "user")
+LATER_ROLES = ("tool", "user")
+
+
+class TranscriptEdited(ApiError):
+    """The request's messages do not extend the conversation the session holds."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message, param=param, code="transcript_edited")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A call's prompt, computed and not yet kept (`EndpointSession.record` keeps it)."""
+
+    prompt: list[int]  # the whole prompt to sample from
+    added: list[int]  # its ids the session did not hold (template, not trained)
+    wire: list[dict[str, Any]]  # the request's messages new to the session, normalised
+    template: list[dict[str, Any]]  # the same as the template renders them
+    tools_offered: bool
+
+
+def _arguments(raw: str) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def normalise(m: Message) -> dict[str, Any]:
+    """What of a message must be sent back unchanged: role, text, name, tool_call_id; an
+    assistant message's calls as (id, name, arguments as a JSON value)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [
+            (c.id, c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls
+        ]
+    return out
+
+
+class EndpointSession:
+    """The conversation of one episode's agent, as tokens and as the messages it sent."""
+
+    def __init__(self, chat: HFChat, episode: str, max_context: int) -> None:
+        self.chat = chat
+        self.episode = episode
+        self.max_context = max_context  # the engine's positions a conversation may fill
+        self.transcript = Transcript()
+        self.wire: list[dict[str, Any]] = []
+        self.template: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] | None = None
+        self.turns = 0  # sampled turns
+
+    def prepare(self, req: ChatRequest) -> Pending:
+        """The prompt of `req`, or ApiError (TranscriptEdited when it edits the history)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        if req.messages[-1].role == "assistant":
+            raise ApiError(
+                "the last message is an assistant's: a call samples the next assistant turn "
+                "(continuing a partial one is not supported)",
+                param=f"messages[{len(req.messages) - 1}]",
+            )
+        if not self.turns:
+            return self._first(req, tools)
+        if tools != self.tools:
+            raise TranscriptEdited("the tools differ from the conversation's first call", "tools")
+        held = len(self.wire)
+        if len(req.messages) <= held:
+            raise TranscriptEdited(
+                f"{len(req.messages)} messages: the conversation holds {held} (each call sends "
+                "the whole conversation, the last answer included, then what is new)"
+            )
+        for i, (m, kept) in enumerate(zip(req.messages, self.wire, strict=False)):
+            if normalise(m) != kept:
+                what = "the assistant turn sampled" if kept["role"] == "assistant" else "sent"
+                raise TranscriptEdited(
+                    f"messages[{i}] ({m.role}) differs from the message {what} then: the "
+                    "history may only grow (a trajectory trains on the tokens sampled)",
+                    f"messages[{i}]",
+                )
+        new = req.messages[held:]
+        for i, m in enumerate(new, start=held):
+            if m.role not in LATER_ROLES:
+                raise ApiError(
+                    f"messages[{i}] is a {m.role} message: after an assistant turn only tool "
+                    "and user messages may follow",
+                    param=f"messages[{i}]",
+                )
+        template = [self._template(m) for m in new]
+        try:
+            added = self.chat.continuation_ids(self.template, template, self.tools)
+        except ChatError as err:
+            raise ApiError(f"the chat template cannot continue the conversation: {err}") from None
+        return self._pending(req, [*self.transcript.tokens, *added], added, new, template)
+
+    def _first(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> Pending:
+        for i, m in enumerate(req.messages):
+            if m.role not in FIRST_ROLES:
+                raise ApiError(
+                    f"messages[{i}] is a {m.role} message in the conversation's first call: "
+                    "an assistant turn or tool result the policy did not sample cannot be "
+                    "trained on (send system, developer and user messages first)",
+                    param=f"messages[{i}]",
+                )
+        template = [self._template(m) for m in req.messages]
+        try:
+            prompt = self.chat.prompt_ids(template, tools)
+        except ChatError as err:
+            raise ApiError(f"the chat template cannot render the conversation: {err}") from None
+        self.tools = tools  # fixed by the first call (a refused one leaves it to the next)
+        return self._pending(req, prompt, prompt, req.messages, template)
+
+    def _pending(
+        self,
+        req: ChatRequest,
+        prompt: list[int],
+        added: list[int],
+        new: list[Message],
+        template: list[dict[str, Any]],
+    ) -> Pending:
+        limit = req.token_limit or 1
+        if len(prompt) + limit > self.max_context:
+            raise ApiError(
+                f"the prompt is {len(prompt)} tokens and the call may sample {limit}: more "
+                f"than the {self.max_context} positions of a conversation",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return Pending(prompt, added, [normalise(m) for m in new], template, bool(req.tools))
+
+    def _template(self, m: Message) -> dict[str, Any]:
+        role = "system" if m.role == "developer" else m.role
+        return {"role": role, "content": self.chat.as_text(m.text())}
+
+    def record(
+        self, pending: Pending, ids: list[int], logprobs: list[float], version: int
+    ) -> dict[str, Any]:
+        """Keep a served call: its new messages, the template's ids, the sampled `ids`
+        (their log-probs, the policy `version`); the assistant message to return."""
+        self.transcript.add_template(pending.added)
+        self.transcript.add_sampled(ids, logprobs, version)
+        self.template.extend(pending.template)
+        text = self.chat.assistant_text(ids)
+        self.template.append(self.chat.assistant_message(ids))
+        message = assistant_message(
+            text, self.chat.parse(ids), self.episode, self.turns, pending.tools_offered
+        )
+        self.wire.extend(pending.wire)
+        self.wire.append(normalise(Message.model_validate(message)))
+        self.turns += 1
+        return message
