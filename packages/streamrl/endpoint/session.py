@@ -110,9 +110,9 @@ class EndpointSession:
             )
         for i, (m, kept) in enumerate(zip(req.messages, self.wire, strict=False)):
             if normalise(m) != kept:
-                what = "the assistant turn sampled" if kept["role"] == "assistant" else "sent"
+                what = "assistant turn sampled" if kept["role"] == "assistant" else "message sent"
                 raise TranscriptEdited(
-                    f"messages[{i}] ({m.role}) differs from the message {what} then: the "
+                    f"messages[{i}] ({m.role}) differs from the {what} then: the "
                     "history may only grow (a trajectory trains on the tokens sampled)",
                     f"messages[{i}]",
                 )

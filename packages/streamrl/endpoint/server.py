@@ -1,0 +1,212 @@
+"""The OpenAI-compatible endpoint of a rollout worker: `POST /v1/chat/completions` (issue 31).
+
+One HTTP server per rollout worker, on a local port; each episode whose agent talks to it
+gets its own API key (`open`), so an agent reaches its own conversation and nothing of
+another episode: a request names its episode by `Authorization: Bearer <key>`, and a key
+that names no open episode is refused (401). Calls of one episode share its KV cache
+across turns (each call is a request of the episode's session, the engine's reuse).
+
+A call: the body checked (`streamrl.endpoint.protocol`, 400 naming the field), its
+conversation matched to the episode's tokens (`streamrl.endpoint.session`, 400
+`transcript_edited` for an edited history), the turn sampled by the model service from the
+held ids (with the episode's seed for that turn), kept, and answered whole or streamed.
+Sampling settings are the run's: the engine samples at `rollout.temperature` and
+`rollout.top_p`, so a request may leave them out or send the same values (another value
+is refused, since the trainer corrects for the distribution the run samples from); a
+call samples at most `rollout.max_turn_tokens` (the request's `max_tokens` may lower it).
+
+Calls of one episode are served one at a time (a second call while one is in flight is
+refused, 409: a conversation has one next turn).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from streamrl.chat.hf import HFChat
+from streamrl.config import RolloutConfig
+from streamrl.endpoint.protocol import (
+    ApiError,
+    ChatRequest,
+    FinishReason,
+    chunks,
+    completion,
+    parse_request,
+)
+from streamrl.endpoint.session import EndpointSession, TranscriptEdited
+from streamrl.model.sampling import GenRequest
+from streamrl.rollout.episode import ModelService
+
+MODEL_NAME = "policy"  # what /v1/models lists; a request's `model` is not checked
+
+
+@dataclass
+class Episode:
+    """An open episode: its conversation, its counters."""
+
+    session: EndpointSession
+    seed: Callable[[int], int]  # turn -> sampling seed (the built-in agent's rule)
+    busy: bool = False
+    calls: int = 0
+    refused: int = 0
+    edited: int = 0
+    refusals: list[str] = field(default_factory=list)
+
+
+class Endpoint:
+    """The endpoint's episodes and its HTTP app (`app`, served by `start`)."""
+
+    def __init__(
+        self,
+        model: ModelService,
+        chat: HFChat,
+        cfg: RolloutConfig,
+        log: structlog.stdlib.BoundLogger,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.chat = chat
+        self.cfg = cfg
+        self.log = log
+        self.clock = clock
+        self.episodes: dict[str, Episode] = {}
+        self.app = web.Application(client_max_size=8 * 1024 * 1024)
+        self.app.router.add_post("/v1/chat/completions", self._completions)
+        self.app.router.add_get("/v1/models", self._models)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on `host:port` (0: a free port); the base URL an agent is given."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return f"http://{host}:{self.port}/v1"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open(self, episode: str, seed: Callable[[int], int]) -> str:
+        """A new episode's API key (a secret: never logged)."""
+        key = f"sk-ep-{secrets.token_urlsafe(24)}"
+        session = EndpointSession(self.chat, episode, self.cfg.kv_cache_size)
+        self.episodes[key] = Episode(session, seed)
+        return key
+
+    def close(self, key: str) -> Episode:
+        """End an episode: its key stops working, its KV slot is freed; what it holds."""
+        ep = self.episodes.pop(key)
+        self.model.end_session(ep.session.episode)
+        return ep
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._episode(request)
+        except ApiError as err:
+            return web.json_response(err.body(), status=err.status)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "streamrl"}
+                ],
+            }
+        )
+
+    def _episode(self, request: web.Request) -> Episode:
+        auth = request.headers.get("Authorization", "")
+        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        ep = self.episodes.get(key) if key else None
+        if ep is None:
+            raise ApiError(
+                "no open episode has this API key (each episode's agent gets its own)",
+                status=401,
+                code="invalid_api_key",
+            )
+        return ep
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            ep = self._episode(request)
+        except ApiError as err:
+            return web.json_response(err.body(), status=err.status)
+        if ep.busy:
+            busy = ApiError("this episode has a call in flight: one turn at a time", status=409)
+            return web.json_response(busy.body(), status=busy.status)
+        ep.busy = True
+        try:
+            return await self._serve(request, ep)
+        except ApiError as err:
+            ep.refused += 1
+            if isinstance(err, TranscriptEdited):
+                ep.edited += 1
+            ep.refusals.append(err.message)
+            self.log.info(
+                "endpoint_refused",
+                episode=ep.session.episode,
+                status=err.status,
+                param=err.param,
+                code=err.code,
+                reason=err.message,
+            )
+            return web.json_response(err.body(), status=err.status)
+        finally:
+            ep.busy = False
+
+    def _check_sampling(self, req: ChatRequest) -> None:
+        for name, asked, run in (
+            ("temperature", req.temperature, self.cfg.temperature),
+            ("top_p", req.top_p, self.cfg.top_p),
+        ):
+            if asked is not None and abs(asked - run) > 1e-6:
+                raise ApiError(
+                    f"`{name}` = {asked}: the run samples at {run} (rollout.{name}); leave it "
+                    "out or send the same (the trainer corrects for the run's distribution)",
+                    param=name,
+                )
+        if req.stops:
+            raise ApiError(
+                "`stop` is not implemented: a turn ends at the model's own end of turn",
+                param="stop",
+            )
+
+    async def _serve(self, request: web.Request, ep: Episode) -> web.StreamResponse:
+        req = parse_request(await request.read())
+        self._check_sampling(req)
+        pending = ep.session.prepare(req)
+        limit = min(req.token_limit or self.cfg.max_turn_tokens, self.cfg.max_turn_tokens)
+        turn = ep.session.turns
+        gen = GenRequest(pending.prompt, limit, ep.seed(turn), session=ep.session.episode)
+        result, version = await self.model.generate(gen)
+        message = ep.session.record(pending, result.tokens, result.logprobs, version)
+        ep.calls += 1
+        finish: FinishReason = "tool_calls" if message.get("tool_calls") else "stop"
+        if not result.stopped:
+            finish = "length"
+        rid = f"chatcmpl-{ep.session.episode}-{turn}"
+        created = int(self.clock())
+        args = (rid, MODEL_NAME, created, message, finish, len(pending.prompt), len(result.tokens))
+        if not req.stream:
+            lps = None
+            if req.logprobs:
+                pairs = zip(result.tokens, result.logprobs, strict=True)
+                lps = [(self.chat.decode([t]), lp) for t, lp in pairs]
+            return web.json_response(completion(*args, logprobs=lps))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})  # fmt: skip
+        await resp.prepare(request)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        for event in chunks(*args, include_usage=usage):
+            await resp.write(event.encode())
+        await resp.write_eof()
+        return resp
