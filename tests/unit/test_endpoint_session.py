@@ -60,6 +60,10 @@ def three_turns(chat: HFChat) -> tuple[EndpointSession, list[dict[str, Any]], li
     return s, msgs, turns
 
 
+def dialogue_prompt(chat: HFChat) -> list[int]:
+    return chat.dialogue(TOOLS, system=SYSTEM).prompt(PROMPT)
+
+
 def test_the_endpoints_tokens_are_the_built_in_dialogues(chat: HFChat) -> None:
     s, msgs, turns = three_turns(chat)
     # the built-in agent's dialogue, the same conversation and sampled ids
@@ -74,6 +78,7 @@ def test_the_endpoints_tokens_are_the_built_in_dialogues(chat: HFChat) -> None:
         dialogue.assistant(ids)
     assert s.transcript.tokens == tr.tokens and s.transcript.mask == tr.mask
     assert s.transcript.logprobs == tr.logprobs and s.transcript.versions == [0, 1, 2]
+    assert s.transcript.prompt_len == len(dialogue_prompt(chat)) > 0
     masked = [t for t, m in zip(s.transcript.tokens, s.transcript.mask, strict=True) if m]
     assert masked == [t for text in turns for t in chat.assistant_turn(text)]
     # what the agent got back: calls with ids naming the episode's turn, then the answer

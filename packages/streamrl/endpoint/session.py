@@ -176,6 +176,8 @@ class EndpointSession:
         """Keep a served call: its new messages, the template's ids, the sampled `ids`
         (their log-probs, the policy `version`); the assistant message to return."""
         self.transcript.add_template(pending.added)
+        if not self.turns:
+            self.transcript.prompt_len = len(pending.added)  # the first prompt, as rollout's
         self.transcript.add_sampled(ids, logprobs, version)
         self.template.extend(pending.template)
         text = self.chat.assistant_text(ids)
