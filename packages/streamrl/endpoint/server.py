@@ -52,8 +52,11 @@ class Episode:
 
     session: EndpointSession
     seed: Callable[[int], int]  # turn -> sampling seed (the built-in agent's rule)
+    max_calls: int = 0  # model calls it may make (0: no limit of its own)
     busy: bool = False
     calls: int = 0
+    limited: bool = False  # a call was refused for the limit
+    last_finish: str = ""  # the finish reason of its last served call
     refused: int = 0
     edited: int = 0
     refusals: list[str] = field(default_factory=list)
@@ -80,7 +83,7 @@ class Endpoint:
         self.app.router.add_post("/v1/chat/completions", self._completions)
         self.app.router.add_get("/v1/models", self._models)
         self._runner: web.AppRunner | None = None
-        self.port = 0
+        self.host, self.port = "127.0.0.1", 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on `host:port` (0: a free port); the base URL an agent is given."""
@@ -88,19 +91,25 @@ class Endpoint:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        self.port = int(self._runner.addresses[0][1])
-        return f"http://{host}:{self.port}/v1"
+        self.host, self.port = host, int(self._runner.addresses[0][1])
+        return self.base_url
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
-    def open(self, episode: str, seed: Callable[[int], int]) -> str:
-        """A new episode's API key (a secret: never logged)."""
+    @property
+    def base_url(self) -> str:
+        """What an agent's client is given (after `start`)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def open(self, episode: str, seed: Callable[[int], int], max_calls: int = 0) -> str:
+        """A new episode's API key (a secret: never logged); `max_calls` model calls at
+        most (0: no limit of its own)."""
         key = f"sk-ep-{secrets.token_urlsafe(24)}"
         session = EndpointSession(self.chat, episode, self.cfg.kv_cache_size)
-        self.episodes[key] = Episode(session, seed)
+        self.episodes[key] = Episode(session, seed, max_calls)
         return key
 
     def close(self, key: str) -> Episode:
@@ -183,6 +192,13 @@ class Endpoint:
     async def _serve(self, request: web.Request, ep: Episode) -> web.StreamResponse:
         req = parse_request(await request.read())
         self._check_sampling(req)
+        if ep.max_calls and ep.calls >= ep.max_calls:
+            ep.limited = True
+            raise ApiError(
+                f"the episode made its {ep.max_calls} model calls (rollout.max_steps)",
+                param="messages",
+                code="model_call_limit",
+            )
         pending = ep.session.prepare(req)
         limit = min(req.token_limit or self.cfg.max_turn_tokens, self.cfg.max_turn_tokens)
         turn = ep.session.turns
@@ -193,6 +209,7 @@ class Endpoint:
         finish: FinishReason = "tool_calls" if message.get("tool_calls") else "stop"
         if not result.stopped:
             finish = "length"
+        ep.last_finish = finish
         rid = f"chatcmpl-{ep.session.episode}-{turn}"
         created = int(self.clock())
         args = (rid, MODEL_NAME, created, message, finish, len(pending.prompt), len(result.tokens))
