@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamrl.obs.metrics import ENGINE_BATCH_OCCUPANCY, TOKENS
-from streamrl.rollout.episode import EpisodeRunner, NewDialogue
+from streamrl.plugins import PluginError
+from streamrl.rollout.episode import EpisodeRunner, NewDialogue, Runner
 from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.run.runtime import WorkerContext
@@ -50,6 +51,7 @@ class Policy:
     tokens: Callable[[], int]
     occupancy: Callable[[], float]  # busy batch slots over all (0..1)
     kv: Callable[[], dict[str, int]]  # the engine's prefill and KV-reuse counters
+    chat: HFChat | None = None  # the model's chat (None: the stub policy has none)
 
 
 def transformer_policy(ctx: WorkerContext) -> Policy:
@@ -76,6 +78,7 @@ def transformer_policy(ctx: WorkerContext) -> Policy:
         lambda: engine.tokens_generated,
         lambda: engine.active / slots,
         engine.kv_stats,
+        chat,
     )
 
 
@@ -127,6 +130,24 @@ async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | N
         cfg.rollout.sync_mode,
         tracer=ctx.tracer,
     )
+    runner: Runner = EpisodeRunner(
+        server, policy.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log,
+        tracer=ctx.tracer,
+    )  # fmt: skip
+    endpoint = None
+    if episodes.openai is not None:  # task.agent = "openai:...": through the endpoint
+        from streamrl.endpoint.agent import AgentRunner
+        from streamrl.endpoint.server import Endpoint
+
+        if policy.chat is None:
+            raise PluginError(
+                f"task.agent = {cfg.task.agent!r} needs the model's chat template: the stub "
+                "policy (model.kind = stub) has none"
+            )
+        endpoint = Endpoint(server, policy.chat, cfg.rollout, ctx.log)
+        ctx.log.info("endpoint_started", base_url=await endpoint.start())
+        runner = AgentRunner(endpoint, episodes.openai, episodes, cfg.rollout, cfg.run.seed,
+                             ctx.worker_id, ctx.log)  # fmt: skip
     worker = RolloutWorker(
         client=ctx.client(),
         aclient=aclient,
@@ -134,15 +155,7 @@ async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | N
         cfg=cfg,
         consumer=ctx.consumer,
         server=server,
-        runner=EpisodeRunner(
-            server,
-            policy.dialogue,
-            cfg.rollout,
-            cfg.run.seed,
-            ctx.worker_id,
-            ctx.log,
-            tracer=ctx.tracer,
-        ),
+        runner=runner,
         episodes=episodes,
         follower=follower,
         log=ctx.log,
@@ -178,6 +191,8 @@ async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | N
             admission_grows=worker.admission.grows,
             admission_trims=worker.admission.trims,
         )
+        if endpoint is not None:
+            await endpoint.stop()
         await aclient.aclose()
 
 

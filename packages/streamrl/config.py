@@ -214,6 +214,7 @@ class TransportConfig(_Section):
 
 # A plug-in reference: a built-in or registered name, or `package.module:Name`.
 PLUGIN_REF = r"^[A-Za-z_][A-Za-z0-9_.-]*(:[A-Za-z_][A-Za-z0-9_.]*)?$"
+OPENAI_AGENT = "openai:"  # task.agent's prefix for an agent of the OpenAI kind (issue 31)
 
 
 class TaskConfig(_Section):
@@ -239,10 +240,13 @@ class TaskConfig(_Section):
     agent: str = Field(
         "",
         description=(
-            "Agent of each episode instead of the task's own: built-in `tool` or `model`, or "
-            "`package.module:Name` called as Name(ctx) -> streamrl.api.Agent."
+            "Agent of each episode instead of the task's own: built-in `tool` or `model`, "
+            "`package.module:Name` called as Name(ctx) -> streamrl.api.Agent, or "
+            "`openai:package.module:main`, an async function main(base_url, api_key, prompt, "
+            "data) -> answer that talks to the rollout worker's OpenAI-compatible endpoint "
+            "(streamrl.endpoint.agent)."
         ),
-        pattern=r"^$|" + PLUGIN_REF,
+        pattern=r"^$|^openai:" + PLUGIN_REF.removeprefix("^") + "|" + PLUGIN_REF,
     )
     reward: str = Field(
         "",

@@ -79,6 +79,13 @@ def test_the_example_agent_calls_the_calculator_and_answers(policy: Any) -> None
     _, chat, _, _ = policy
     assert "<tool_response>5</tool_response>" in chat.decode(model.requests[1].prompt)
     assert [r.seed for r in model.requests] == [7, 8]
+    # the call and the result the agent sent back, as a built-in environment records them
+    [record] = out.episode.session.tool_records()
+    assert (record.name, record.args, record.output.output) == (
+        "calculator",
+        {"expression": "2+3"},
+        "5",
+    )
     assert calculate("2**3+1") == "9" and calculate("__import__('os')").startswith("error")
 
 

@@ -5,7 +5,9 @@
 as `main(base_url=..., api_key=..., prompt=..., data=...)`: it talks to the endpoint with
 any OpenAI-style client (the key is the episode's, the base URL the worker's endpoint) and
 returns its answer (a string, or None), which the task's reward scores as the built-in
-agent's `<answer>`. `play` runs it under the episode's limits:
+agent's `<answer>`, with the calls the policy made and the results the agent sent back for
+them (`EndpointSession.tool_records`, what a built-in environment records). `play` runs it
+under the episode's limits:
 
 - `timeout_s` (rollout.episode_timeout_s): past it the coroutine is cancelled, status
   `timeout`;
@@ -22,15 +24,24 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import structlog
+
+from streamrl.agents.tools import CallContext
+from streamrl.config import OPENAI_AGENT, RolloutConfig
 from streamrl.endpoint.server import Endpoint, Episode
 from streamrl.plugins import PluginError, load_object
-from streamrl.wire import Status
+from streamrl.rollout.episode import NewEpisode, OnTurn, sample_seed, traj_id
+from streamrl.wire import EpisodeState, Status, Task, Trajectory, pack_arrays
 
-PREFIX = "openai:"
+if TYPE_CHECKING:
+    from streamrl.tasks.registry import Episodes
+
+PREFIX = OPENAI_AGENT
 AgentMain = Callable[..., Awaitable[object]]
 
 
@@ -90,3 +101,87 @@ async def play(
     if status == "ok" and (ep.limited or ep.last_finish == "length"):
         status = "truncated"
     return Outcome(ep, status, answer, error)
+
+
+class AgentRunner:
+    """The rollout worker's runner when `task.agent` names an agent of the OpenAI kind: the
+    same `run` as `EpisodeRunner`, each episode played by `play` and scored by the task's
+    reward with the agent's answer.
+
+    An episode is never resumed from a turn boundary (`resume` is ignored): the agent's own
+    state (its coroutine, its messages) died with the worker that ran it, and the endpoint
+    cannot rebuild it, so a task re-delivered after a rollout kill plays its episodes from
+    the start (the same seeds: a greedy policy samples the same turns again)."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        main: AgentMain,
+        episodes: Episodes,
+        cfg: RolloutConfig,
+        run_seed: int,
+        worker: str,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.endpoint = endpoint
+        self.main = main
+        self.episodes = episodes
+        self.cfg = cfg
+        self.run_seed = run_seed
+        self.worker = worker
+        self.log = log
+
+    async def run(
+        self,
+        task: Task,
+        member: int,
+        make_episode: NewEpisode,
+        resume: EpisodeState | None = None,
+        on_turn: OnTurn | None = None,
+    ) -> Trajectory:
+        """Play one episode of `task` (`make_episode`, `resume`, `on_turn`: unused, see the
+        class's doc)."""
+        tid = traj_id(task, member)
+        start = time.monotonic()
+        out = await play(
+            self.endpoint,
+            self.main,
+            tid,
+            task.prompt,
+            task.data,
+            lambda turn: sample_seed(self.run_seed, tid, turn),
+            self.cfg.episode_timeout_s,
+            self.cfg.max_steps,
+        )
+        status, error, reward = out.status, out.error, 0.0
+        calls = out.episode.session.tool_records()
+        if status == "ok":
+            ctx = self.episodes.context(task, member)
+            try:
+                reward = await ctx.score(out.answer, calls, CallContext(f"{tid}-score"))
+            except Exception as err:  # a reward that fails makes this episode an error
+                status, error = "error", f"{type(err).__name__}: {err}"
+        if status != "ok":
+            self.log.warning("agent_episode_ended", traj_id=tid, status=status, error=error)
+        tr = out.episode.session.transcript
+        return Trajectory(
+            traj_id=tid,
+            group_id=task.group_id,
+            task_id=task.task_id,
+            member=member,
+            num_generations=task.num_generations,
+            **pack_arrays(tr.tokens, tr.mask, tr.logprobs),
+            prompt_len=tr.prompt_len,
+            reward=reward,
+            status=status,
+            versions=list(tr.versions),
+            num_tool_calls=len(calls),
+            error=error,
+            timings={
+                "episode_s": time.monotonic() - start,
+                "model_calls": float(out.episode.calls),
+                "refused_calls": float(out.episode.refused),
+                "edited_calls": float(out.episode.edited),
+            },
+            worker=self.worker,
+        )

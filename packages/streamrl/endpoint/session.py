@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from streamrl.agents.envs import ToolRecord
+from streamrl.agents.tools import ToolOutput
 from streamrl.chat.hf import ChatError, HFChat
 from streamrl.chat.transcript import Transcript
 from streamrl.endpoint.protocol import ApiError, ChatRequest, Message, assistant_message
@@ -189,3 +191,16 @@ class EndpointSession:
         self.wire.append(normalise(Message.model_validate(message)))
         self.turns += 1
         return message
+
+    def tool_records(self) -> list[ToolRecord]:
+        """The calls the policy made and the results the agent sent back for them, as the
+        built-in environments record them for a task's reward: each sampled call whose id a
+        later tool message answers (arguments that are no JSON object count as none)."""
+        results = {m["tool_call_id"]: m["content"] for m in self.wire if m["role"] == "tool"}
+        records = []
+        for m in self.wire:
+            for cid, name, args in m.get("tool_calls", []):
+                if cid in results:
+                    kwargs = args if isinstance(args, dict) else {}
+                    records.append(ToolRecord(name, kwargs, ToolOutput(True, results[cid])))
+        return records

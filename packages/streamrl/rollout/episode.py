@@ -83,6 +83,20 @@ NewEpisode = Callable[[], tuple[Agent, Environment]]
 OnTurn = Callable[[EpisodeState], None]
 
 
+class Runner(Protocol):
+    """What plays a rollout worker's episodes: `EpisodeRunner` (an Agent on an
+    Environment), or `streamrl.endpoint.agent.AgentRunner` (an agent of the OpenAI kind)."""
+
+    async def run(
+        self,
+        task: Task,
+        member: int,
+        make_episode: NewEpisode,
+        resume: EpisodeState | None = None,
+        on_turn: OnTurn | None = None,
+    ) -> Trajectory: ...
+
+
 class EpisodeError(RuntimeError):
     """An episode that cannot go on; the message becomes the trajectory's `error`."""
 

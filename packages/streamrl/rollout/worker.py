@@ -64,7 +64,7 @@ from streamrl.obs.metrics import (
 )
 from streamrl.obs.tracing import Span, Tracer
 from streamrl.rollout.admission import TICK_S, Admission
-from streamrl.rollout.episode import EpisodeRunner, ModelServer, traj_id
+from streamrl.rollout.episode import ModelServer, Runner, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
 from streamrl.run.failpoints import EPISODE_SAVED, afailpoint
@@ -264,7 +264,7 @@ class RolloutWorker:
         cfg: Config,
         consumer: str,
         server: ModelServer,
-        runner: EpisodeRunner,
+        runner: Runner,
         episodes: Episodes,
         follower: WeightFollower,
         log: structlog.stdlib.BoundLogger,

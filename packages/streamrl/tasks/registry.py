@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from streamrl.agents.base import Agent, Environment
 from streamrl.agents.envs import ToolLimits
 from streamrl.agents.flow import CircuitBreaker, RateLimiter
 from streamrl.agents.tools import ToolCaller
-from streamrl.config import Config, TaskConfig, ToolsConfig
+from streamrl.config import OPENAI_AGENT, Config, TaskConfig, ToolsConfig
 from streamrl.plugins import TASKS_GROUP, PluginError, load_object, resolve_ref, validate_options
 from streamrl.tasks.base import (
     Demonstration,
@@ -133,10 +133,16 @@ class Episodes:
     environment: EnvironmentFactory
     agent: AgentFactory
     services: EpisodeServices
+    # `task.agent = "openai:module:main"`: the agent's async function (its episodes are
+    # played through the OpenAI-compatible endpoint, streamrl.endpoint.agent), else None
+    openai: Callable[..., Awaitable[object]] | None = None
+
+    def context(self, task: Task, member: int) -> EpisodeContext:
+        return EpisodeContext(task, member, self.services)
 
     def make(self, task: Task, member: int) -> tuple[Agent, Environment]:
         """A fresh agent and environment for one episode of `task`."""
-        ctx = EpisodeContext(task, member, self.services)
+        ctx = self.context(task, member)
         return self.agent(ctx), self.environment(ctx)
 
 
@@ -156,7 +162,14 @@ def load_episodes(cfg: Config, caller: ToolCaller, limits: ToolLimits | None = N
     environment: EnvironmentFactory = (
         _part(t.environment, "task.environment") if t.environment else taskdef.environment
     )
-    agent: AgentFactory = _part(t.agent, "task.agent", BUILTIN_AGENTS) if t.agent else taskdef.agent
+    openai = None
+    if t.agent.startswith(OPENAI_AGENT):  # played through the endpoint, not an Agent
+        from streamrl.endpoint.agent import load_agent
+
+        openai = load_agent(t.agent)
+        agent: AgentFactory = taskdef.agent
+    else:
+        agent = _part(t.agent, "task.agent", BUILTIN_AGENTS) if t.agent else taskdef.agent
     reward: Reward = _part(t.reward, "task.reward") if t.reward else taskdef.reward
     services = EpisodeServices(
         caller=caller,
@@ -166,7 +179,7 @@ def load_episodes(cfg: Config, caller: ToolCaller, limits: ToolLimits | None = N
         options=taskdef.options,
         reward=reward,
     )
-    return Episodes(environment, agent, services)
+    return Episodes(environment, agent, services, openai)
 
 
 class _NoCaller:
