@@ -35,8 +35,8 @@ from streamrl.agents.tools import CallContext
 from streamrl.config import OPENAI_AGENT, RolloutConfig
 from streamrl.endpoint.server import Endpoint, Episode
 from streamrl.plugins import PluginError, load_object
-from streamrl.rollout.episode import NewEpisode, OnTurn, sample_seed, traj_id
-from streamrl.wire import EpisodeState, Status, Task, Trajectory, pack_arrays
+from streamrl.rollout.episode import NewEpisode, OnTurn, sample_seed, traj_id, trajectory
+from streamrl.wire import EpisodeState, Status, Task, Trajectory
 
 if TYPE_CHECKING:
     from streamrl.tasks.registry import Episodes
@@ -163,25 +163,11 @@ class AgentRunner:
                 status, error = "error", f"{type(err).__name__}: {err}"
         if status != "ok":
             self.log.warning("agent_episode_ended", traj_id=tid, status=status, error=error)
+        timings = {
+            "episode_s": time.monotonic() - start,
+            "model_calls": float(out.episode.calls),
+            "refused_calls": float(out.episode.refused),
+            "edited_calls": float(out.episode.edited),
+        }
         tr = out.episode.session.transcript
-        return Trajectory(
-            traj_id=tid,
-            group_id=task.group_id,
-            task_id=task.task_id,
-            member=member,
-            num_generations=task.num_generations,
-            **pack_arrays(tr.tokens, tr.mask, tr.logprobs),
-            prompt_len=tr.prompt_len,
-            reward=reward,
-            status=status,
-            versions=list(tr.versions),
-            num_tool_calls=len(calls),
-            error=error,
-            timings={
-                "episode_s": time.monotonic() - start,
-                "model_calls": float(out.episode.calls),
-                "refused_calls": float(out.episode.refused),
-                "edited_calls": float(out.episode.edited),
-            },
-            worker=self.worker,
-        )
+        return trajectory(task, member, tr, reward, status, error, len(calls), timings, self.worker)

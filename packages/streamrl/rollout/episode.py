@@ -109,6 +109,36 @@ def traj_id(task: Task, member: int) -> str:
     return f"{task.group_id}-m{member}"
 
 
+def trajectory(
+    task: Task,
+    member: int,
+    tr: Transcript,
+    reward: float,
+    status: Status,
+    error: str,
+    num_tool_calls: int,
+    timings: dict[str, float],
+    worker: str,
+) -> Trajectory:
+    """The trajectory of member `member` of `task`, its transcript `tr`."""
+    return Trajectory(
+        traj_id=traj_id(task, member),
+        group_id=task.group_id,
+        task_id=task.task_id,
+        member=member,
+        num_generations=task.num_generations,
+        **pack_arrays(tr.tokens, tr.mask, tr.logprobs),
+        prompt_len=tr.prompt_len,
+        reward=reward,
+        status=status,
+        versions=list(tr.versions),
+        num_tool_calls=num_tool_calls,
+        error=error,
+        timings=timings,
+        worker=worker,
+    )
+
+
 def sample_seed(run_seed: int, tid: str, turn: int) -> int:
     """A stable per-turn sampling seed: a replayed episode samples the same way."""
     digest = hashlib.blake2b(f"{run_seed}:{tid}:{turn}".encode(), digest_size=4).digest()
@@ -222,21 +252,8 @@ class EpisodeRunner:
             timings["saved_s"] = resume.model_s + resume.env_s
         flows = (flow_id(TRAJ_FLOW, tid),)
         self.tracer.span(st.track, Span.EPISODE, start_ns, time.time_ns(), flows=flows)
-        return Trajectory(
-            traj_id=tid,
-            group_id=task.group_id,
-            task_id=task.task_id,
-            member=member,
-            num_generations=task.num_generations,
-            **pack_arrays(tr.tokens, tr.mask, tr.logprobs),
-            prompt_len=tr.prompt_len,
-            reward=st.reward,
-            status=st.status,
-            versions=list(tr.versions),
-            num_tool_calls=int(num_calls),
-            error=st.error,
-            timings=timings,
-            worker=self.worker,
+        return trajectory(
+            task, member, tr, st.reward, st.status, st.error, int(num_calls), timings, self.worker
         )
 
     async def _play(
