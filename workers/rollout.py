@@ -13,13 +13,14 @@ from streamrl.rollout.episode import EpisodeRunner, NewDialogue, Runner
 from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.run.runtime import WorkerContext
-from streamrl.tasks.registry import load_episodes
+from streamrl.tasks.registry import Episodes, load_episodes
 from streamrl.tools.client import ToolClient
 from streamrl.transport import make_async_client
 from streamrl.weightsync import WEIGHTS_DIR
 
 if TYPE_CHECKING:
     from streamrl.chat.hf import HFChat
+    from streamrl.endpoint.server import Endpoint
     from streamrl.model.engine import Engine
     from streamrl.rollout.episode import ModelServer
 
@@ -104,6 +105,58 @@ async def _main(ctx: WorkerContext) -> None:
     await serve(ctx)
 
 
+async def _runner(
+    ctx: WorkerContext, episodes: Episodes, policy: Policy
+) -> tuple[Runner, Endpoint | None]:
+    """The episodes' runner: the built-in one (an Agent on an Environment), or for
+    `task.agent = "openai:..."` the endpoint's (started here; the caller stops it)."""
+    cfg = ctx.cfg
+    if episodes.openai is None:
+        runner = EpisodeRunner(policy.server, policy.dialogue, cfg.rollout, cfg.run.seed,
+                               ctx.worker_id, ctx.log, tracer=ctx.tracer)  # fmt: skip
+        return runner, None
+    from streamrl.endpoint.agent import AgentRunner
+    from streamrl.endpoint.server import Endpoint
+
+    if policy.chat is None:
+        raise PluginError(
+            f"task.agent = {cfg.task.agent!r} needs the model's chat template: the stub "
+            "policy (model.kind = stub) has none"
+        )
+    endpoint = Endpoint(policy.server, policy.chat, cfg.rollout, ctx.log)
+    ctx.log.info("endpoint_started", base_url=await endpoint.start())
+    agent = AgentRunner(endpoint, episodes.openai, episodes, cfg.rollout, cfg.run.seed,
+                        ctx.worker_id, ctx.log)  # fmt: skip
+    return agent, endpoint
+
+
+def _log_stop(
+    ctx: WorkerContext, worker: RolloutWorker, policy: Policy, follower: WeightFollower
+) -> None:
+    server = policy.server
+    ctx.log.info(
+        "rollout_stop",
+        episodes=worker.started,
+        engine_steps=server.steps,
+        tokens=policy.tokens(),
+        kv=policy.kv(),
+        weight_syncs=follower.syncs,
+        weight_sync_s=round(follower.sync_s, 3),
+        weight_stall_s=round(server.stall_s, 3),
+        weights_refused=follower.refused,
+        weights_superseded=follower.superseded,
+        episode_s_run=round(worker.active_s, 3),
+        task_reads=worker.reads,
+        tasks_read=worker.read_tasks,
+        empty_reads=worker.empty_reads,
+        paused_reads=worker.paused_reads,
+        admission=worker.cfg.rollout.admission,
+        admission_limit=worker.admission.limit,
+        admission_grows=worker.admission.grows,
+        admission_trims=worker.admission.trims,
+    )
+
+
 async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | None = None) -> None:
     """Build the rollout worker and run it until stopped; `on_server` sees the engine
     server first (the colocated worker pauses it while it trains)."""
@@ -130,24 +183,7 @@ async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | N
         cfg.rollout.sync_mode,
         tracer=ctx.tracer,
     )
-    runner: Runner = EpisodeRunner(
-        server, policy.dialogue, cfg.rollout, cfg.run.seed, ctx.worker_id, ctx.log,
-        tracer=ctx.tracer,
-    )  # fmt: skip
-    endpoint = None
-    if episodes.openai is not None:  # task.agent = "openai:...": through the endpoint
-        from streamrl.endpoint.agent import AgentRunner
-        from streamrl.endpoint.server import Endpoint
-
-        if policy.chat is None:
-            raise PluginError(
-                f"task.agent = {cfg.task.agent!r} needs the model's chat template: the stub "
-                "policy (model.kind = stub) has none"
-            )
-        endpoint = Endpoint(server, policy.chat, cfg.rollout, ctx.log)
-        ctx.log.info("endpoint_started", base_url=await endpoint.start())
-        runner = AgentRunner(endpoint, episodes.openai, episodes, cfg.rollout, cfg.run.seed,
-                             ctx.worker_id, ctx.log)  # fmt: skip
+    runner, endpoint = await _runner(ctx, episodes, policy)
     worker = RolloutWorker(
         client=ctx.client(),
         aclient=aclient,
@@ -170,27 +206,7 @@ async def serve(ctx: WorkerContext, on_server: Callable[[ModelServer], None] | N
     try:
         await worker.run()
     finally:
-        ctx.log.info(
-            "rollout_stop",
-            episodes=worker.started,
-            engine_steps=server.steps,
-            tokens=policy.tokens(),
-            kv=policy.kv(),
-            weight_syncs=follower.syncs,
-            weight_sync_s=round(follower.sync_s, 3),
-            weight_stall_s=round(server.stall_s, 3),
-            weights_refused=follower.refused,
-            weights_superseded=follower.superseded,
-            episode_s_run=round(worker.active_s, 3),
-            task_reads=worker.reads,
-            tasks_read=worker.read_tasks,
-            empty_reads=worker.empty_reads,
-            paused_reads=worker.paused_reads,
-            admission=worker.cfg.rollout.admission,
-            admission_limit=worker.admission.limit,
-            admission_grows=worker.admission.grows,
-            admission_trims=worker.admission.trims,
-        )
+        _log_stop(ctx, worker, policy, follower)
         if endpoint is not None:
             await endpoint.stop()
         await aclient.aclose()
