@@ -56,9 +56,12 @@ def test_empty_redis_mid_run_stops_the_run_and_resume_restores_it(tmp_path: Path
             client.delete(*gone)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
-    # the feeder refused to write the data again from cursor 0
-    fatal = _events(logs / "feeder-0.log", "worker_fatal")
-    assert fatal and "Redis lost the run" in fatal[-1]["error"], out
+    # a worker noticed and stopped the run, saying why: the feeder (refusing to write the
+    # data again from cursor 0) or, when it reads Redis first, the trainer (seen in a CI
+    # run on a loaded machine); the launcher then stops the others. That nothing was
+    # written on top shows below: no late checkpoint, no group trained twice after resume
+    fatal = [e for f in sorted(logs.glob("*-0.log")) for e in _events(f, "worker_fatal")]
+    assert any("Redis lost the run" in e.get("error", "") for e in fatal), out
     # The trainer wrote nothing on top: it noticed (RunLostError) or its next read failed
     # on the emptied Redis first; no checkpoint was begun after the loss (one under way
     # then commits within a second).
