@@ -1,7 +1,7 @@
 """Adaptive admission against fixed concurrency on the real engine (issue 29 item 4).
 
-    .venv/bin/python ops/bench/admission.py --rollout-only       # C 8,16,32,64 and auto
-    .venv/bin/python ops/bench/admission.py --fixed 16,64 --groups 32 --repeats 3
+    .venv/bin/python -m ops.bench.admission --rollout-only       # C 8,16,32,64 and auto
+    .venv/bin/python -m ops.bench.admission --fixed 16,64 --groups 32 --repeats 3
 
 Each row is a whole `streamrl up` of the built-in tiny transformer (random init: its
 answers are noise, which is all a throughput bench needs) on the synthetic task with
@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ops.bench.stragglers import events, ts
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "the", "of", "and", "to", "value")
 
@@ -71,22 +73,6 @@ kv_cache_size = 1024
 max_prompt_length = 768
 max_response_length = 256
 """
-
-
-def events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def ts(e: dict[str, Any]) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def _rollout_events(run_dir: Path) -> list[dict[str, Any]]:

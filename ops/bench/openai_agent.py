@@ -1,6 +1,6 @@
 """The built-in agent against the same agent through the OpenAI-compatible endpoint (issue 31).
 
-    .venv/bin/python ops/bench/openai_agent.py                 # 3 rounds of both, 4 steps
+    .venv/bin/python -m ops.bench.openai_agent                 # 3 rounds of both, 4 steps
 
 Each row is a whole `streamrl up` of the default config (configs/tiny.toml, its warm start
 cached under build/model-cache) for `--steps` trainer steps, the evaluator off, sampling
@@ -23,32 +23,18 @@ The baseline is the built-in agent of the same round.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ops.bench.stragglers import events, ts
+
 REPO = Path(__file__).resolve().parents[2]
 AGENT = 'task.agent="openai:examples.openai_agent.agent:main"'
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def _ts(e: dict[str, Any]) -> float:
-    return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def run(work: Path, name: str, steps: int, sets: list[str]) -> dict[str, Any]:
@@ -63,11 +49,11 @@ def run(work: Path, name: str, steps: int, sets: list[str]) -> dict[str, Any]:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: rc {proc.returncode}\n{proc.stdout[-2000:]}")
-    events = _events(run_dir / "logs" / "rollout-0.log")
-    ready = min(_ts(e) for e in events if e["event"] == "rollout_ready")
-    commits = [e for e in events if e["event"] == "trajectories_committed"]
+    log = events(run_dir / "logs" / "rollout-0.log")
+    ready = min(ts(e) for e in log if e["event"] == "rollout_ready")
+    commits = [e for e in log if e["event"] == "trajectories_committed"]
     trajs = {t["traj_id"]: t for e in commits for t in e["trajectories"]}
-    end = max(_ts(e) for e in commits)
+    end = max(ts(e) for e in commits)
     return {
         "wall_s": time.monotonic() - start,
         "traj_s": len(trajs) / (end - ready),

@@ -201,9 +201,18 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def events(path: Path) -> list[dict[str, Any]]:
+    """The JSON events of a worker log (none when it does not exist yet); a line not yet
+    whole (a log read while its run writes it) is skipped."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line[:1] == "{"]
+    out = []
+    for line in path.read_text().splitlines():
+        if line[:1] == "{":
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
 
 
 def ts(e: dict[str, Any]) -> float:

@@ -246,7 +246,7 @@ class TaskConfig(_Section):
             "data) -> answer that talks to the rollout worker's OpenAI-compatible endpoint "
             "(streamrl.endpoint.agent)."
         ),
-        pattern=r"^$|^openai:" + PLUGIN_REF.removeprefix("^") + "|" + PLUGIN_REF,
+        pattern=r"^$|^" + OPENAI_AGENT + PLUGIN_REF.removeprefix("^") + "|" + PLUGIN_REF,
     )
     reward: str = Field(
         "",

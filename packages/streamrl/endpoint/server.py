@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
@@ -59,7 +59,6 @@ class Episode:
     last_finish: str = ""  # the finish reason of its last served call
     refused: int = 0
     edited: int = 0
-    refusals: list[str] = field(default_factory=list)
 
 
 class Endpoint:
@@ -122,7 +121,7 @@ class Endpoint:
         try:
             self._episode(request)
         except ApiError as err:
-            return web.json_response(err.body(), status=err.status)
+            return _refused(err)
         return web.json_response(
             {
                 "object": "list",
@@ -148,10 +147,11 @@ class Endpoint:
         try:
             ep = self._episode(request)
         except ApiError as err:
-            return web.json_response(err.body(), status=err.status)
+            return _refused(err)
         if ep.busy:
-            busy = ApiError("this episode has a call in flight: one turn at a time", status=409)
-            return web.json_response(busy.body(), status=busy.status)
+            return _refused(
+                ApiError("this episode has a call in flight: one turn at a time", status=409)
+            )
         ep.busy = True
         try:
             return await self._serve(request, ep)
@@ -159,7 +159,6 @@ class Endpoint:
             ep.refused += 1
             if isinstance(err, TranscriptEdited):
                 ep.edited += 1
-            ep.refusals.append(err.message)
             self.log.info(
                 "endpoint_refused",
                 episode=ep.session.episode,
@@ -168,7 +167,7 @@ class Endpoint:
                 code=err.code,
                 reason=err.message,
             )
-            return web.json_response(err.body(), status=err.status)
+            return _refused(err)
         finally:
             ep.busy = False
 
@@ -227,3 +226,8 @@ class Endpoint:
             await resp.write(event.encode())
         await resp.write_eof()
         return resp
+
+
+def _refused(err: ApiError) -> web.Response:
+    """OpenAI's error body for `err`, with its status."""
+    return web.json_response(err.body(), status=err.status)
