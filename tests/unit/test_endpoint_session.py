@@ -156,9 +156,9 @@ def test_calls_the_endpoint_cannot_train_on_are_refused(chat: HFChat) -> None:
 def test_an_oversize_prompt_is_refused_with_its_figures(chat: HFChat) -> None:
     s = EndpointSession(chat, "e", max_context=64)
     with pytest.raises(ApiError) as info:
-        s.prepare(request([{"role": "user", "content": PROMPT * 8}], max_tokens=16))
+        s.prepare(request([{"role": "user", "content": PROMPT * 8}], max_tokens=16, tools=TOOLS))
     assert info.value.code == "context_length_exceeded" and "positions" in info.value.message
-    assert s.turns == 0 and s.transcript.tokens == []
+    assert s.turns == 0 and s.transcript.tokens == [] and s.tools is None
 
 
 def test_agent_text_cannot_forge_a_control_token(chat: HFChat) -> None:

@@ -53,7 +53,7 @@ class Pending:
     added: list[int]  # its ids the session did not hold (template, not trained)
     wire: list[dict[str, Any]]  # the request's messages new to the session, normalised
     template: list[dict[str, Any]]  # the same as the template renders them
-    tools_offered: bool
+    tools: list[dict[str, Any]] | None  # the request's tools (a first call fixes them)
 
 
 def _arguments(raw: str) -> object:
@@ -131,7 +131,8 @@ class EndpointSession:
             added = self.chat.continuation_ids(self.template, template, self.tools)
         except ChatError as err:
             raise ApiError(f"the chat template cannot continue the conversation: {err}") from None
-        return self._pending(req, [*self.transcript.tokens, *added], added, new, template)
+        prompt = [*self.transcript.tokens, *added]
+        return self._pending(req, prompt, added, new, template, self.tools)
 
     def _first(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> Pending:
         for i, m in enumerate(req.messages):
@@ -147,8 +148,7 @@ class EndpointSession:
             prompt = self.chat.prompt_ids(template, tools)
         except ChatError as err:
             raise ApiError(f"the chat template cannot render the conversation: {err}") from None
-        self.tools = tools  # fixed by the first call (a refused one leaves it to the next)
-        return self._pending(req, prompt, prompt, req.messages, template)
+        return self._pending(req, prompt, prompt, req.messages, template, tools)
 
     def _pending(
         self,
@@ -157,6 +157,7 @@ class EndpointSession:
         added: list[int],
         new: list[Message],
         template: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
     ) -> Pending:
         limit = req.token_limit or 1
         if len(prompt) + limit > self.max_context:
@@ -166,7 +167,7 @@ class EndpointSession:
                 param="messages",
                 code="context_length_exceeded",
             )
-        return Pending(prompt, added, [normalise(m) for m in new], template, bool(req.tools))
+        return Pending(prompt, added, [normalise(m) for m in new], template, tools)
 
     def _template(self, m: Message) -> dict[str, Any]:
         role = "system" if m.role == "developer" else m.role
@@ -178,14 +179,15 @@ class EndpointSession:
         """Keep a served call: its new messages, the template's ids, the sampled `ids`
         (their log-probs, the policy `version`); the assistant message to return."""
         self.transcript.add_template(pending.added)
-        if not self.turns:
-            self.transcript.prompt_len = len(pending.added)  # the first prompt, as rollout's
+        if not self.turns:  # the first call fixes the tools and the prompt's length
+            self.tools = pending.tools
+            self.transcript.prompt_len = len(pending.added)
         self.transcript.add_sampled(ids, logprobs, version)
         self.template.extend(pending.template)
         text = self.chat.assistant_text(ids)
         self.template.append(self.chat.assistant_message(ids))
         message = assistant_message(
-            text, self.chat.parse(ids), self.episode, self.turns, pending.tools_offered
+            text, self.chat.parse(ids), self.episode, self.turns, pending.tools is not None
         )
         self.wire.extend(pending.wire)
         self.wire.append(normalise(Message.model_validate(message)))
