@@ -109,25 +109,24 @@ async def _runner(
     ctx: WorkerContext, episodes: Episodes, policy: Policy
 ) -> tuple[Runner, Endpoint | None]:
     """The episodes' runner: the built-in one (an Agent on an Environment), or for
-    `task.agent = "openai:..."` the endpoint's (started here; the caller stops it)."""
+    `task.agent = "openai:..."` and `task.agent_command` the endpoint's (started here; the
+    caller stops it)."""
     cfg = ctx.cfg
-    if episodes.openai is None:
+    if episodes.openai is None and not cfg.task.agent_command:
         runner = EpisodeRunner(policy.server, policy.dialogue, cfg.rollout, cfg.run.seed,
                                ctx.worker_id, ctx.log, tracer=ctx.tracer)  # fmt: skip
         return runner, None
-    from streamrl.endpoint.agent import AgentRunner
-    from streamrl.endpoint.server import Endpoint
+    from streamrl.endpoint.agent import start_runner
 
     if policy.chat is None:
-        raise PluginError(
-            f"task.agent = {cfg.task.agent!r} needs the model's chat template: the stub "
-            "policy (model.kind = stub) has none"
+        which = (
+            "task.agent_command" if cfg.task.agent_command else f"task.agent = {cfg.task.agent!r}"
         )
-    endpoint = Endpoint(policy.server, policy.chat, cfg.rollout, ctx.log)
-    ctx.log.info("endpoint_started", base_url=await endpoint.start())
-    agent = AgentRunner(endpoint, episodes.openai, episodes, cfg.rollout, cfg.run.seed,
-                        ctx.worker_id, ctx.log)  # fmt: skip
-    return agent, endpoint
+        raise PluginError(
+            f"{which} needs the model's chat template: the stub policy (model.kind = stub) has none"
+        )
+    return await start_runner(cfg, policy.server, policy.chat, episodes, ctx.worker_id, ctx.log,
+                              ctx.tracer)  # fmt: skip
 
 
 def _log_stop(

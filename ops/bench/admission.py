@@ -88,7 +88,7 @@ def _committed(run_dir: Path) -> int:
     )
 
 
-def _rollout_alone(
+def rollout_alone(
     proc: subprocess.Popen[str], run_dir: Path, episodes: int, timeout_s: float
 ) -> str:
     """--rollout-only: stop the trainer (SIGSTOP) once rollout is ready, so the engine has
@@ -162,7 +162,7 @@ def run_row(
             start_new_session=True, env=env,
         )  # fmt: skip
     if rollout_only:
-        why = _rollout_alone(proc, run_dir, groups * 4, timeout_s)
+        why = rollout_alone(proc, run_dir, groups * 4, timeout_s)
         proc.wait(timeout=120)
         if why:
             row["failed"] = why

@@ -248,6 +248,25 @@ class TaskConfig(_Section):
         ),
         pattern=r"^$|^" + OPENAI_AGENT + PLUGIN_REF.removeprefix("^") + "|" + PLUGIN_REF,
     )
+    agent_command: list[str] = Field(
+        default_factory=list,
+        description=(
+            "An external agent program instead (e.g. [\"python3\", \"agent.py\"]): run once "
+            "per episode in a sandbox whose network reaches only the rollout worker's "
+            "OpenAI-compatible endpoint, with OPENAI_BASE_URL and OPENAI_API_KEY set, the "
+            "task's prompt and data as JSON on stdin; its stdout is the answer "
+            "(streamrl.endpoint.command). Needs bubblewrap on the rollout worker's host, or "
+            "tools.sandbox = \"subprocess\" (no isolation). Empty: task.agent plays."
+        ),
+        max_length=256,
+    )
+    agent_dir: str = Field(
+        "",
+        description=(
+            "Directory of the agent program's files, bound read-only at /agent, its working "
+            "directory (empty: a scratch /work). Only with agent_command."
+        ),
+    )
     reward: str = Field(
         "",
         description=(
@@ -335,6 +354,17 @@ class TaskConfig(_Section):
         if isinstance(v, int) and not 1 <= v <= 1_000_000:
             raise ValueError(f'task.max_backlog must be in [1, 1000000] or "auto", got {v}')
         return v
+
+    @model_validator(mode="after")
+    def _agent_program(self) -> TaskConfig:
+        if self.agent_command and self.agent:
+            raise ValueError(
+                f"task.agent_command runs the agent program; task.agent = {self.agent!r} "
+                "names another agent: set one of them"
+            )
+        if self.agent_dir and not self.agent_command:
+            raise ValueError("task.agent_dir is the agent program's: set task.agent_command")
+        return self
 
 
 class ModelConfig(_Section):

@@ -17,6 +17,7 @@ from openai import AsyncOpenAI
 
 from streamrl.chat.hf import HFChat
 from streamrl.endpoint.server import Endpoint
+from streamrl.endpoint.session import stop_cut
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.sampling import GenRequest, GenResult, SamplingParams
 from streamrl.rollout.engine_server import EngineServer
@@ -299,5 +300,46 @@ def test_one_call_at_a_time_per_episode_and_the_model_list(policy: Any) -> None:
         served = [r for r in results if not isinstance(r, BaseException)]
         assert len(conflicts) == 1 and len(served) == 2
         assert sorted(r.session for r in model.requests) == ["g1-m0", "g1-m1"]
+
+    run(body)
+
+
+def test_a_stop_sequence_ends_the_turn_through_the_openai_client(policy: Any) -> None:
+    cfg, chat, _, _ = policy
+    turns = ["Let me see. STOP and the rest", "<answer>5</answer>"]
+    model = Scripted(chat, turns)
+    endpoint = Endpoint(model, chat, cfg.rollout, structlog.get_logger())
+    sampled = chat.assistant_turn(turns[0])
+    keep = stop_cut(chat, sampled, ["STOP"])
+    assert keep is not None and keep < len(sampled)
+
+    async def body() -> None:
+        base = await endpoint.start()
+        key = endpoint.open("g2-m0", lambda turn: turn)
+        client = AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        try:
+            messages: list[Any] = [{"role": "user", "content": "Compute 2+3."}]
+            out = await client.chat.completions.create(
+                model="policy", messages=messages, stop="STOP"
+            )
+            choice = out.choices[0]
+            assert (choice.message.content, choice.finish_reason) == ("Let me see. ", "stop")
+            assert out.usage is not None and out.usage.completion_tokens == keep
+            messages += [choice.message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "Go on."}]  # fmt: skip
+            again = await client.chat.completions.create(model="policy", messages=messages)
+            assert again.choices[0].message.content == "<answer>5</answer>"
+            ep = endpoint.close(key)
+        finally:
+            await client.close()
+            await endpoint.stop()
+        # trained: the ids kept, as sampled; the next prompt continued them after the end
+        # marker the cut turn lacked
+        tr = ep.session.transcript
+        first = model.requests[0].prompt
+        assert tr.tokens[len(first) : len(first) + keep + 1] == [*sampled[:keep], chat.turn_end_id]
+        assert (
+            model.requests[1].prompt[: len(first) + keep + 1] == tr.tokens[: len(first) + keep + 1]
+        )
 
     run(body)

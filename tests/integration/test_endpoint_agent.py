@@ -13,7 +13,7 @@ import pytest
 import structlog
 from openai import AsyncOpenAI
 
-from examples.openai_agent.agent import calculate
+from examples.openai_agent.calculator import calculate
 from streamrl.endpoint.agent import Outcome, load_agent, play
 from streamrl.endpoint.server import Endpoint
 from streamrl.model.sampling import GenRequest, GenResult
@@ -129,3 +129,43 @@ def test_agent_references_are_checked() -> None:
         load_agent("openai:examples.openai_agent.agent:calculate")
     with pytest.raises(PluginError):
         load_agent("openai:examples.openai_agent.nope:main")
+
+
+def test_a_model_call_past_its_limit_ends_the_episode_as_a_timeout(policy: Any) -> None:
+    # the worker's ModelCalls serve the endpoint as they do the built-in runner: past
+    # rollout.model_call_timeout_s the call is answered 504 and the episode is a timeout
+    cfg, chat, _, _ = policy
+
+    class Slow(Scripted):
+        async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
+            await asyncio.sleep(30)
+            return await super().generate(request)
+
+    rollout = cfg.rollout.model_copy(update={"model_call_timeout_s": 0.2})
+    endpoint = Endpoint(Slow(chat, ["never"]), chat, rollout, structlog.get_logger())
+    seen: list[Any] = []
+
+    async def asks(base_url: str, api_key: str, prompt: str, data: dict[str, Any]) -> str:
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        try:
+            await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": prompt}]
+            )
+        except openai.APIStatusError as err:
+            seen.append((err.status_code, err.code))
+            raise
+        finally:
+            await client.close()
+        return "unreachable"
+
+    async def body() -> Outcome:
+        await endpoint.start()
+        try:
+            return await play(endpoint, asks, "g5-m0", "hi", {}, lambda t: t, 10, 4)
+        finally:
+            await endpoint.stop()
+
+    out = asyncio.run(body())
+    assert seen == [(504, "model_call_timeout")]
+    assert out.status == "timeout" and "model_call_timeout_s" in out.error
+    assert out.episode.calls == 0 and out.episode.timed_out

@@ -5,7 +5,8 @@ import pytest
 from streamrl.config import Config, ConfigError, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+EXAMPLES = [p for p in (REPO / "examples").glob("*/*.toml") if p.name != "pyproject.toml"]
+CONFIGS = sorted((REPO / "configs").glob("*.toml")) + sorted(EXAMPLES)
 
 
 def test_repo_has_configs() -> None:
@@ -201,3 +202,13 @@ def test_restarts_outlast_a_poison_entry() -> None:
         parse_config({"run": {"max_restarts": 5}})
     assert parse_config({"run": {"max_restarts": 6}}).run.max_restarts == 6
     assert parse_config({"run": {"max_restarts": 0}}).run.max_restarts == 0  # never restart
+
+
+def test_an_agent_program_excludes_another_agent() -> None:
+    program = ["python3", "agent.py"]
+    cfg = parse_config({"task": {"agent_command": program, "agent_dir": "examples"}})
+    assert cfg.task.agent_command == program and cfg.task.agent == ""
+    with pytest.raises(ConfigError, match=r"task.agent_command runs the agent program"):
+        parse_config({"task": {"agent_command": program, "agent": "openai:m:main"}})
+    with pytest.raises(ConfigError, match=r"task.agent_dir is the agent program's"):
+        parse_config({"task": {"agent_dir": "examples"}})

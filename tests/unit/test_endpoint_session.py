@@ -12,7 +12,7 @@ from streamrl.chat.hf import HFChat
 from streamrl.chat.tiny_tokenizer import build_tiny_tokenizer
 from streamrl.chat.transcript import Transcript
 from streamrl.endpoint.protocol import ApiError, parse_request
-from streamrl.endpoint.session import EndpointSession, TranscriptEdited
+from streamrl.endpoint.session import EndpointSession, TranscriptEdited, before_stop, stop_cut
 from streamrl.tasks.arithmetic import calculator_call
 from streamrl.tools.registry import CALCULATOR
 
@@ -193,3 +193,39 @@ def test_the_served_prompt_is_the_whole_conversation_rendered(chat: HFChat) -> N
             messages.append({"role": "tool", "content": "95"})
     whole = chat.render(messages, TOOLS)
     assert s.transcript.tokens == chat.encode(whole.removesuffix("\n"))
+
+
+def test_stop_sequences_cut_the_turn_at_the_token_that_completes_them(chat: HFChat) -> None:
+    # golden: the text of a stop sequence's first occurrence and what precedes it
+    assert before_stop("abcDONEx", ["DONE", "c"]) == "ab"
+    assert before_stop("no stop here", ["DONE"]) == "no stop here"
+    ids = chat.assistant_turn("The sum is 95. DONE and then more words")
+    assert stop_cut(chat, ids, ["never"]) is None and stop_cut(chat, ids, []) is None
+    keep = stop_cut(chat, ids, ["DONE"])
+    assert keep is not None
+    assert "DONE" in chat.assistant_text(ids[:keep])  # the shortest prefix that holds it
+    assert "DONE" not in chat.assistant_text(ids[: keep - 1])
+
+
+def test_a_turn_cut_by_a_stop_sequence_trains_on_what_was_kept(chat: HFChat) -> None:
+    s = EndpointSession(chat, "g3-m0", max_context=1024)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    pending = s.prepare(request(msgs, tools=TOOLS, stop=["DONE"]))
+    sampled = chat.assistant_turn("The sum is 95. DONE and then more words")
+    keep = stop_cut(chat, sampled, ["DONE"])
+    assert keep is not None and keep < len(sampled)
+    lps = [-0.1 * (i + 1) for i in range(len(sampled))]
+    reply = s.record(pending, sampled[:keep], lps[:keep], 4, ["DONE"])
+    # the agent gets the text before the stop sequence; the trajectory holds the ids kept,
+    # exactly as sampled (trained, with their log-probs), then the end marker (not trained)
+    assert reply["content"] == "The sum is 95. "
+    tr = s.transcript
+    start = len(pending.prompt)
+    assert tr.tokens[start:] == [*sampled[:keep], chat.turn_end_id]
+    assert tr.mask[start:] == [1] * keep + [0]
+    assert tr.logprobs[start : start + keep] == lps[:keep] and tr.versions == [4]
+    # the next call sends the reply back as it came: accepted, continued after the marker
+    msgs += [reply, {"role": "user", "content": "And now?"}]
+    nxt = s.prepare(request(msgs, tools=TOOLS))
+    assert nxt.prompt[: len(tr.tokens)] == tr.tokens
+    assert chat.decode(nxt.added).lstrip().startswith("<|im_start|>user")

@@ -10,7 +10,8 @@ them (`EndpointSession.tool_records`, what a built-in environment records). `pla
 under the episode's limits:
 
 - `timeout_s` (rollout.episode_timeout_s): past it the coroutine is cancelled, status
-  `timeout`;
+  `timeout`; so is an episode one of whose model calls outlived
+  `rollout.model_call_timeout_s` (the call answered 504 `model_call_timeout`);
 - `max_calls` (rollout.max_steps): the endpoint refuses a call past it (400,
   `model_call_limit`); an agent that then returns ends `truncated`, as does one whose last
   call ran out of tokens (`finish_reason` `length`);
@@ -32,13 +33,17 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from streamrl.agents.tools import CallContext
-from streamrl.config import OPENAI_AGENT, RolloutConfig
+from streamrl.config import OPENAI_AGENT, Config, RolloutConfig
 from streamrl.endpoint.server import Endpoint, Episode
+from streamrl.obs.tracing import Tracer
 from streamrl.plugins import PluginError, load_object
 from streamrl.rollout.episode import NewEpisode, OnTurn, sample_seed, traj_id, trajectory
+from streamrl.tools.sandbox import SandboxUnavailableError
 from streamrl.wire import EpisodeState, Status, Task, Trajectory
 
 if TYPE_CHECKING:
+    from streamrl.chat.hf import HFChat
+    from streamrl.rollout.episode import ModelService
     from streamrl.tasks.registry import Episodes
 
 PREFIX = OPENAI_AGENT
@@ -94,11 +99,15 @@ async def play(
         answer = None if result is None else str(result)
     except TimeoutError:
         status, error = "timeout", f"the agent ran past episode_timeout_s ({timeout_s:g}s)"
+    except SandboxUnavailableError:  # an agent program's sandbox: not the agent's failure
+        raise
     except Exception as err:  # the agent's own failure ends its episode, not the worker
         status, error = "error", f"{type(err).__name__}: {err}"
     finally:
         ep = endpoint.close(key)
-    if status == "ok" and (ep.limited or ep.last_finish == "length"):
+    if ep.timed_out:  # whatever the agent made of the refused call
+        status, error = "timeout", "a model call exceeded rollout.model_call_timeout_s"
+    elif status == "ok" and (ep.limited or ep.last_finish == "length"):
         status = "truncated"
     return Outcome(ep, status, answer, error)
 
@@ -165,9 +174,57 @@ class AgentRunner:
             self.log.warning("agent_episode_ended", traj_id=tid, status=status, error=error)
         timings = {
             "episode_s": time.monotonic() - start,
+            "model_s": out.episode.model_s,
+            "prefill_tokens": float(out.episode.prefill_tokens),
             "model_calls": float(out.episode.calls),
             "refused_calls": float(out.episode.refused),
             "edited_calls": float(out.episode.edited),
         }
         tr = out.episode.session.transcript
         return trajectory(task, member, tr, reward, status, error, len(calls), timings, self.worker)
+
+
+async def start_runner(
+    cfg: Config,
+    model: ModelService,
+    chat: HFChat,
+    episodes: Episodes,
+    worker: str,
+    log: structlog.stdlib.BoundLogger,
+    tracer: Tracer | None = None,
+) -> tuple[AgentRunner, Endpoint]:
+    """The rollout worker's runner for `task.agent = "openai:..."` or `task.agent_command`,
+    and its endpoint, started (the caller stops it). For a program: its sandbox checked
+    here (bubblewrap, unless `tools.sandbox = "subprocess"`), so that a host that cannot
+    run it fails at start, naming the fix."""
+    from streamrl.endpoint.command import MEMORY_BYTES, CommandAgent
+    from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
+
+    t = cfg.task
+    endpoint = Endpoint(model, chat, cfg.rollout, log, tracer=tracer)
+    try:
+        base_url = await endpoint.start(unix=bool(t.agent_command))
+        if t.agent_command:
+            box = None
+            if cfg.tools.sandbox != "subprocess":
+                box = BubblewrapSandbox(
+                    BubblewrapConfig(
+                        memory_bytes=MEMORY_BYTES,
+                        max_processes=max(4, cfg.tools.pids_limit),
+                        call_server=False,
+                    )
+                )
+            main: AgentMain = CommandAgent(t.agent_command, t.agent_dir, endpoint.socket_path,
+                                           box, cfg.rollout.episode_timeout_s)  # fmt: skip
+            log.info("agent_program", argv=t.agent_command, dir=t.agent_dir,
+                     isolated=box is not None)  # fmt: skip
+        elif episodes.openai is not None:
+            main = episodes.openai
+        else:
+            raise PluginError("start_runner: task.agent names no agent of the OpenAI kind")
+    except BaseException:
+        await endpoint.stop()
+        raise
+    log.info("endpoint_started", base_url=base_url, socket=endpoint.socket_path or None)
+    runner = AgentRunner(endpoint, main, episodes, cfg.rollout, cfg.run.seed, worker, log)
+    return runner, endpoint

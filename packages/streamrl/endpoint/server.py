@@ -16,12 +16,19 @@ is refused, since the trainer corrects for the distribution the run samples from
 call samples at most `rollout.max_turn_tokens` (the request's `max_tokens` may lower it).
 
 Calls of one episode are served one at a time (a second call while one is in flight is
-refused, 409: a conversation has one next turn).
+refused, 409: a conversation has one next turn). Model calls go through the worker's
+`ModelCalls`, as the built-in runner's do: `rollout.max_model_calls` in flight at most,
+`rollout.model_call_timeout_s` (past it: 504 `model_call_timeout`, the episode ends
+`timeout`), spans on the episode's trace track. A request's `stop` sequences cut the
+sampled turn (`streamrl.endpoint.session.stop_cut`).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +46,10 @@ from streamrl.endpoint.protocol import (
     completion,
     parse_request,
 )
-from streamrl.endpoint.session import EndpointSession, TranscriptEdited
+from streamrl.endpoint.session import EndpointSession, TranscriptEdited, stop_cut
 from streamrl.model.sampling import GenRequest
-from streamrl.rollout.episode import ModelService
+from streamrl.obs.tracing import Tracer
+from streamrl.rollout.episode import ModelCalls, ModelCallTimeoutError, ModelService
 
 MODEL_NAME = "policy"  # what /v1/models lists; a request's `model` is not checked
 
@@ -53,12 +61,16 @@ class Episode:
     session: EndpointSession
     seed: Callable[[int], int]  # turn -> sampling seed (the built-in agent's rule)
     max_calls: int = 0  # model calls it may make (0: no limit of its own)
+    track: int = 0  # its trace track (0: tracing off)
     busy: bool = False
     calls: int = 0
     limited: bool = False  # a call was refused for the limit
+    timed_out: bool = False  # a model call outlived rollout.model_call_timeout_s
     last_finish: str = ""  # the finish reason of its last served call
     refused: int = 0
     edited: int = 0
+    model_s: float = 0.0  # seconds its served calls took, from request to result
+    prefill_tokens: int = 0  # prompt positions the engine computed for them
 
 
 class Endpoint:
@@ -71,32 +83,50 @@ class Endpoint:
         cfg: RolloutConfig,
         log: structlog.stdlib.BoundLogger,
         clock: Callable[[], float] = time.time,
+        tracer: Tracer | None = None,
     ) -> None:
         self.model = model
         self.chat = chat
         self.cfg = cfg
         self.log = log
         self.clock = clock
+        self.tracer = tracer or Tracer.disabled()
+        self.calls = ModelCalls(model, cfg, self.tracer)
         self.episodes: dict[str, Episode] = {}
         self.app = web.Application(client_max_size=8 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self._completions)
         self.app.router.add_get("/v1/models", self._models)
         self._runner: web.AppRunner | None = None
         self.host, self.port = "127.0.0.1", 0
+        self._socket_dir = self.socket_path = ""
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve on `host:port` (0: a free port); the base URL an agent is given."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, unix: bool = False) -> str:
+        """Serve on `host:port` (0: a free port), and with `unix` on a unix socket too
+        (`socket_path`, in a directory of its own: what an agent program's sandbox binds
+        in, `streamrl.endpoint.command`); the base URL an agent is given."""
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.host, self.port = host, int(self._runner.addresses[0][1])
+        if unix:
+            # Any local uid may connect (a root worker's sandboxed programs run as another
+            # uid), as any may reach the TCP port: the episode's key is what admits a call.
+            self._socket_dir = tempfile.mkdtemp(prefix="streamrl-endpoint-")
+            os.chmod(self._socket_dir, 0o755)
+            path = os.path.join(self._socket_dir, "endpoint.sock")
+            await web.UnixSite(self._runner, path).start()
+            os.chmod(path, 0o666)
+            self.socket_path = path
         return self.base_url
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._socket_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = self.socket_path = ""
 
     @property
     def base_url(self) -> str:
@@ -108,7 +138,8 @@ class Endpoint:
         most (0: no limit of its own)."""
         key = f"sk-ep-{secrets.token_urlsafe(24)}"
         session = EndpointSession(self.chat, episode, self.cfg.kv_cache_size)
-        self.episodes[key] = Episode(session, seed, max_calls)
+        track = self.tracer.track("episode", episode)
+        self.episodes[key] = Episode(session, seed, max_calls, track)
         return key
 
     def close(self, key: str) -> Episode:
@@ -182,11 +213,6 @@ class Endpoint:
                     "out or send the same (the trainer corrects for the run's distribution)",
                     param=name,
                 )
-        if req.stops:
-            raise ApiError(
-                "`stop` is not implemented: a turn ends at the model's own end of turn",
-                param="stop",
-            )
 
     async def _serve(self, request: web.Request, ep: Episode) -> web.StreamResponse:
         req = parse_request(await request.read())
@@ -202,20 +228,33 @@ class Endpoint:
         limit = min(req.token_limit or self.cfg.max_turn_tokens, self.cfg.max_turn_tokens)
         turn = ep.session.turns
         gen = GenRequest(pending.prompt, limit, ep.seed(turn), session=ep.session.episode)
-        result, version = await self.model.generate(gen)
-        message = ep.session.record(pending, result.tokens, result.logprobs, version)
+        t0 = time.monotonic()
+        try:
+            result, version = await self.calls(gen, ep.track)
+        except ModelCallTimeoutError as err:
+            ep.timed_out = True
+            raise ApiError(str(err), status=504, code="model_call_timeout") from None
+        ep.model_s += time.monotonic() - t0
+        ep.prefill_tokens += result.prefill_tokens
+        ids, logprobs, stopped = result.tokens, result.logprobs, result.stopped
+        keep = stop_cut(self.chat, ids, req.stops)
+        if keep is not None:  # a stop sequence ended the turn: the rest is dropped unseen
+            ids, logprobs, stopped = ids[:keep], logprobs[:keep], True
+        message = ep.session.record(
+            pending, ids, logprobs, version, req.stops if keep is not None else None
+        )
         ep.calls += 1
         finish: FinishReason = "tool_calls" if message.get("tool_calls") else "stop"
-        if not result.stopped:
+        if not stopped:
             finish = "length"
         ep.last_finish = finish
         rid = f"chatcmpl-{ep.session.episode}-{turn}"
         created = int(self.clock())
-        args = (rid, MODEL_NAME, created, message, finish, len(pending.prompt), len(result.tokens))
+        args = (rid, MODEL_NAME, created, message, finish, len(pending.prompt), len(ids))
         if not req.stream:
             lps = None
             if req.logprobs:
-                pairs = zip(result.tokens, result.logprobs, strict=True)
+                pairs = zip(ids, logprobs, strict=True)
                 lps = [(self.chat.decode([t]), lp) for t, lp in pairs]
             return web.json_response(completion(*args, logprobs=lps))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",

@@ -174,17 +174,29 @@ class EndpointSession:
         return {"role": role, "content": self.chat.as_text(m.text())}
 
     def record(
-        self, pending: Pending, ids: list[int], logprobs: list[float], version: int
+        self,
+        pending: Pending,
+        ids: list[int],
+        logprobs: list[float],
+        version: int,
+        stops: list[str] | None = None,
     ) -> dict[str, Any]:
         """Keep a served call: its new messages, the template's ids, the sampled `ids`
-        (their log-probs, the policy `version`); the assistant message to return."""
+        (their log-probs, the policy `version`); the assistant message to return. With the
+        request's `stops` (given when one of them cut the turn), `ids` are those `stop_cut`
+        kept: the message's text ends before
+        the first stop sequence, and a turn cut before the model's own end of turn is closed
+        with the template's end marker (a template token, not trained), so that the next
+        call continues a well-formed conversation."""
         self.transcript.add_template(pending.added)
         if not self.turns:  # the first call fixes the tools and the prompt's length
             self.tools = pending.tools
             self.transcript.prompt_len = len(pending.added)
         self.transcript.add_sampled(ids, logprobs, version)
+        if stops and ids and ids[-1] not in self.chat.stop_ids:
+            self.transcript.add_template([self.chat.turn_end_id])
         self.template.extend(pending.template)
-        text = self.chat.assistant_text(ids)
+        text = before_stop(self.chat.assistant_text(ids), stops or [])
         self.template.append(self.chat.assistant_message(ids))
         message = assistant_message(
             text, self.chat.parse(ids), self.episode, self.turns, pending.tools is not None
@@ -206,3 +218,33 @@ class EndpointSession:
                     kwargs = args if isinstance(args, dict) else {}
                     records.append(ToolRecord(name, kwargs, ToolOutput(True, results[cid])))
         return records
+
+
+def stop_cut(chat: HFChat, ids: list[int], stops: list[str]) -> int | None:
+    """How many of a sampled turn's `ids` a request's stop sequences keep: the shortest
+    prefix whose text holds one of them (None: none occurs, keep all). The turn is
+    sampled whole and cut here: the ids kept are exactly what the policy sampled (a token
+    depends only on those before it), the rest is dropped unseen, and the next call
+    continues from the cut (the engine reuses its KV up to the first token that differs).
+    The stop sequence's own tokens are kept and trained; its text is not returned
+    (`before_stop`), as OpenAI's API does."""
+    if not stops or not _holds(chat.assistant_text(ids), stops):
+        return None
+    lo, hi = 1, len(ids)  # the text of ids[:hi] holds a stop sequence
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _holds(chat.assistant_text(ids[:mid]), stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def before_stop(text: str, stops: list[str]) -> str:
+    """`text` up to the first occurrence of any of `stops` (all of it when none occurs)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(found)] if found else text
+
+
+def _holds(text: str, stops: list[str]) -> bool:
+    return any(s in text for s in stops)

@@ -105,6 +105,48 @@ class ModelCallTimeoutError(RuntimeError):
     """A model call outlived `rollout.model_call_timeout_s`: the episode ends as a timeout."""
 
 
+class ModelCalls:
+    """A worker's model calls, whoever makes them (the built-in runner, the endpoint): at
+    most `rollout.max_model_calls` in flight (0: `max_concurrency`), each within
+    `rollout.model_call_timeout_s` if set (past it `ModelCallTimeoutError`; the engine
+    server frees the call's slot at its next chunk boundary), traced on the episode's
+    track: waiting for a slot and the engine, then decoding (the whole call is decode when
+    the server does not say when it took the request)."""
+
+    def __init__(self, server: ModelService, cfg: RolloutConfig, tracer: Tracer) -> None:
+        self.server = server
+        self.cfg = cfg
+        self.tracer = tracer
+        self._slots = asyncio.Semaphore(cfg.max_model_calls or cfg.max_concurrency)
+
+    async def __call__(self, request: GenRequest, track: int) -> tuple[GenResult, int]:
+        """The call's result and the policy version that sampled it."""
+        called_ns = time.time_ns()
+        async with self._slots:
+            result, version = await self._generate(request)
+        end = time.time_ns()
+        started_ns = result.started_ns
+        if started_ns:
+            started_ns = min(max(started_ns, called_ns), end)
+            self.tracer.span(track, Span.MODEL_QUEUE, called_ns, started_ns)
+        else:
+            started_ns = called_ns
+        self.tracer.span(track, Span.MODEL_DECODE, started_ns, end)
+        return result, version
+
+    async def _generate(self, request: GenRequest) -> tuple[GenResult, int]:
+        limit = self.cfg.model_call_timeout_s
+        if not limit:
+            return await self.server.generate(request)
+        try:
+            async with asyncio.timeout(limit):
+                return await self.server.generate(request)
+        except TimeoutError:
+            raise ModelCallTimeoutError(
+                f"model call exceeded rollout.model_call_timeout_s ({limit:g}s)"
+            ) from None
+
+
 def traj_id(task: Task, member: int) -> str:
     return f"{task.group_id}-m{member}"
 
@@ -190,7 +232,7 @@ class EpisodeRunner:
         self.run_seed = run_seed
         self.worker = worker
         self.log = log
-        self._model_slots = asyncio.Semaphore(cfg.max_model_calls or cfg.max_concurrency)
+        self.calls = ModelCalls(server, cfg, self.tracer)
 
     async def run(
         self,
@@ -294,12 +336,9 @@ class EpisodeRunner:
                 session=tid,
             )
             t0 = time.monotonic()
-            called_ns = time.time_ns()
-            async with self._model_slots:
-                result, version = await self._generate(request)
+            result, version = await self.calls(request, st.track)
             st.model_s += time.monotonic() - t0
             st.prefill_tokens += result.prefill_tokens
-            self._trace_model_call(st.track, called_ns, result.started_ns)
             sampled_from = len(tr)
             tr.add_sampled(result.tokens, result.logprobs, version)
             if not result.stopped:
@@ -332,17 +371,6 @@ class EpisodeRunner:
             )
             self._save(tid, env, st, start)
         st.status = "truncated"  # max_steps turns without a final answer
-
-    def _trace_model_call(self, track: int, called_ns: int, started_ns: int) -> None:
-        """A model call's spans: waiting for a slot and the engine, then decoding (the
-        whole call is decode when the server does not say when it took the request)."""
-        end = time.time_ns()
-        if started_ns:
-            started_ns = min(max(started_ns, called_ns), end)
-            self.tracer.span(track, Span.MODEL_QUEUE, called_ns, started_ns)
-        else:
-            started_ns = called_ns
-        self.tracer.span(track, Span.MODEL_DECODE, started_ns, end)
 
     def _save(self, tid: str, env: Environment, st: _State, start: float) -> None:
         """Hand the turn boundary's state to `on_turn`, if the environment has one."""
@@ -404,20 +432,6 @@ class EpisodeRunner:
             saved_model_s=round(saved.model_s, 4),
             saved_env_s=round(saved.env_s, 4),
         )
-
-    async def _generate(self, request: GenRequest) -> tuple[GenResult, int]:
-        """One model call, within `model_call_timeout_s` if set. Cancelled past it: the
-        engine server frees the call's slot (at its next chunk boundary)."""
-        limit = self.cfg.model_call_timeout_s
-        if not limit:
-            return await self.server.generate(request)
-        try:
-            async with asyncio.timeout(limit):
-                return await self.server.generate(request)
-        except TimeoutError:
-            raise ModelCallTimeoutError(
-                f"model call exceeded rollout.model_call_timeout_s ({limit:g}s)"
-            ) from None
 
     async def _env_step(self, env: Environment, action: Action, call_prefix: str) -> StepResult:
         try:

@@ -207,19 +207,12 @@ class BubblewrapSandbox:
         self, argv: list[str], stdin: bytes, time_limit_s: float, output_cap: int
     ) -> ExecResult:
         """One call in namespaces of its own (`call_server` false)."""
-        status_r, status_w = os.pipe()
-        try:
-            cmd = self._command(portable_argv(argv, self.cfg.python), time_limit_s, status_w)
+        with StatusPipe() as status:
+            cmd = self._command(portable_argv(argv, self.cfg.python), time_limit_s, status.fd)
             result = run_process(
-                cmd, stdin, time_limit_s, output_cap, cwd="/", pass_fds=(status_w,)
+                cmd, stdin, time_limit_s, output_cap, cwd="/", pass_fds=(status.fd,)
             )
-            os.close(status_w)
-            status_w = -1
-            started = b'"child-pid"' in _read_available(status_r)
-        finally:
-            os.close(status_r)
-            if status_w >= 0:
-                os.close(status_w)
+            started = status.started()
         if not started and not result.timed_out:
             err = result.stderr.decode(errors="replace").strip()
             raise SandboxUnavailableError(f"bubblewrap could not start the call: {err}")
@@ -376,7 +369,29 @@ class BubblewrapSandbox:
         ]  # fmt: skip
         return cmd
 
-    def _command(self, argv: list[str], time_limit_s: float, status_fd: int) -> list[str]:
+    def program_command(
+        self,
+        argv: list[str],
+        time_limit_s: float,
+        status_fd: int,
+        env: dict[str, str],
+        binds: list[tuple[str, str]],
+    ) -> list[str]:
+        """The command line of one program in fresh namespaces, as a fresh call's (module
+        doc), with `env` as its whole environment and each `(host, inside)` of `binds`
+        mounted read-only at `inside` (a directory, or a unix socket the program may
+        connect to): an agent program's sandbox (`streamrl.endpoint.command`). Run it with
+        `status_fd` open in the command; bwrap reports on it once the program exists."""
+        return self._command(argv, time_limit_s, status_fd, env, binds)
+
+    def _command(
+        self,
+        argv: list[str],
+        time_limit_s: float,
+        status_fd: int,
+        env: dict[str, str] = CALL_ENV,
+        binds: list[tuple[str, str]] | None = None,
+    ) -> list[str]:
         cfg = self.cfg
         uid = cfg.run_as_uid if os.geteuid() == 0 else os.getuid()
         cmd = [
@@ -402,10 +417,11 @@ class BubblewrapSandbox:
             "--cap-drop",
             "ALL",
             "--clearenv",
-            *[a for k, v in CALL_ENV.items() for a in ("--setenv", k, v)],
+            *[a for k, v in env.items() for a in ("--setenv", k, v)],
             "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr",
             *_top_dirs(),
+            *[a for host, inside in binds or () for a in ("--ro-bind", host, inside)],
             "--proc", "/proc",
             "--dev", "/dev",
             "--size", size, "--tmpfs", "/tmp",
@@ -467,7 +483,27 @@ def tasks_of(uid: int) -> int:
     return count
 
 
-def _read_available(fd: int) -> bytes:
+class StatusPipe:
+    """bwrap's `--json-status-fd`: `fd`, the write end, goes to the command (pass it in
+    `pass_fds`); once the command has exited, `started()` says whether bwrap got as far as
+    the call's process (it reports `child-pid` then). Both ends close with the block."""
+
+    def __enter__(self) -> StatusPipe:
+        self._r, self.fd = os.pipe()
+        return self
+
+    def started(self) -> bool:
+        os.close(self.fd)
+        self.fd = -1
+        return b'"child-pid"' in read_available(self._r)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._r)
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+def read_available(fd: int) -> bytes:
     """What the pipe `fd` holds now, without waiting for a writer that may linger."""
     os.set_blocking(fd, False)
     data = b""
