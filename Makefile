@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # the backpressure and resume tests failed.
 TEST_WORKERS ?= 2
 
-.PHONY: demo report test lint typecheck unit integration e2e faults soak slow bench fmt clean sandbox-host
+.PHONY: demo report test lint typecheck docs unit integration e2e faults soak slow bench fmt clean sandbox-host
 
 # The worked example task package (examples/unitconv) is installed beside streamrl, as a
 # user's own task package would be.
@@ -49,6 +49,12 @@ fmt: $(VENV)/.installed
 
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
+
+# The documentation site (mkdocs.yml, pages under docs/) into build/site; --strict: a broken
+# link or anchor, or a page left out of the nav, fails it. `make test` builds it too.
+# docs/config.md is generated: $(PY) -m ops.docs.config_reference after a config change.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 # ruff, mypy and pytest (everything not marked slow); as root also the sandbox host (first,
 # beside ruff and mypy; the sandbox tests must then run) and the compose tests (in the same

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make_test.sh: the steps of `make test` (and so of CI), overlapped where they do not depend
 # on each other, each timed:
-#   1. the virtual environment, then ruff and mypy, while (as root) the sandbox host is
-#      readied beside them (ops/sandbox/setup_host.sh: podman, the sandbox image) and the
+#   1. the virtual environment, then ruff, mypy and the docs site (mkdocs build --strict),
+#      while (as root) the sandbox host is readied beside them
+#      (ops/sandbox/setup_host.sh: podman, the sandbox image) and the
 #      default config's warm start is trained into the tests' model cache (ops/prewarm.py,
 #      its log build/logs/prewarm.log; it may run on into pytest, whose tests wait for it);
 #   2. pytest on everything not marked slow, in TEST_WORKERS processes, while (as root) the
@@ -67,6 +68,13 @@ fi
 "$VENV/bin/ruff" check . || fail $? "ruff check"
 "$VENV/bin/mypy" || fail $? "mypy"
 say "ruff and mypy passed"
+# The documentation site, strict (mkdocs.yml): a broken link or anchor fails the run. Built
+# into a scratch directory; tests/unit/test_docs.py checks docs/config.md against the schema.
+# Not --quiet: mkdocs 1.6 then neither prints nor counts the warnings that --strict fails on.
+site=$(mktemp -d)
+"$VENV/bin/mkdocs" build --strict --site-dir "$site" || fail $? "mkdocs build --strict"
+rm -rf "$site"
+say "the docs site built (mkdocs build --strict)"
 if [ $ROOT = 1 ]; then
   wait "$bg"
   rc=$?

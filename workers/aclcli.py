@@ -7,7 +7,7 @@ writes `secrets/users.acl` (redis.conf: `aclfile /path/users.acl`; it holds pass
 only) and one `secrets/<role>.password` per role (0600, in a 0700 directory; passwords
 already there are kept). Give each worker its own role's file and a URL naming its user:
 REDIS_URL=redis://<role>@host:6379/0 and REDIS_PASSWORD_FILE=/run/secrets/<role>.password
-(roles: feeder, rollout, tools, grouper, trainer, colocated; `operator` for `streamrl up`,
+(roles: feeder, rollout, tools, grouper, trainer, colocated, sinks; `operator` for `streamrl up`,
 `streamrl queues` and `streamrl status`).
 """
 

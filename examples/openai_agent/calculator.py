@@ -34,21 +34,34 @@ _OPS: dict[type[ast.AST], Callable[..., Any]] = {
 }
 
 
+MAX_EXPONENT = 64
+MAX_LENGTH = 256
+
+
 def calculate(expression: str) -> str:
-    """The value of an arithmetic expression, or an error message (no eval of code)."""
+    """The value of an arithmetic expression, or `error: ...` (no eval of code). Its text is
+    the built-in calculator tool's, word for word, so that the same sampled call gets the
+    same result under either agent (ops/bench/openai_agent.py compares them)."""
 
     def value(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            if isinstance(node.op, ast.Pow) and abs(value(node.right)) > 64:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](value(node.left), value(node.right))
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+                raise ValueError(f"exponent above {MAX_EXPONENT}")
+            return _OPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](value(node.operand))
-        raise ValueError(f"not arithmetic: {ast.dump(node)[:40]}")
+        raise ValueError(f"unsupported syntax: {type(node).__name__}")
 
+    expr = expression.strip()
+    if len(expr) > MAX_LENGTH:
+        return f"error: expression longer than {MAX_LENGTH} characters"
     try:
-        return str(value(ast.parse(expression, mode="eval").body))
-    except (SyntaxError, ValueError, ZeroDivisionError, TypeError) as err:
-        return f"error: {err}"
+        result = value(ast.parse(expr, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as err:
+        return f"error: cannot evaluate {expr!r}: {err}"
+    if isinstance(result, float) and result.is_integer():
+        result = int(result)
+    return str(result)

@@ -34,6 +34,7 @@ fixed" is a row's median goodput over it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -114,7 +115,8 @@ def rollout_alone(
                 return f"{_committed(run_dir)} of {episodes} episodes in time"
             time.sleep(0.2)
     finally:
-        os.kill(trainer, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # gone: restarted by the launcher
+            os.kill(trainer, signal.SIGCONT)
         os.killpg(proc.pid, signal.SIGTERM)
     return ""
 

@@ -251,12 +251,12 @@ class TaskConfig(_Section):
     agent_command: list[str] = Field(
         default_factory=list,
         description=(
-            "An external agent program instead (e.g. [\"python3\", \"agent.py\"]): run once "
+            'An external agent program instead (e.g. ["python3", "agent.py"]): run once '
             "per episode in a sandbox whose network reaches only the rollout worker's "
             "OpenAI-compatible endpoint, with OPENAI_BASE_URL and OPENAI_API_KEY set, the "
             "task's prompt and data as JSON on stdin; its stdout is the answer "
             "(streamrl.endpoint.command). Needs bubblewrap on the rollout worker's host, or "
-            "tools.sandbox = \"subprocess\" (no isolation). Empty: task.agent plays."
+            'tools.sandbox = "subprocess" (no isolation). Empty: task.agent plays.'
         ),
         max_length=256,
     )
@@ -1338,6 +1338,59 @@ class TraceConfig(_Section):
     )
 
 
+SinkName = Literal["tensorboard", "wandb"]
+
+
+class LoggingConfig(_Section):
+    """Metrics sinks (`streamrl.obs.sinks`): the run's figures in TensorBoard and W&B,
+    written by one process (the `sinks` worker) from what the run already records."""
+
+    sinks: list[SinkName] = Field(
+        default_factory=list,
+        description=(
+            'Where the sinks worker writes the run\'s figures: "tensorboard" (event files '
+            'in RUN_DIR/tensorboard), "wandb" (RUN_DIR/wandb); empty: no sinks worker.'
+        ),
+    )
+    interval_s: float = Field(
+        2.0,
+        ge=0.1,
+        le=3600,
+        description=(
+            "Seconds between two reads of the run's metrics by the sinks worker; each read "
+            "writes the new steps and flushes every sink."
+        ),
+    )
+    wandb_project: str = Field(
+        "streamrl",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="W&B project of the run (`wandb sync` uploads offline runs into it).",
+    )
+    wandb_entity: str = Field(
+        "",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.-]*$",
+        description="W&B entity (user or team); empty: the account's default.",
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description=(
+            "offline: W&B writes files under RUN_DIR/wandb only, never the network "
+            "(upload them later with `wandb sync`); online: streams to the W&B server "
+            "(needs WANDB_API_KEY in the environment)."
+        ),
+    )
+
+    @field_validator("sinks")
+    @classmethod
+    def _once_each(cls, v: list[SinkName]) -> list[SinkName]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a sink is named twice: {v}")
+        return v
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
@@ -1366,6 +1419,10 @@ class Config(_Section):
     trace: TraceConfig = Field(
         default_factory=TraceConfig,
         description="Perfetto trace files of the workers.",
+    )
+    logging: LoggingConfig = Field(
+        default_factory=LoggingConfig,
+        description="Metrics sinks: TensorBoard, W&B.",
     )
 
     _derived: tuple[str, ...] = PrivateAttr(())

@@ -164,6 +164,11 @@ GROUPS_TOO_FEW_VALID = _field(
     "groups_too_few_valid", "counter", "grouper", "operators (queues --json)", True,
     "groups dropped with fewer valid members than grouper.min_valid_members",
 )  # fmt: skip
+GROUPS_STALE = _field(
+    "groups_stale", "counter", "grouper", "sinks worker (streamrl.obs.sinks)", True,
+    "groups dropped by a grouper because a member was too far off policy "
+    "(grouper.off_policy_steps; the trainer's own are trainer_groups_stale)",
+)  # fmt: skip
 GROUPS_NONFINITE = _field(
     "groups_nonfinite", "counter", "grouper", "operators (queues --json)", True,
     "groups dropped for a reward or an advantage that is not finite",

@@ -297,6 +297,8 @@ class RunPaths:
     WEIGHTS = "weights"  # the `dir` weights channel's versions (`streamrl.weightsync`)
     REDIS = "redis"  # the embedded Redis: its AOF, config, log and secrets
     SUMMARY = "summary.json"  # what `streamrl up` reports at the end
+    TENSORBOARD = "tensorboard"  # the sinks worker's TensorBoard event files (obs.sinks)
+    WANDB = "wandb"  # the sinks worker's W&B files: offline runs, W&B's own dirs (obs.sinks)
 
     @property
     def checkpoints(self) -> Path:
@@ -329,6 +331,14 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / self.SUMMARY
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / self.TENSORBOARD
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / self.WANDB
 
     def log(self, worker_id: str) -> Path:
         """A worker's (or "launcher"'s) JSON log."""

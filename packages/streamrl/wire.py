@@ -224,6 +224,15 @@ class TrainMetrics(Message, frozen=True, kw_only=True):
     mismatch_kl: float = 0.0
     mismatch_kl_seq: float = 0.0
     correction_fraction: float = 0.0
+    # The loss's KL(policy || reference) per token (0 when trainer.kl_beta is 0); the mean
+    # entropy (nats) of the trained policy's next-token distribution on the sampled tokens;
+    # the share of the step's sequences whose reward reached obs.metrics.SOLVED_REWARD; the
+    # mean policy age of its sequences (max_policy_lag is the oldest's). 0 in entries
+    # written before they were logged.
+    kl: float = 0.0
+    entropy: float = 0.0
+    solve_rate: float = 0.0
+    policy_age_mean: float = 0.0
 
 
 class ToolResult(Message, frozen=True, kw_only=True):

@@ -50,7 +50,8 @@ def test_the_example_program_trains_in_its_sandbox(tmp_path: Path, warm_cache: s
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 1 and s["dead_letters"] == 0
     assert_nothing_left(s, config=EXAMPLE)
-    events = [json.loads(line) for line in (run_dir / "logs" / "rollout-0.log").open()]
+    log = (run_dir / "logs" / "rollout-0.log").read_text().splitlines()
+    events = [json.loads(line) for line in log]
     [started] = [e for e in events if e["event"] == "agent_program"]
     assert started["isolated"] is True and started["argv"] == ["python3", "program.py"]
     trajs = [t for e in events if e["event"] == "trajectories_committed" for t in e["trajectories"]]

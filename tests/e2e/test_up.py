@@ -16,6 +16,7 @@ import redis
 
 from streamrl.config import load_config
 from streamrl.names import Keys
+from streamrl.run.acl import ROLES
 from streamrl.run.launcher import plan
 from tests.helpers import NO_EVALUATOR, REPO, TINY, committed_trajectories, live_in_group
 
@@ -116,7 +117,7 @@ def test_up_runs_the_pipeline(tmp_path: Path, warm_cache: str) -> None:
     # The embedded Redis is gone and no password of its ACL users reached a log (nor its
     # config: users.acl holds hashes); the run directory is the owner's alone.
     passwords = [p.read_text().strip() for p in (run_dir / "redis" / "secrets").iterdir()]
-    assert len(passwords) == 7 and all(passwords)
+    assert len(passwords) == len(ROLES) and all(passwords)
     for f in [*(run_dir / "logs").iterdir(), run_dir / "redis" / "redis.conf"]:
         assert not any(pw in f.read_text() for pw in passwords), f
     assert run_dir.stat().st_mode & 0o077 == 0

@@ -160,6 +160,12 @@ def test_writes_outside_a_role_are_refused(connect: Connect, op: redis.Redis) ->
         "grouper": [(xadd[0], KEYS.weights, *xadd[1:]), ("DEL", KEYS.feeder_cursor)],
         "rollout": [(xadd[0], KEYS.groups, *xadd[1:]), ("SET", KEYS.policy_version, "9")],
         "trainer": [("HSET", "rq:job:x", "func", "os.system"), ("GET", Keys("other").stats)],
+        "sinks": [
+            (xadd[0], KEYS.groups, *xadd[1:]),
+            ("SET", KEYS.policy_version, "9"),
+            ("GET", Keys("other").stats),
+            ("HSET", "rq:job:x", "func", "os.system"),
+        ],
         # A tampered queue snapshot restored at --resume cannot plant an rq job (review H4).
         OPERATOR: [("HSET", "rq:job:x", "func", "os.system"), ("SET", Keys("other").stats, "1")],
     }
@@ -173,7 +179,7 @@ def test_writes_outside_a_role_are_refused(connect: Connect, op: redis.Redis) ->
 def test_each_worker_writes_its_own_metrics(connect: Connect, op: redis.Redis) -> None:
     """A worker's sampler appends to its own series (XADD MAXLEN ~), not another type's;
     the operator (`streamrl status`) reads every series."""
-    for role in ("feeder", "rollout", "tools", "grouper", "trainer", "colocated"):
+    for role in ("feeder", "rollout", "tools", "grouper", "trainer", "colocated", "sinks"):
         client = connect(role)
         key = KEYS.worker_metrics(f"{role}-0")
         client.xadd(key, {"values": "{}"}, maxlen=10, approximate=True)
@@ -181,7 +187,7 @@ def test_each_worker_writes_its_own_metrics(connect: Connect, op: redis.Redis) -
         assert denied(client, "XADD", KEYS.worker_metrics(f"{other}-0"), "*", "v", "1"), role
         assert op.xlen(key) == 1
     found = sorted(k.decode() for k in op.scan_iter(KEYS.every_worker_metrics))
-    assert len(found) == 6
+    assert len(found) == 7
 
 
 def test_read_only_keys(server: EmbeddedRedis, connect: Connect, op: redis.Redis) -> None:
@@ -277,6 +283,34 @@ def test_each_role_does_its_own_work(connect: Connect, op: redis.Redis) -> None:
     counts = ckpts.restore_queues(trainer, KEYS, snap)
     assert counts[KEYS.tasks] == cfg.task.max_backlog - 1  # the first was rolled out
     assert rollout.get(KEYS.weights_chunk(1, 0)) is None  # the operator cleared it
+
+
+def test_the_sinks_worker_reads_the_metrics_and_counters(
+    server: EmbeddedRedis, connect: Connect, op: redis.Redis, tmp_path: Path
+) -> None:
+    """Issue 32: the sinks worker's exporter reads the trainer's metrics and the stats
+    under its own user, and its role writes neither of them where Redis can refuse it."""
+    from streamrl.obs.sinks import Exporter
+    from streamrl.wire import TrainMetrics
+    from tests.sinkfiles import Recording
+
+    cfg = load_config(TINY, overrides=[f"run.name={NS}"])
+    metrics = TrainMetrics(step=1, version=0, loss=0.0, reward_mean=0.5, num_groups=1,
+                           num_sequences=4, num_tokens=8, clip_fraction=0.0, grad_norm=0.1,
+                           max_policy_lag=0, step_time_s=0.1)  # fmt: skip
+    publish(connect("trainer"), KEYS.metrics, metrics)
+    op.hset(KEYS.stats, "groups", 3)
+    op.set(KEYS.run_id, "r1")
+    sinks = connect("sinks")
+    assert sinks.get(KEYS.run_id) == b"r1"  # what every worker waits for
+    rec = Recording()
+    exporter = Exporter(sinks, KEYS, cfg, tmp_path, [rec], structlog.get_logger())
+    exporter.open()
+    assert exporter.pass_once() == 1 and rec.steps == [1]
+    assert rec.values[1]["run/groups_total"] == 3.0
+    if read_only_patterns(server):
+        assert denied(sinks, "XADD", KEYS.metrics, "*", "v", "1")
+        assert denied(sinks, "HSET", KEYS.stats, "groups", "0")
 
 
 def test_up_refuses_a_password_on_the_command_line(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import structlog
 from streamrl.endpoint.agent import Outcome, play
 from streamrl.endpoint.command import MEMORY_BYTES, CommandAgent
 from streamrl.endpoint.server import Endpoint
+from streamrl.model.sampling import GenRequest, GenResult
 from streamrl.tasks.arithmetic import calculator_call
 from streamrl.tools.bwrap import BubblewrapConfig, BubblewrapSandbox
 from tests.integration.test_endpoint_agent import Scripted
@@ -160,3 +161,37 @@ def test_without_isolation_the_program_gets_the_tcp_endpoint(policy: Any) -> Non
     probe = [sys.executable, "-c", "import os; print(os.environ['OPENAI_BASE_URL'])"]
     out, _, endpoint = program(policy, [], probe, None)
     assert out.status == "ok" and out.answer == endpoint.base_url
+
+
+@needs_bwrap
+def test_many_programs_side_by_side(policy: Any, box: BubblewrapSandbox) -> None:
+    # as root each program runs as a uid of its own: side by side under one shared uid,
+    # each met the others' tasks in its process limit and its relay could not start a
+    # thread (most of 48 episodes failed before)
+    cfg, chat, _, _ = policy
+
+    class Instant(Scripted):
+        async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
+            await asyncio.sleep(0.05)
+            text = calculator_call("2+3") if request.seed % 2 == 0 else "<answer>5</answer>"
+            ids = self.chat.assistant_turn(text)
+            return GenResult(ids, [-0.5] * len(ids), stopped=True), 0
+
+    endpoint = Endpoint(Instant(chat, []), chat, cfg.rollout, structlog.get_logger())
+
+    async def body() -> list[Outcome]:
+        await endpoint.start(unix=True)
+        try:
+            main = CommandAgent(["python3", "program.py"], str(EXAMPLE_DIR),
+                                endpoint.socket_path, box, 60)  # fmt: skip
+            return await asyncio.gather(
+                *(play(endpoint, main, f"g{i}-m0", "Compute 2+3.", {}, lambda t: t, 60, 4)
+                  for i in range(32))
+            )  # fmt: skip
+        finally:
+            await endpoint.stop()
+
+    outs = asyncio.run(body())
+    assert [(o.status, o.answer) for o in outs] == [("ok", "5")] * 32, [
+        o.error for o in outs if o.status != "ok"
+    ][:2]

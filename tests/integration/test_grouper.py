@@ -142,7 +142,7 @@ def test_stale_trajectory_drops_group(rclient: redis.Redis, redis_url: str, keys
     assert [o.kind for o in g.step()] == ["partial", "dropped", "closed", "closed"]
     assert groups_out(rclient, keys) == []
     stats = rclient.hgetall(keys.stats)
-    assert stats[b"groups_dropped"] == b"1"
+    assert stats[b"groups_dropped"] == b"1" and stats[b"groups_stale"] == b"1"  # its reason
     assert stats[b"trajectories_dropped"] == b"4"
     assert rclient.xpending(keys.trajectories, keys.CG_GROUPER)["pending"] == 0
 
@@ -277,6 +277,7 @@ def test_every_member_is_checked_for_staleness_when_the_group_is_emitted(
     )
     stats = rclient.hgetall(keys.stats)
     assert stats[b"groups_dropped"] == b"1" and b"groups" not in stats
+    assert stats[b"groups_stale"] == b"1"  # the drop's reason, counted once
 
 
 def test_a_group_dropped_between_add_and_emit_is_not_emitted(

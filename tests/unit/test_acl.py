@@ -59,13 +59,16 @@ def test_every_role_is_an_allow_list_without_admin(read_only: bool) -> None:
         # the colocated worker is a trainer too, and reads only what rollout reads of the
         # grouper's (the groups waiting, its backpressure); every other worker reads the
         # run's id (review N8)
-        reads_only = role in ("feeder", "rollout", "tools", "grouper", "colocated")
+        reads_only = role in ("feeder", "rollout", "tools", "grouper", "colocated", "sinks")
         read_only_rules = [r for r in rules if r.startswith("%R~")]
         assert bool(read_only_rules) == (read_only and reads_only), role
         if role == "colocated" and read_only:
             assert read_only_rules == [f"%R~{Keys('demo').groups_waiting}"]
         if role in ("feeder", "tools") and read_only:
             assert read_only_rules == [f"%R~{Keys('demo').run_id}"]
+        if role == "sinks" and read_only:  # it writes nothing of the run (issue 32)
+            k = Keys("demo")
+            assert read_only_rules == [f"%R~{k.metrics}", f"%R~{k.stats}", f"%R~{k.run_id}"]
 
 
 def test_patterns_follow_the_key_names() -> None:

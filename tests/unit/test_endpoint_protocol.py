@@ -12,6 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from streamrl.chat.transcript import parse_turn
 from streamrl.endpoint.protocol import (
     ApiError,
+    Reply,
     assistant_message,
     call_id,
     chunks,
@@ -190,7 +191,7 @@ def test_a_sampled_turn_becomes_content_and_tool_calls() -> None:
 def test_a_whole_response_is_what_the_openai_client_reads() -> None:
     text = 'ok <tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
     msg = assistant_message(text, parse_turn(text), "g1-m0", 0, True)
-    out = completion("chatcmpl-1", "policy", 1_700_000_000, msg, "tool_calls", 12, 9)
+    out = completion(Reply("chatcmpl-1", "policy", 1_700_000_000, msg, "tool_calls", 12, 9))
     parsed = ChatCompletion.model_validate(out)
     choice = parsed.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "ok"
@@ -198,8 +199,8 @@ def test_a_whole_response_is_what_the_openai_client_reads() -> None:
     call = choice.message.tool_calls[0]
     assert call.id == "call_g1-m0_t0_0" and call.function.name == "calculator"  # type: ignore[union-attr]
     assert parsed.usage is not None and parsed.usage.total_tokens == 21
-    with_lp = completion("c", "policy", 0, {"role": "assistant", "content": "hi"}, "stop", 3, 2,
-                         logprobs=[("h", -0.5), ("i", -1.25)])  # fmt: skip
+    hi = Reply("c", "policy", 0, {"role": "assistant", "content": "hi"}, "stop", 3, 2)
+    with_lp = completion(hi, logprobs=[("h", -0.5), ("i", -1.25)])
     lp = ChatCompletion.model_validate(with_lp).choices[0].logprobs
     assert lp is not None and lp.content is not None
     assert [(t.token, t.logprob) for t in lp.content] == [("h", -0.5), ("i", -1.25)]
@@ -208,7 +209,9 @@ def test_a_whole_response_is_what_the_openai_client_reads() -> None:
 def test_a_streamed_response_rebuilds_the_same_message() -> None:
     text = 'ok <tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>'
     msg = assistant_message(text, parse_turn(text), "g1-m0", 0, True)
-    events = list(chunks("chatcmpl-1", "policy", 0, msg, "tool_calls", 12, 9, include_usage=True))
+    events = list(
+        chunks(Reply("chatcmpl-1", "policy", 0, msg, "tool_calls", 12, 9), include_usage=True)
+    )
     assert events[-1] == "data: [DONE]\n\n"
     assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)
     parsed = [ChatCompletionChunk.model_validate_json(e[6:]) for e in events[:-1]]
@@ -226,7 +229,7 @@ def test_a_streamed_response_rebuilds_the_same_message() -> None:
     assert parsed[-1].usage.completion_tokens == 9
     # without usage asked: no usage chunk; a text turn streams its text
     plain = {"role": "assistant", "content": "five"}
-    events = list(chunks("c", "policy", 0, plain, "stop", 1, 1, include_usage=False))
+    events = list(chunks(Reply("c", "policy", 0, plain, "stop", 1, 1), include_usage=False))
     bodies = [json.loads(e[6:]) for e in events[:-1]]
     assert [b["choices"][0]["delta"].get("content") for b in bodies] == ["", "five", None]
     assert bodies[-1]["choices"][0]["finish_reason"] == "stop"

@@ -154,7 +154,7 @@ def test_calls_the_endpoint_cannot_train_on_are_refused(chat: HFChat) -> None:
 
 
 def test_an_oversize_prompt_is_refused_with_its_figures(chat: HFChat) -> None:
-    s = EndpointSession(chat, "e", max_context=64)
+    s = EndpointSession(chat, "e", max_context=64, max_prompt=1000)  # the positions bind
     with pytest.raises(ApiError) as info:
         s.prepare(request([{"role": "user", "content": PROMPT * 8}], max_tokens=16, tools=TOOLS))
     assert info.value.code == "context_length_exceeded" and "positions" in info.value.message
@@ -229,3 +229,14 @@ def test_a_turn_cut_by_a_stop_sequence_trains_on_what_was_kept(chat: HFChat) -> 
     nxt = s.prepare(request(msgs, tools=TOOLS))
     assert nxt.prompt[: len(tr.tokens)] == tr.tokens
     assert chat.decode(nxt.added).lstrip().startswith("<|im_start|>user")
+
+
+def test_the_conversation_has_the_built_in_agents_length(chat: HFChat) -> None:
+    # a first prompt past max_prompt is refused; a call samples at most what the
+    # conversation's length leaves (the built-in agent's per-turn budget)
+    s = EndpointSession(chat, "e", max_context=200, max_prompt=40)
+    with pytest.raises(ApiError, match=r"rollout\.max_prompt_length") as info:
+        s.prepare(request([{"role": "user", "content": PROMPT * 8}]))
+    assert info.value.code == "context_length_exceeded"
+    pending = s.prepare(request([{"role": "user", "content": "Compute 2+3."}]))
+    assert len(pending.prompt) <= 40 and pending.room == 200 - len(pending.prompt)

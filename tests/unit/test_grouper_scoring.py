@@ -100,7 +100,7 @@ def test_one_stale_member_drops_the_whole_group() -> None:
     assert score(fresh, 5, k2).action == "emit"
     stale = [member(0, 1.0), member(1, 0.0, versions=(2, 5))]
     d = score(stale, 5, k2)
-    assert (d.action, d.counter) == ("drop", "")
+    assert (d.action, d.counter) == ("drop", counters.GROUPS_STALE)  # its reason counted
     assert d.reason == "stale: member 1's policy version 2 is 3 behind trainer version 5"
     # a member without model turns has no version to be stale by
     assert stale_reason(member(0, 1.0, versions=()), 100, 0) == ""

@@ -28,6 +28,10 @@ LIGHT_MODULES = [
     "streamrl.tools.jobs",
     "streamrl.obs.metrics",
     "streamrl.obs.status",
+    # the sinks worker: tensorboardX and wandb only once a sink opens
+    "streamrl.obs.sinks",
+    "streamrl.obs.sink_backends",
+    "streamrl_workers.sinks",
     "streamrl_workers.statuscli",
     "streamrl_workers.cli",
     "streamrl_workers.grouper",

@@ -25,6 +25,7 @@ from streamrl.trainer.step import (
     round_length,
     standard_promotion,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 
 SPEC = ModelSpec.from_config(
@@ -116,6 +117,28 @@ def test_token_logprobs_are_the_shifted_log_softmax(params: Params) -> None:
     np.testing.assert_allclose(logp[:, 1:], expected, atol=1e-5)
 
 
+def test_token_entropy_is_that_of_the_distribution_sampled_from(params: Params) -> None:
+    """entropy[:, t] = -sum p log p of softmax(logits[:, t-1] / T), in nats: between 0 and
+    log(vocab) (ln 50 = 3.912), and the same log-probs as `token_logprobs`."""
+    tokens = np.random.default_rng(4).integers(1, SPEC.vocab_size, (2, 32)).astype(np.int32)
+    temperature = 0.7
+    fn = jax.jit(token_logprobs_and_entropy, static_argnums=(1, 3))
+    logp, entropy = (np.asarray(x) for x in fn(params, SPEC, tokens, temperature))
+    from streamrl.model.llm import causal_logits
+
+    logits = np.asarray(causal_logits(params, SPEC, tokens), np.float64)[:, :-1] / temperature
+    logits -= logits.max(axis=-1, keepdims=True)
+    full = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    expected = -(np.exp(full) * full).sum(axis=-1)
+    assert entropy.shape == (2, 32) and entropy.dtype == np.float32
+    np.testing.assert_array_equal(entropy[:, 0], 0.0)
+    np.testing.assert_allclose(entropy[:, 1:], expected, rtol=1e-5)
+    assert entropy[:, 1:].min() > 0 and entropy.max() <= math.log(SPEC.vocab_size)
+    np.testing.assert_array_equal(
+        logp, np.asarray(_token_logprobs(params, SPEC, tokens, temperature))
+    )
+
+
 def test_grpo_step_moves_logprobs_and_does_not_recompile(params: Params) -> None:
     trainer_cfg = TrainerConfig(learning_rate=1e-2)
     optimizer = make_optimizer(trainer_cfg)
@@ -126,6 +149,8 @@ def test_grpo_step_moves_logprobs_and_does_not_recompile(params: Params) -> None
     new_state, metrics = step(state, batch)
     assert int(new_state.step) == 1
     assert {"loss", "grad_norm", "clip_fraction", "ratio_mean", "num_tokens", "kl"} <= set(metrics)
+    # the mean entropy of the trained tokens' distributions: within [0, ln 50]
+    assert 0.0 < float(metrics["entropy"]) <= math.log(SPEC.vocab_size)
     assert float(metrics["learning_rate"]) == pytest.approx(1e-2)
     assert float(metrics["num_tokens"]) == 10 + 12 + 15
     # On-policy: every ratio is 1 and nothing is clipped.

@@ -131,6 +131,14 @@ def test_short_warmstart_lowers_loss_and_is_cached(cache: Path, chat: HFChat) ->
     assert demo.tokens == demonstration_transcript(cfg, chat, 3, random.Random(1)).tokens
     harder = cfg.model_copy(update={"task": cfg.task.model_copy(update={"max_operand": 9})})
     assert cache_key(harder, ckpt) != key()
+    # who plays the episodes, and how many times, does not change the demonstrations
+    for played in (
+        {"agent": "openai:examples.openai_agent.agent:main"},
+        {"agent_command": ["python3", "program.py"], "agent_dir": "examples/openai_agent"},
+        {"epochs": 3, "max_backlog": 7},
+    ):
+        other = cfg.model_copy(update={"task": cfg.task.model_copy(update=played)})
+        assert cache_key(other, ckpt) == key(), played
 
 
 def test_user_checkpoint_key_follows_its_files(cache: Path, tmp_path: Path) -> None:

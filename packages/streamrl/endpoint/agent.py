@@ -13,8 +13,11 @@ under the episode's limits:
   `timeout`; so is an episode one of whose model calls outlived
   `rollout.model_call_timeout_s` (the call answered 504 `model_call_timeout`);
 - `max_calls` (rollout.max_steps): the endpoint refuses a call past it (400,
-  `model_call_limit`); an agent that then returns ends `truncated`, as does one whose last
-  call ran out of tokens (`finish_reason` `length`);
+  `model_call_limit`), and a later call whose conversation fills the built-in agent's
+  length (`rollout.max_prompt_length + max_response_length`; 400
+  `context_length_exceeded`); an agent that then returns or raises ends `truncated`, as
+  does one whose last call ran out of tokens (`finish_reason` `length`). A call samples at
+  most `rollout.max_turn_tokens` and what that length leaves, as a built-in turn does;
 - an exception out of the agent ends the episode `error` with its message; the worker goes
   on.
 
@@ -107,7 +110,8 @@ async def play(
         ep = endpoint.close(key)
     if ep.timed_out:  # whatever the agent made of the refused call
         status, error = "timeout", "a model call exceeded rollout.model_call_timeout_s"
-    elif status == "ok" and (ep.limited or ep.last_finish == "length"):
+    limit = ep.limited and status in ("ok", "error")  # ended by a limit, however it took it
+    if not ep.timed_out and (limit or (status == "ok" and ep.last_finish == "length")):
         status = "truncated"
     return Outcome(ep, status, answer, error)
 
@@ -216,8 +220,12 @@ async def start_runner(
                 )
             main: AgentMain = CommandAgent(t.agent_command, t.agent_dir, endpoint.socket_path,
                                            box, cfg.rollout.episode_timeout_s)  # fmt: skip
-            log.info("agent_program", argv=t.agent_command, dir=t.agent_dir,
-                     isolated=box is not None)  # fmt: skip
+            if box is None:  # as a tool worker says it: at error level, at every start
+                log.error("agent_program", argv=t.agent_command, dir=t.agent_dir, isolated=False,
+                          warning="tools.sandbox = subprocess: the agent program runs with "
+                          "rlimits only, with this worker's network and file system")  # fmt: skip
+            else:
+                log.info("agent_program", argv=t.agent_command, dir=t.agent_dir, isolated=True)
         elif episodes.openai is not None:
             main = episodes.openai
         else:

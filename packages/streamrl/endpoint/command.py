@@ -120,8 +120,10 @@ class CommandAgent:
             binds.append((self.agent_dir, AGENT_DIR_INSIDE))
             argv += ["/usr/bin/env", "-C", AGENT_DIR_INSIDE, "--"]
         argv += self.argv
-        with StatusPipe() as status:
-            cmd = self.box.program_command(argv, self.timeout_s, status.fd, env, binds)
+        with (
+            StatusPipe() as status,
+            self.box.program_command(argv, self.timeout_s, status.fd, env, binds) as cmd,
+        ):
             result = await run_program(cmd, stdin, {"PATH": "/usr/bin:/bin"}, "/",
                                        self.timeout_s, pass_fds=(status.fd,))  # fmt: skip
             started = status.started()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -276,27 +277,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion(
-    rid: str,
-    model: str,
-    created: int,
-    message: dict[str, Any],
-    finish: FinishReason,
-    prompt_tokens: int,
-    completion_tokens: int,
-    logprobs: list[tuple[str, float]] | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Reply:
+    """A served call, as both response shapes tell it: its id, model and time, the
+    assistant message, why the turn ended, and the token counts."""
+
+    rid: str
+    model: str
+    created: int
+    message: dict[str, Any]
+    finish: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def completion(r: Reply, logprobs: list[tuple[str, float]] | None = None) -> dict[str, Any]:
     """A whole (non-streamed) response: one choice. `logprobs`: (token text, log-prob)
     of each sampled token, when the request asked for them."""
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+    choice: dict[str, Any] = {"index": 0, "message": r.message, "finish_reason": r.finish}
     choice["logprobs"] = None if logprobs is None else _logprobs(logprobs)
     return {
-        "id": rid,
+        "id": r.rid,
         "object": "chat.completion",
-        "created": created,
-        "model": model,
+        "created": r.created,
+        "model": r.model,
         "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(r.prompt_tokens, r.completion_tokens),
     }
 
 
@@ -310,28 +316,20 @@ def _logprobs(pairs: list[tuple[str, float]]) -> dict[str, Any]:
     }
 
 
-def chunks(
-    rid: str,
-    model: str,
-    created: int,
-    message: dict[str, Any],
-    finish: FinishReason,
-    prompt_tokens: int,
-    completion_tokens: int,
-    include_usage: bool,
-) -> Iterator[str]:
+def chunks(r: Reply, include_usage: bool) -> Iterator[str]:
     """A streamed response as server-sent events (`data: ...\\n\\n`, then `data: [DONE]`):
     the role, the content, each tool call whole, the finish reason, and with
     `include_usage` a last chunk of usage and no choices. The turn is sampled whole before
     it is streamed (the engine decodes a turn in chunks of its own), so streaming changes
     when the agent sees the text, not what is sampled."""
+    message = r.message
 
     def event(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
         obj = {
-            "id": rid,
+            "id": r.rid,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
+            "created": r.created,
+            "model": r.model,
             "choices": choices,
             **(extra or {}),
         }
@@ -346,7 +344,7 @@ def chunks(
     for i, call in enumerate(message.get("tool_calls") or []):
         delta = {"tool_calls": [{"index": i, **call}]}
         yield event([{"index": 0, "delta": delta, "finish_reason": None}])
-    yield event([{"index": 0, "delta": {}, "finish_reason": finish}])
+    yield event([{"index": 0, "delta": {}, "finish_reason": r.finish}])
     if include_usage:
-        yield event([], {"usage": usage(prompt_tokens, completion_tokens)})
+        yield event([], {"usage": usage(r.prompt_tokens, r.completion_tokens)})
     yield "data: [DONE]\n\n"

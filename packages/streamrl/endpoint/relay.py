@@ -37,7 +37,8 @@ def _serve(listener: socket.socket, path: str) -> None:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             upstream.connect(path)
-        except OSError:
+        except OSError as err:
+            print(f"relay: cannot reach the endpoint: {err}", file=sys.stderr)
             conn.close()
             upstream.close()
             continue

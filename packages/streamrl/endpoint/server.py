@@ -42,6 +42,7 @@ from streamrl.endpoint.protocol import (
     ApiError,
     ChatRequest,
     FinishReason,
+    Reply,
     chunks,
     completion,
     parse_request,
@@ -64,7 +65,7 @@ class Episode:
     track: int = 0  # its trace track (0: tracing off)
     busy: bool = False
     calls: int = 0
-    limited: bool = False  # a call was refused for the limit
+    limited: bool = False  # a call was refused for the call limit or a full conversation
     timed_out: bool = False  # a model call outlived rollout.model_call_timeout_s
     last_finish: str = ""  # the finish reason of its last served call
     refused: int = 0
@@ -137,7 +138,9 @@ class Endpoint:
         """A new episode's API key (a secret: never logged); `max_calls` model calls at
         most (0: no limit of its own)."""
         key = f"sk-ep-{secrets.token_urlsafe(24)}"
-        session = EndpointSession(self.chat, episode, self.cfg.kv_cache_size)
+        cfg = self.cfg
+        context = min(cfg.kv_cache_size, cfg.max_prompt_length + cfg.max_response_length)
+        session = EndpointSession(self.chat, episode, context, cfg.max_prompt_length)
         track = self.tracer.track("episode", episode)
         self.episodes[key] = Episode(session, seed, max_calls, track)
         return key
@@ -190,6 +193,8 @@ class Endpoint:
             ep.refused += 1
             if isinstance(err, TranscriptEdited):
                 ep.edited += 1
+            if err.code == "context_length_exceeded" and ep.session.turns:
+                ep.limited = True  # the conversation is full: as the built-in agent's ends
             self.log.info(
                 "endpoint_refused",
                 episode=ep.session.episode,
@@ -225,7 +230,8 @@ class Endpoint:
                 code="model_call_limit",
             )
         pending = ep.session.prepare(req)
-        limit = min(req.token_limit or self.cfg.max_turn_tokens, self.cfg.max_turn_tokens)
+        turn_max = self.cfg.max_turn_tokens
+        limit = min(req.token_limit or turn_max, turn_max, pending.room)
         turn = ep.session.turns
         gen = GenRequest(pending.prompt, limit, ep.seed(turn), session=ep.session.episode)
         t0 = time.monotonic()
@@ -250,18 +256,18 @@ class Endpoint:
         ep.last_finish = finish
         rid = f"chatcmpl-{ep.session.episode}-{turn}"
         created = int(self.clock())
-        args = (rid, MODEL_NAME, created, message, finish, len(pending.prompt), len(ids))
+        reply = Reply(rid, MODEL_NAME, created, message, finish, len(pending.prompt), len(ids))
         if not req.stream:
             lps = None
             if req.logprobs:
                 pairs = zip(ids, logprobs, strict=True)
                 lps = [(self.chat.decode([t]), lp) for t, lp in pairs]
-            return web.json_response(completion(*args, logprobs=lps))
+            return web.json_response(completion(reply, logprobs=lps))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})  # fmt: skip
         await resp.prepare(request)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        for event in chunks(*args, include_usage=usage):
+        for event in chunks(reply, include_usage=usage):
             await resp.write(event.encode())
         await resp.write_eof()
         return resp

@@ -54,6 +54,7 @@ class Pending:
     wire: list[dict[str, Any]]  # the request's messages new to the session, normalised
     template: list[dict[str, Any]]  # the same as the template renders them
     tools: list[dict[str, Any]] | None  # the request's tools (a first call fixes them)
+    room: int  # tokens the conversation may still sample (a call samples at most these)
 
 
 def _arguments(raw: str) -> object:
@@ -81,10 +82,15 @@ def normalise(m: Message) -> dict[str, Any]:
 class EndpointSession:
     """The conversation of one episode's agent, as tokens and as the messages it sent."""
 
-    def __init__(self, chat: HFChat, episode: str, max_context: int) -> None:
+    def __init__(
+        self, chat: HFChat, episode: str, max_context: int, max_prompt: int | None = None
+    ) -> None:
         self.chat = chat
         self.episode = episode
-        self.max_context = max_context  # the engine's positions a conversation may fill
+        # the positions a conversation may fill (the built-in agent's limit: the first
+        # prompt's and the response's lengths, within the engine's KV slot)
+        self.max_context = max_context
+        self.max_prompt = max_context if max_prompt is None else max_prompt
         self.transcript = Transcript()
         self.wire: list[dict[str, Any]] = []
         self.template: list[dict[str, Any]] = []
@@ -148,6 +154,13 @@ class EndpointSession:
             prompt = self.chat.prompt_ids(template, tools)
         except ChatError as err:
             raise ApiError(f"the chat template cannot render the conversation: {err}") from None
+        if len(prompt) > self.max_prompt:
+            raise ApiError(
+                f"the first prompt is {len(prompt)} tokens: more than the "
+                f"{self.max_prompt} of rollout.max_prompt_length",
+                param="messages",
+                code="context_length_exceeded",
+            )
         return self._pending(req, prompt, prompt, req.messages, template, tools)
 
     def _pending(
@@ -159,15 +172,16 @@ class EndpointSession:
         template: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
     ) -> Pending:
-        limit = req.token_limit or 1
-        if len(prompt) + limit > self.max_context:
+        asked = req.token_limit or 1
+        if len(prompt) + asked > self.max_context:
             raise ApiError(
-                f"the prompt is {len(prompt)} tokens and the call may sample {limit}: more "
+                f"the prompt is {len(prompt)} tokens and the call may sample {asked}: more "
                 f"than the {self.max_context} positions of a conversation",
                 param="messages",
                 code="context_length_exceeded",
             )
-        return Pending(prompt, added, [normalise(m) for m in new], template, tools)
+        room = self.max_context - len(prompt)
+        return Pending(prompt, added, [normalise(m) for m in new], template, tools, room)
 
     def _template(self, m: Message) -> dict[str, Any]:
         role = "system" if m.role == "developer" else m.role

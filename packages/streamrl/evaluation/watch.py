@@ -152,6 +152,13 @@ def read_results(root: Path) -> list[dict[str, Any]]:
     return [r for _, path in _steps(root, _RESULT) if (r := _read_result(path)) is not None]
 
 
+def results_after(root: Path, step: int) -> list[dict[str, Any]]:
+    """The results of the steps after `step`, by step, parsing no other file (the sinks
+    worker asks at each pass; unreadable files skipped)."""
+    paths = [path for s, path in _steps(root, _RESULT) if s > step]
+    return [r for path in paths if (r := _read_result(path)) is not None]
+
+
 def latest_result(root: Path) -> dict[str, Any] | None:
     """The result of the highest step that reads, parsing no other file (the launcher's
     progress line asks every few seconds, and a long run has many results)."""

@@ -30,6 +30,7 @@ import redis
 import structlog
 from redis.commands.core import Script
 
+from streamrl import counters
 from streamrl.config import Config
 from streamrl.grouper import scripts
 from streamrl.grouper.scoring import (
@@ -178,7 +179,10 @@ class Grouper:
         a later one (a re-sent member) gets the same script, which finds the group emitted
         or dropped, as its add would have after the emit."""
         answers = self._run_scripts(
-            [self._drop_call(d, "") if stale else self._add_call(d) for d, stale in part]
+            [
+                self._drop_call(d, counters.GROUPS_STALE) if stale else self._add_call(d)
+                for d, stale in part
+            ]
         )
         outcomes: list[Outcome] = []
         decisions: dict[str, Decision] = {}

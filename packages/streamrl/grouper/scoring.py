@@ -101,7 +101,7 @@ def score(
             return Decision("drop", reason, counter=counters.GROUPS_NONFINITE)
     for m in members:
         if stale := stale_reason(m, trainer_version, gcfg.off_policy_steps):
-            return Decision("drop", stale)
+            return Decision("drop", stale, counter=counters.GROUPS_STALE)
     rewards = [m.reward for m in members if m.valid]
     if len(rewards) < gcfg.min_valid_members:
         return Decision(

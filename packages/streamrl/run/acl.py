@@ -1,7 +1,7 @@
 """Least privilege in Redis: one ACL user per role, with key patterns and a command list.
 
 Every worker type connects as its own user (`feeder`, `rollout`, `tools`, `grouper`,
-`trainer`; `colocated` is rollout and trainer in one process), and `operator` is what
+`trainer`, `sinks`; `colocated` is rollout and trainer in one process), and `operator` is what
 `streamrl up` and `streamrl queues` use (progress, summary, resume, --replay-dead). The
 `default` user is off. Every key pattern comes from `streamrl.names.Keys`; rq's keys
 (`rq:*`) are not under the run namespace, so only the roles that speak rq get them.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from streamrl.names import Keys
 
-ROLES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated", "operator")
+ROLES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated", "sinks", "operator")
 OPERATOR = "operator"
 # rq (the tool-call queue) keeps its keys and channels outside any run namespace.
 RQ_KEYS = "rq:*"
@@ -185,6 +185,13 @@ def roles(keys: Keys) -> dict[str, Role]:
         # MEMORY USAGE: the dead letters' bytes, which it caps (checkpoints.trim_history)
         commands=(*_SCRIPTS, "+time", "+memory|usage"),
     )
+    # The sinks worker (streamrl.obs.sinks) reads the trainer's metrics and the counters,
+    # and writes nothing of the run.
+    sinks = Role(
+        keys=(),
+        read_keys=(k.metrics, k.stats, k.run_id),
+        categories=("stream", "string", "hash"),
+    )
     operator = Role(
         keys=(k.every_key,),
         categories=("read", "write", "keyspace", "stream", "string", "hash", "set", "list"),
@@ -197,6 +204,7 @@ def roles(keys: Keys) -> dict[str, Role]:
         "grouper": grouper,
         "trainer": trainer,
         "colocated": rollout.union(trainer),
+        "sinks": sinks,
     }
     # Each worker claims and renews its own identity slot (streamrl.run.identity), writes its
     # counters' samples (streamrl.obs.metrics) and reads the server's clock (TIME), which its

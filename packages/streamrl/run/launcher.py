@@ -97,6 +97,7 @@ class WorkerProc(Supervised):
     stderr_path: Path
     beat: str | None = None  # its liveness beat as last read
     beat_at: float = field(default_factory=time.monotonic)  # when it last changed (or spawn)
+    gave_up: bool = False  # an optional worker (SINKS) past its restarts: left stopped
 
     @property
     def worker_id(self) -> str:
@@ -457,7 +458,7 @@ class Launcher:
                     self._restart(p, log)
                 continue
             rc = p.popen.poll()
-            if rc is None:
+            if rc is None or p.gave_up:
                 continue
             if p.name in TRAINS and rc == 0:
                 if p.index > 0:
@@ -512,6 +513,15 @@ class Launcher:
             log.error("worker_fatal", worker=p.worker_id, code=rc)
             return f"worker {p.worker_id} stopped with a fatal error; see {p.stderr_path}"
         delay = p.schedule_restart(time.monotonic(), run)
+        if delay is None and p.name == SINKS:
+            p.gave_up = True
+            log.error("worker_gave_up", worker=p.worker_id, code=rc, restarts=len(p.restarts))
+            print(
+                f"\nstreamrl: worker {p.worker_id} exited with code {rc} after "
+                f"{len(p.restarts)} restarts; the run goes on without it (see {p.stderr_path})",
+                file=sys.stderr,
+            )
+            return None
         if delay is None:
             log.error("worker_failed", worker=p.worker_id, code=rc, restarts=len(p.restarts))
             return (
@@ -577,7 +587,7 @@ class Launcher:
             return
         self._stopped = True
         try:
-            self._stop_workers(log)
+            self._stop_workers(log, [p for p in self.procs if p.name != SINKS])
             if drain_eval and self.evaluator is not None:
                 print("\nevaluating the final policy on the held-out split ...", file=self.out)
                 root = evalrun.eval_dir(self.run_dir)
@@ -585,21 +595,21 @@ class Launcher:
         finally:
             if self.evaluator is not None:
                 self.evaluator.stop()
+            # last: its final pass writes the run's last steps and evaluation
+            self._stop_workers(log, [p for p in self.procs if p.name == SINKS])
 
-    def _stop_workers(self, log: structlog.stdlib.BoundLogger) -> None:
-        """Every worker's process group stopped: the trainer gets its final checkpoint's
+    def _stop_workers(self, log: structlog.stdlib.BoundLogger, procs: list[WorkerProc]) -> None:
+        """The process groups of `procs` stopped: the trainer gets its final checkpoint's
         time (`run.trainer_stop_timeout_s`), the others STOP_TIMEOUT_S."""
         limits = [
             self.cfg.run.trainer_stop_timeout_s if p.name in TRAINS else STOP_TIMEOUT_S
-            for p in self.procs
+            for p in procs
         ]
 
         def killed(i: int) -> None:
-            log.warning("worker_kill", worker=self.procs[i].worker_id, after_s=limits[i])
+            log.warning("worker_kill", worker=procs[i].worker_id, after_s=limits[i])
 
-        terminate(
-            [(p.popen, lim) for p, lim in zip(self.procs, limits, strict=True)], on_kill=killed
-        )
+        terminate([(p.popen, lim) for p, lim in zip(procs, limits, strict=True)], on_kill=killed)
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -665,7 +675,8 @@ class Launcher:
 
 def plan(cfg: Config) -> list[tuple[str, int]]:
     """The workers `streamrl up` runs for `cfg`, (name, index) in launch order: tools,
-    grouper, trainer or colocated, rollout, feeder."""
+    grouper, trainer or colocated, rollout, feeder, and the sinks worker when
+    `logging.sinks` names any."""
     out = [("tools", i) for i in range(cfg.tools.num_workers)]
     out += [("grouper", i) for i in range(cfg.grouper.num_workers)]
     if cfg.run.colocated:  # rollout and training in one process, alternating
@@ -673,10 +684,16 @@ def plan(cfg: Config) -> list[tuple[str, int]]:
     else:
         out += [("trainer", i) for i in range(cfg.trainer.num_processes)]
         out += [("rollout", i) for i in range(cfg.rollout.num_workers)]
-    return [*out, ("feeder", 0)]
+    out += [("feeder", 0)]
+    if cfg.logging.sinks:
+        out += [(SINKS, 0)]
+    return out
 
 
 TRAINS = ("trainer", "colocated")  # the workers whose clean exit ends the run
+# The metrics sinks (streamrl.obs.sinks): optional (past run.max_restarts the run goes on
+# without it) and stopped last, after the evaluator's final evaluation, which it writes.
+SINKS = "sinks"
 LIVENESS_POLL_S = 1.0  # how often the launcher reads the workers' liveness beats
 
 

@@ -34,7 +34,7 @@ COORDINATOR_ENV = "STREAMRL_COORDINATOR"
 # its own role's credentials, never on a command line (see `streamrl.run.acl`).
 PASSWORD_FILE_ENV = "REDIS_PASSWORD_FILE"
 
-WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated")
+WORKER_NAMES = ("feeder", "rollout", "tools", "grouper", "trainer", "colocated", "sinks")
 
 
 class NoRedisError(RuntimeError):

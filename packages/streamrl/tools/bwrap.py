@@ -66,7 +66,7 @@ import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,6 +369,7 @@ class BubblewrapSandbox:
         ]  # fmt: skip
         return cmd
 
+    @contextlib.contextmanager
     def program_command(
         self,
         argv: list[str],
@@ -376,13 +377,23 @@ class BubblewrapSandbox:
         status_fd: int,
         env: dict[str, str],
         binds: list[tuple[str, str]],
-    ) -> list[str]:
+    ) -> Iterator[list[str]]:
         """The command line of one program in fresh namespaces, as a fresh call's (module
         doc), with `env` as its whole environment and each `(host, inside)` of `binds`
         mounted read-only at `inside` (a directory, or a unix socket the program may
-        connect to): an agent program's sandbox (`streamrl.endpoint.command`). Run it with
-        `status_fd` open in the command; bwrap reports on it once the program exists."""
-        return self._command(argv, time_limit_s, status_fd, env, binds)
+        connect to): an agent program's sandbox (`streamrl.endpoint.command`). Run it, with
+        `status_fd` open in it, inside the block. As root the program runs as a uid of its
+        own for the block (claimed as a warm namespace's is), so that RLIMIT_NPROC
+        (`max_processes`) counts its tasks alone: programs side by side under one shared
+        uid each met the others' tasks in their limit and could not start a thread."""
+        claim = self._claim_uid() if os.geteuid() == 0 else None
+        try:
+            yield self._command(
+                argv, time_limit_s, status_fd, env, binds, claim[0] if claim else None
+            )
+        finally:
+            if claim:
+                claim[1].close()
 
     def _command(
         self,
@@ -391,9 +402,11 @@ class BubblewrapSandbox:
         status_fd: int,
         env: dict[str, str] = CALL_ENV,
         binds: list[tuple[str, str]] | None = None,
+        uid: int | None = None,
     ) -> list[str]:
         cfg = self.cfg
-        uid = cfg.run_as_uid if os.geteuid() == 0 else os.getuid()
+        if uid is None:
+            uid = cfg.run_as_uid if os.geteuid() == 0 else os.getuid()
         cmd = [
             self._prlimit,
             *prlimit_args(time_limit_s, cfg.memory_bytes),

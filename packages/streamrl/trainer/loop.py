@@ -46,7 +46,7 @@ from streamrl import counters
 from streamrl.config import Config
 from streamrl.errors import FatalError
 from streamrl.names import Keys
-from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, Metrics
+from streamrl.obs.metrics import EXAMPLES, POLICY_AGE, POLICY_VERSION, SOLVED_REWARD, Metrics
 from streamrl.obs.tracing import GROUP_FLOW, Arg, Span, Tracer, flow_id
 from streamrl.queues import backlog
 from streamrl.rl.clock import PolicyClock, policy_clock
@@ -66,6 +66,9 @@ TRAINER_CONSUMER = "trainer"
 
 # The loss's behaviour-policy metrics that go into TrainMetrics (`streamrl.rl.losses`).
 MISMATCH_METRICS = ("mismatch_logp_abs", "mismatch_kl", "mismatch_kl_seq", "correction_fraction")
+# The step's other metrics that go into TrainMetrics when the step reports them (the stub
+# step has no policy: neither).
+POLICY_METRICS = ("kl", "entropy")
 
 Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # one member's tokens, mask, rollout log-probs
 
@@ -506,11 +509,14 @@ class TrainerLoop:
             self.unacked[d.entry_id] = self.step
         self.lineage.append((self.step, [d.msg.group_id for d in groups]))
         self._count(min_versions)
+        ages = [self.policy_age(v) for v in min_versions]
         return TrainMetrics(
             step=self.step,
             version=self.version,
             loss=loss,
             reward_mean=float(np.mean(rewards)),
+            solve_rate=float(np.mean(np.asarray(rewards) >= SOLVED_REWARD)),
+            policy_age_mean=float(np.mean(ages)),
             num_groups=len(groups),
             num_sequences=len(rewards),
             num_tokens=int(scalar(m["num_tokens"])),
@@ -518,7 +524,7 @@ class TrainerLoop:
             grad_norm=grad_norm,
             max_policy_lag=self.policy_age(min(min_versions)),
             step_time_s=time.monotonic() - start,
-            **{k: scalar(m[k]) for k in MISMATCH_METRICS if k in m},
+            **{k: scalar(m[k]) for k in (*MISMATCH_METRICS, *POLICY_METRICS) if k in m},
         )
 
     def _count(self, min_versions: list[int]) -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "shard_fsdp",
     "standard_promotion",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]
 
 LENGTH_BUCKET = 32  # sequence lengths round up to a multiple of this, so shapes repeat
@@ -333,17 +334,31 @@ def token_logprobs(
     embedding row, padding rows included), exactly the log-prob the engine reports for a
     sampled token. Under jit pass `spec` and `temperature` as static arguments.
     """
+    return token_logprobs_and_entropy(params, spec, tokens, temperature)[0]
+
+
+def token_logprobs_and_entropy(
+    params: Params, spec: ModelSpec, tokens: jax.Array | np.ndarray, temperature: float
+) -> tuple[jax.Array, jax.Array]:
+    """`token_logprobs` [B, L] and, from the same forward pass, entropy [B, L] float32:
+    entropy[:, t] = -sum_v p_v log p_v (nats) of the distribution token t was drawn from,
+    p = softmax(logits[:, t-1] / temperature); entropy[:, 0] = 0. The entropy carries no
+    gradient (a metric, `TrainStep`); under jit an unused one costs nothing."""
     logits = causal_logits(params, spec, tokens)[:, :-1]
     logp = jax.nn.log_softmax(logits / temperature, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.pad(picked, ((0, 0), (1, 0)))
+    frozen = jax.lax.stop_gradient(logp)
+    entropy = -jnp.sum(jnp.exp(frozen) * frozen, axis=-1)
+    pad = ((0, 0), (1, 0))
+    return jnp.pad(picked, pad), jnp.pad(entropy, pad)
 
 
 class TrainStep:
     """The jitted `(state, batch) -> (state, metrics)`; `compile_count` counts traces.
 
     metrics (float32 scalars): loss, grad_norm (before clipping), clip_fraction,
-    ratio_mean, kl, learning_rate, num_tokens (mask sum), and the loss's other metrics
+    ratio_mean, kl, entropy (nats per trained token, `token_logprobs_and_entropy`),
+    learning_rate, num_tokens (mask sum), and the loss's other metrics
     (the behaviour-policy mismatch against the batch's rollout log-probs among them).
     When the loss, the gradient or the update is not finite, the returned state is the
     old one (its step not advanced).
@@ -419,7 +434,7 @@ class TrainStep:
             policy = apply_lora(base, params, self.lora)
         else:
             policy = params
-        logp = token_logprobs(policy, self.spec, tokens, self.temperature)
+        logp, entropy = token_logprobs_and_entropy(policy, self.spec, tokens, self.temperature)
         # The ratio's denominator: the rollout's log-probs, or this policy's own before the
         # update (no gradient through it; the ratio starts at 1).
         old = (
@@ -431,15 +446,19 @@ class TrainStep:
             ref = jax.lax.stop_gradient(
                 token_logprobs(ref_params, self.spec, tokens, self.temperature)
             )
-        return self.loss_fn(
+        mask = jnp.asarray(mb.mask)
+        loss, metrics = self.loss_fn(
             logp,
             old,
             jnp.asarray(mb.advantages),
-            jnp.asarray(mb.mask),
+            mask,
             loss_config(self.cfg, max_tokens),
             ref_logp=ref,
             behav_logp=jnp.asarray(mb.old_logp),  # the rollout's: the mismatch metrics
         )
+        # the policy's mean entropy on the tokens it trains on (issue 32's sinks)
+        mean_entropy = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        return loss, {**metrics, "entropy": mean_entropy}
 
     def _weights(self, mask: jax.Array) -> jax.Array:
         """Each micro-batch's share [M] of the loss's normaliser (mask [M, b, L]): its

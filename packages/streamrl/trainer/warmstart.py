@@ -57,6 +57,9 @@ __all__ = [
     "warmstart_params",
 ]
 
+# Task fields that do not change the demonstrations: runs that differ only in these share
+# a warm start (the built-in agent and an agent of the OpenAI kind on the same task).
+NOT_IN_KEY = {"max_backlog", "agent", "agent_command", "agent_dir", "epochs"}
 # Bump whenever a code change alters what a warm start produces: it is part of the cache key.
 WARMSTART_VERSION = 3
 _LOG_EVERY = 100  # steps between progress events
@@ -188,10 +191,12 @@ def _checkpoint_identity(cfg: Config, ckpt: Path) -> dict[str, object]:
 def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
     """sha256 hex of every input of the warm start's result.
 
-    The starting checkpoint (`_checkpoint_identity`), the task section (without
-    `task.max_backlog`), the model seed (`Config.model_seed`: model.seed, else run.seed),
-    the chat template, dtype and warm-start fields of `model` (the template's name, not its
-    text), and WARMSTART_VERSION. Not the cache location, nor `model.init`.
+    The starting checkpoint (`_checkpoint_identity`), the task section (but `NOT_IN_KEY`:
+    what plays the episodes and how many times, which the demonstrations, drawn from the
+    task's own definition, never depend on), the model seed (`Config.model_seed`:
+    model.seed, else run.seed), the chat template, dtype and warm-start fields of `model`
+    (the template's name, not its text), and WARMSTART_VERSION. Not the cache location,
+    nor `model.init`.
     """
     ckpt = ensure_checkpoint(cfg) if ckpt is None else ckpt
     inputs = {
@@ -208,7 +213,7 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
                 "warmstart_error_rate",
             }
         ),
-        "task": cfg.task.model_dump(exclude={"max_backlog"}),
+        "task": cfg.task.model_dump(exclude=NOT_IN_KEY),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
