@@ -121,6 +121,18 @@ def rollout_alone(
     return ""
 
 
+def xla_cache_env(work: Path) -> dict[str, str]:
+    """This process's environment with one persistent XLA compilation cache under `work`
+    for every run of a bench: the programs a run compiles are read back by the later ones,
+    so their figures measure the engine, not XLA (a warm-up round fills it)."""
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(work / "xla-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
 def long_prompt(i: int, words: int) -> str:
     """Prompt i: its number, then `words` words drawn from a seeded generator (a long first
     prompt makes every re-prefill of an evicted conversation cost what it does on a real
@@ -150,14 +162,7 @@ def run_row(
     start = time.monotonic()
     row: dict[str, Any] = {"row": name}
     out = work / f"{name}.out"
-    # one persistent compilation cache for every row: the programs a row compiles are read
-    # back by the later rounds, so the medians measure the engine, not XLA
-    env = {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": str(work / "xla-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+    env = xla_cache_env(work)
     with out.open("w") as sink:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,

@@ -32,7 +32,6 @@ The baseline is the built-in agent of the same round.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ops.bench.admission import rollout_alone
+from ops.bench.admission import rollout_alone, xla_cache_env
 from ops.bench.stragglers import events, ts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,12 +56,7 @@ def run(work: Path, name: str, prompts: int, epochs: int, sets: list[str]) -> di
            "--set", f'model.cache_dir="{REPO / "build" / "model-cache"}"']  # fmt: skip
     for s in sets:
         cmd += ["--set", s]
-    env = {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": str(work / "xla-cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+    env = xla_cache_env(work)
     with (work / f"{name}.out").open("w") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True, env=env)  # fmt: skip

@@ -673,9 +673,15 @@ class RolloutConfig(_Section):
     def _ready_auto(cls, v: object) -> object:
         return _auto(v)
 
+    @property
+    def max_episode_tokens(self) -> int:
+        """The positions one episode's conversation may fill: its first prompt's and its
+        responses' lengths (within `kv_cache_size`, checked)."""
+        return self.max_prompt_length + self.max_response_length
+
     @model_validator(mode="after")
     def _sizes(self) -> RolloutConfig:
-        total = self.max_prompt_length + self.max_response_length
+        total = self.max_episode_tokens
         if total > self.kv_cache_size:
             raise ValueError(
                 f"rollout.max_prompt_length ({self.max_prompt_length}) + "

@@ -139,8 +139,7 @@ class Endpoint:
         most (0: no limit of its own)."""
         key = f"sk-ep-{secrets.token_urlsafe(24)}"
         cfg = self.cfg
-        context = min(cfg.kv_cache_size, cfg.max_prompt_length + cfg.max_response_length)
-        session = EndpointSession(self.chat, episode, context, cfg.max_prompt_length)
+        session = EndpointSession(self.chat, episode, cfg.max_episode_tokens, cfg.max_prompt_length)
         track = self.tracer.track("episode", episode)
         self.episodes[key] = Episode(session, seed, max_calls, track)
         return key

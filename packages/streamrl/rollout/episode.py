@@ -323,7 +323,7 @@ class EpisodeRunner:
         else:
             tr.add_template(prompt)
             tr.prompt_len = len(prompt)
-        limit = cfg.max_prompt_length + cfg.max_response_length
+        limit = cfg.max_episode_tokens
         for turn in range(len(st.turns), cfg.max_steps):
             budget = limit - len(tr)
             if budget <= 0:
