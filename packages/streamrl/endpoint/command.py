@@ -126,10 +126,7 @@ class CommandAgent:
         ):
             result = await run_program(cmd, stdin, {"PATH": "/usr/bin:/bin"}, "/",
                                        self.timeout_s, pass_fds=(status.fd,))  # fmt: skip
-            started = status.started()
-        if not started and not result.timed_out:
-            said = result.stderr.decode(errors="replace").strip()
-            raise SandboxUnavailableError(f"bubblewrap could not start the agent: {said}")
+            status.check(result, "the agent")
         return result
 
     async def _plain(self, base_url: str, api_key: str, stdin: bytes) -> ExecResult:

@@ -198,10 +198,9 @@ class EndpointSession:
         """Keep a served call: its new messages, the template's ids, the sampled `ids`
         (their log-probs, the policy `version`); the assistant message to return. With the
         request's `stops` (given when one of them cut the turn), `ids` are those `stop_cut`
-        kept: the message's text ends before
-        the first stop sequence, and a turn cut before the model's own end of turn is closed
-        with the template's end marker (a template token, not trained), so that the next
-        call continues a well-formed conversation."""
+        kept: the message's text ends before the first stop sequence, and a turn cut before
+        the model's own end of turn is closed with the template's end marker (a template
+        token, not trained), so that the next call continues a well-formed conversation."""
         self.transcript.add_template(pending.added)
         if not self.turns:  # the first call fixes the tools and the prompt's length
             self.tools = pending.tools

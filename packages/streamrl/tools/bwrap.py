@@ -212,10 +212,7 @@ class BubblewrapSandbox:
             result = run_process(
                 cmd, stdin, time_limit_s, output_cap, cwd="/", pass_fds=(status.fd,)
             )
-            started = status.started()
-        if not started and not result.timed_out:
-            err = result.stderr.decode(errors="replace").strip()
-            raise SandboxUnavailableError(f"bubblewrap could not start the call: {err}")
+            status.check(result, "the call")
         return result
 
     def close(self) -> None:
@@ -498,17 +495,22 @@ def tasks_of(uid: int) -> int:
 
 class StatusPipe:
     """bwrap's `--json-status-fd`: `fd`, the write end, goes to the command (pass it in
-    `pass_fds`); once the command has exited, `started()` says whether bwrap got as far as
-    the call's process (it reports `child-pid` then). Both ends close with the block."""
+    `pass_fds`); once the command has exited, `check` raises `SandboxUnavailableError`
+    unless bwrap got as far as the command's process (it reports `child-pid` then) or the
+    command ran out of time first. Both ends close with the block."""
 
     def __enter__(self) -> StatusPipe:
         self._r, self.fd = os.pipe()
         return self
 
-    def started(self) -> bool:
+    def check(self, result: ExecResult, what: str) -> None:
+        """After the command's `result`: `what` (e.g. "the call") failed in bubblewrap
+        itself, an infrastructure failure, or it started."""
         os.close(self.fd)
         self.fd = -1
-        return b'"child-pid"' in read_available(self._r)
+        if b'"child-pid"' not in read_available(self._r) and not result.timed_out:
+            said = result.stderr.decode(errors="replace").strip()
+            raise SandboxUnavailableError(f"bubblewrap could not start {what}: {said}")
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._r)
