@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import re
+import typing
 import sys
 import types
 from pathlib import Path
@@ -245,6 +246,17 @@ def render() -> str:
     lines = [HEADER]
     for section_name, section_field in Config.model_fields.items():
         section = section_field.annotation
+        entries = typing.get_args(section) if typing.get_origin(section) is list else ()
+        if len(entries) == 1 and issubclass(entries[0], BaseModel):
+            # an array of tables ([[tasks]]): each entry a section documented above
+            of = next(n for n, f in Config.model_fields.items() if f.annotation is entries[0])
+            lines.append(f"## [[{section_name}]]\n")
+            lines.append(
+                _prose(section_field.description or "")
+                + f" Each entry takes the fields of `[{of}]` above, as `{section_name}[i].<field>`"
+                f" ({_bounds(section_field) or 'any length'}).\n"
+            )
+            continue
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
             raise TypeError(f"Config.{section_name} is not a section (a pydantic model)")
         lines.append(f"## [{section_name}]\n")

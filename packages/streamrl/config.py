@@ -214,10 +214,29 @@ class TransportConfig(_Section):
 
 # A plug-in reference: a built-in or registered name, or `package.module:Name`.
 PLUGIN_REF = r"^[A-Za-z_][A-Za-z0-9_.-]*(:[A-Za-z_][A-Za-z0-9_.]*)?$"
+MAX_MIXTURE = 64  # tasks in a mixture ([[tasks]]) at most
 OPENAI_AGENT = "openai:"  # task.agent's prefix for an agent of the OpenAI kind (issue 31)
 
 
 class TaskConfig(_Section):
+    id: str = Field(
+        "",
+        description=(
+            "The task's label in a mixture ([[tasks]]): what its counters, metrics and eval "
+            "results are reported under; empty: the name. Unique within the mixture."
+        ),
+        pattern=r"^$|^[A-Za-z0-9_.-]{1,64}$",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=1_000_000,
+        description=(
+            "A mixture entry's share of the tasks the feeder writes ([[tasks]]): weights are "
+            "relative, resolved to parts per thousand of their sum (streamrl.tasks.mixture); "
+            "ignored for a single [task]."
+        ),
+    )
     name: str = Field(
         "arithmetic",
         description=(
@@ -354,6 +373,11 @@ class TaskConfig(_Section):
         if isinstance(v, int) and not 1 <= v <= 1_000_000:
             raise ValueError(f'task.max_backlog must be in [1, 1000000] or "auto", got {v}')
         return v
+
+    @property
+    def label(self) -> str:
+        """What this task is reported under: its id, else its name."""
+        return self.id or self.name
 
     @model_validator(mode="after")
     def _agent_program(self) -> TaskConfig:
@@ -1405,6 +1429,16 @@ class Config(_Section):
         description="Stream delivery.",
     )
     task: TaskConfig = Field(default_factory=TaskConfig, description="Data set.")
+    tasks: list[TaskConfig] = Field(
+        default_factory=list,
+        max_length=MAX_MIXTURE,
+        description=(
+            "A mixture of tasks ([[tasks]], each a [task] table with its weight): the "
+            "feeder draws the tasks it writes from them by weight, in an order seeded by "
+            "run.seed (streamrl.tasks.mixture). [task] then holds only the feeder's "
+            "max_backlog. Empty: [task] alone."
+        ),
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     rollout: RolloutConfig = Field(
         default_factory=RolloutConfig,
@@ -1456,6 +1490,43 @@ class Config(_Section):
             )
             derived.append("rollout.max_ready_groups")
         self._derived = tuple(derived)
+        return self
+
+    @property
+    def mixture(self) -> tuple[TaskConfig, ...]:
+        """The run's tasks: the [[tasks]] mixture, or [task] alone."""
+        return tuple(self.tasks) if self.tasks else (self.task,)
+
+    @model_validator(mode="after")
+    def _mixture(self) -> Config:
+        if not self.tasks:
+            return self
+        misplaced = sorted(self.task.model_fields_set - {"max_backlog"})
+        if misplaced:
+            raise ValueError(
+                "[[tasks]] is a mixture: [task] then holds only the feeder's max_backlog, "
+                f"but it sets {', '.join('task.' + f for f in misplaced)}: move them into "
+                "the [[tasks]] entries"
+            )
+        seen: dict[str, int] = {}
+        for i, t in enumerate(self.tasks):
+            if "max_backlog" in t.model_fields_set:
+                raise ValueError(
+                    f"tasks[{i}].max_backlog: the feeder keeps one backlog for the mixture, "
+                    "task.max_backlog"
+                )
+            if t.agent.startswith(OPENAI_AGENT) or t.agent_command:
+                raise ValueError(
+                    f"tasks[{i}] ({t.label}): an agent of the OpenAI kind (task.agent = "
+                    '"openai:..." or task.agent_command) plays a single [task] only, not a '
+                    "mixture"
+                )
+            if t.label in seen:
+                raise ValueError(
+                    f"tasks[{i}] and tasks[{seen[t.label]}] are both reported as "
+                    f"{t.label!r}: give one of them an id"
+                )
+            seen[t.label] = i
         return self
 
     @property

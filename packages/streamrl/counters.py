@@ -21,6 +21,7 @@ Light: imports nothing beyond the standard library and the wire's status set.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -231,6 +232,40 @@ POLICY_VERSION = _field(
 
 FIELDS: MappingProxyType[str, Field] = MappingProxyType(_fields)
 """Every stats-hash field by name."""
+
+# -- per task (a mixture's, issue 32) ------------------------------------------------------
+# In a mixture ([[tasks]]) these fields are also counted per task, as `task/<label>/<field>`
+# beside the whole run's, by the same writer and no more exactly than it: the feeder's tasks
+# in its transaction (exact), rollout's trajectories with its own (approximate), the
+# grouper's groups emitted and dropped after its scripts answered, not in them (approximate).
+PER_TASK = (TASKS, TRAJECTORIES, GROUPS, GROUPS_DROPPED)
+_TASK_PREFIX = "task/"
+
+
+def per_task(label: str, field: str) -> str:
+    """The stats field that counts `field` (one of PER_TASK) for the task `label`."""
+    if field not in PER_TASK:
+        raise KeyError(f"{field!r} is not counted per task (counters.PER_TASK)")
+    return f"{_TASK_PREFIX}{label}/{field}"
+
+
+def split_per_task(name: str) -> tuple[str, str] | None:
+    """(label, field) of a per-task field's name, else None."""
+    if not name.startswith(_TASK_PREFIX):
+        return None
+    label, _, field = name[len(_TASK_PREFIX) :].rpartition("/")
+    return (label, field) if label and field in PER_TASK else None
+
+
+def by_task(stats: Mapping[str, object]) -> dict[str, dict[str, int]]:
+    """The per-task counters of a stats hash, {label: {field: value}}."""
+    out: dict[str, dict[str, int]] = {}
+    for name, value in stats.items():
+        split = split_per_task(name)
+        if split is not None:
+            out.setdefault(split[0], {})[split[1]] = int(float(str(value)))
+    return out
+
 
 # The group policies' counters that `streamrl queues` shows in its table.
 POLICY_COUNTERS = (

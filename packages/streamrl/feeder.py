@@ -4,7 +4,9 @@ Its cursor lives in Redis and advances in the same transaction as the write, so 
 that restarts continues where it stopped, neither skipping nor repeating a prompt. The
 cursor names one prompt for ever (a generated one, or a dataset row in a seeded order per
 epoch: `streamrl.tasks.data`), so a resumed run continues exactly where the data was. With
-`task.epochs` the feeder stops writing after the last row of the last epoch.
+`task.epochs` the feeder stops writing after the last row of the last epoch. A mixture of
+tasks (`[[tasks]]`) is one sequence of positions whose seeded order says which task each is
+(`streamrl.tasks.mixture`); the cursor is the position, so it resumes in the same order.
 
 The backlog is read from the stream itself: entries not yet delivered to the rollout
 workers plus those delivered but not acknowledged. A task that went to the dead letters is
@@ -40,7 +42,7 @@ from streamrl.obs.metrics import (
 from streamrl.queues import backlog
 from streamrl.run import incarnation
 from streamrl.run.liveness import Liveness
-from streamrl.tasks.registry import TaskSource, task_source
+from streamrl.tasks.mixture import Mixture, mixture
 from streamrl.transport import as_str, publish
 
 
@@ -51,14 +53,14 @@ class Feeder:
         keys: Keys,
         cfg: Config,
         log: structlog.stdlib.BoundLogger,
-        source: TaskSource | None = None,
+        source: Mixture | None = None,
         run_id: str = "",
     ) -> None:
         self.client = client
         self.keys = keys
         self.cfg = cfg
         self.log = log
-        self.source = source if source is not None else task_source(cfg.task, cfg.run.seed)
+        self.source = source if source is not None else mixture(cfg)
         self.run_id = run_id  # the run it writes into ("": not checked)
         self._ended = False
         self.target = 0 if cfg.task.max_backlog == "auto" else int(cfg.task.max_backlog)
@@ -145,22 +147,28 @@ class Feeder:
         cursor, backlog = self.backlog()
         room = max(0, target - backlog)
         end = self.source.end
-        last = None  # the data's end, when this fill writes up to it
-        if end is not None and cursor + room >= end:
-            room, last = max(0, end - cursor), end
-        for i in range(room):
-            task = self.source.task(cursor + i, self.cfg.rollout.num_generations)
+        written = 0
+        while written < room and (end is None or cursor < end):
+            task = self.source.task(cursor, self.cfg.rollout.num_generations)
+            cursor += 1
+            if task is None:  # a mixture's task that has ended: its positions are holes
+                continue
             pipe = self.client.pipeline(transaction=True)
             publish(pipe, self.keys.tasks, task)
-            pipe.set(self.keys.feeder_cursor, cursor + i + 1)
+            pipe.set(self.keys.feeder_cursor, cursor)
             pipe.hincrby(self.keys.stats, counters.TASKS, 1)
+            if self.cfg.tasks:  # a mixture: per task too
+                pipe.hincrby(self.keys.stats, counters.per_task(task.kind, counters.TASKS), 1)
             pipe.execute()
-        if last is not None and not self._ended:
-            # After the last write: the trainer ends the run once all before it is done.
-            self.client.set(self.keys.feeder_end, last)
+            written += 1
+        if end is not None and cursor >= end and not self._ended:
+            # After the last write (holes after it stepped over): the trainer ends the run
+            # once all before it is done.
+            self.client.set(self.keys.feeder_cursor, end)
+            self.client.set(self.keys.feeder_end, end)
             self._ended = True
-            self.log.info("feeder_data_end", cursor=last, epochs=self.cfg.task.epochs)
-        return room
+            self.log.info("feeder_data_end", cursor=end, tasks=self.source.written(end))
+        return written
 
     def run(
         self,
@@ -173,7 +181,11 @@ class Feeder:
         be written (the backlog is full, or the data has ended). Ticks `liveness` each
         time round."""
         alive = liveness or Liveness()
-        self.log.info("feeder_start", task=self.cfg.task.name, dataset=self.cfg.task.dataset)
+        self.log.info(
+            "feeder_start",
+            tasks={t.label: t.dataset or "generated" for t in self.cfg.mixture},
+            weights=list(self.source.schedule.parts),
+        )
         while not stop.is_set():
             alive.tick()
             if self.fill() == 0:

@@ -10,6 +10,7 @@ a list of Python ints is several times larger and slower to encode for long epis
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypedDict, TypeVar
 
 import msgspec
@@ -97,6 +98,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     worker: str = ""
     cursor: int = -1  # the task's data-set cursor (what a re-run rebuilds it from); -1 unknown
+    task: str = ""  # the label of its task (Task.kind): a mixture's per-task figures; "" unknown
 
     def token_array(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype="<i4")
@@ -200,6 +202,35 @@ class DeadLetter(Message, frozen=True, kw_only=True):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
+class TaskFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One task's share of a trainer step (a mixture's per-task figures): its groups and
+    sequences, their mean reward and the share that solved (reward >= SOLVED_REWARD)."""
+
+    groups: int
+    sequences: int
+    reward_mean: float
+    solve_rate: float
+
+
+def task_figures(groups: Sequence[Group], solved_reward: float) -> dict[str, TaskFigures]:
+    """A step's figures per task, by the label its trajectories carry ("" where none)."""
+    rewards: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for g in groups:
+        label = g.members[0].task if g.members else ""
+        rewards.setdefault(label, []).extend(t.reward for t in g.members)
+        counts[label] = counts.get(label, 0) + 1
+    return {
+        label: TaskFigures(
+            groups=counts[label],
+            sequences=len(rs),
+            reward_mean=sum(rs) / len(rs) if rs else 0.0,
+            solve_rate=sum(r >= solved_reward for r in rs) / len(rs) if rs else 0.0,
+        )
+        for label, rs in sorted(rewards.items())
+    }
+
+
 class TrainMetrics(Message, frozen=True, kw_only=True):
     """One trainer step's figures."""
 
@@ -233,6 +264,9 @@ class TrainMetrics(Message, frozen=True, kw_only=True):
     entropy: float = 0.0
     solve_rate: float = 0.0
     policy_age_mean: float = 0.0
+    # The step's groups by task (`task_figures`): a mixture's per-task reward and solve rate.
+    # Empty in entries written before it was logged.
+    tasks: dict[str, TaskFigures] = msgspec.field(default_factory=dict)
 
 
 class ToolResult(Message, frozen=True, kw_only=True):

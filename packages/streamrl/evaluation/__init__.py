@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -43,7 +44,7 @@ from streamrl.config import Config
 from streamrl.evaluation import stats as evalstats
 from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.names import RunPaths
-from streamrl.tasks.heldout import HELDOUT_CURSOR, heldout_tasks
+from streamrl.tasks.heldout import HELDOUT_CURSOR, mixture_heldout_tasks
 from streamrl.wire import Task, ToolResult, Trajectory
 
 if TYPE_CHECKING:
@@ -175,6 +176,30 @@ def summarize_sampled(
         str(k): evalstats.pass_at_k_estimate(correct, samples, k).as_dict()
         for k in pass_ks(samples)
     }
+    return out
+
+
+def by_task(
+    tasks: Sequence[Task],
+    greedy: Sequence[Outcome],
+    sampled: Sequence[Outcome],
+    samples: int,
+    solve_threshold: float,
+) -> dict[str, dict[str, Any]]:
+    """A mixture's result per task (by label, `Task.kind`): each task's held-out split
+    summarized alone, as the whole result is (its `n`, greedy and sampled figures and
+    solve rate). The whole result pools them: every task's n episodes count alike."""
+    out: dict[str, dict[str, Any]] = {}
+    for label in dict.fromkeys(t.kind for t in tasks):
+        mine = [i for i, t in enumerate(tasks) if t.kind == label]
+        index = {i: k for k, i in enumerate(mine)}  # pass@k counts tasks from 0
+        g = summarize([o for o in greedy if o.task in index], solve_threshold)
+        part: dict[str, Any] = {"n": len(mine), "greedy": g, "sampled": None}
+        if samples:
+            own = [dataclasses.replace(o, task=index[o.task]) for o in sampled if o.task in index]
+            part["sampled"] = summarize_sampled(own, len(mine), samples, solve_threshold)
+        part["solve_rate"] = g["solve_rate"]["value"]
+        out[label] = part
     return out
 
 
@@ -392,7 +417,7 @@ def evaluate(
     start = time.monotonic()
     # A warm start of its own seed trained on that seed's prompts: not held out either.
     warm = (cfg.model_seed,) if cfg.model.init == "warmstart" else ()
-    tasks = heldout_tasks(cfg.task, cfg.run.seed, n, max(samples, 1), warm)
+    tasks = mixture_heldout_tasks(cfg.mixture, cfg.run.seed, n, max(samples, 1), warm)
     log.info("eval_start", policy=policy.source, tasks=n, samples=samples)
     # The tool workers' sandbox choice and tools, in this process (`LocalCaller`).
     tools = load_tools(cfg.tools)
@@ -418,7 +443,7 @@ def _evaluate(
         "schema": RESULT_SCHEMA,
         "policy": policy.source,
         "step": policy.step,
-        "task": cfg.task.name,
+        "task": cfg.mixture[0].label if len(cfg.mixture) == 1 else "mixture",
         "seed": cfg.run.seed,
         "n": n,
         "samples": samples,
@@ -427,10 +452,12 @@ def _evaluate(
         "greedy": summarize(greedy, solve_threshold),
         "sampled": None,
     }
+    sampled = asyncio.run(run_pass(cfg, policy, tasks, samples, False, log)) if samples else []
     if samples:
-        sampled = asyncio.run(run_pass(cfg, policy, tasks, samples, False, log))
         result["sampled"] = summarize_sampled(sampled, n, samples, solve_threshold)
     result["solve_rate"] = result["greedy"]["solve_rate"]["value"]
+    if len(cfg.mixture) > 1:
+        result["tasks"] = by_task(tasks, greedy, sampled, samples, solve_threshold)
     result["elapsed_s"] = round(time.monotonic() - start, 3)
     log.info("eval_done", solve_rate=result["solve_rate"], elapsed_s=result["elapsed_s"])
     return result

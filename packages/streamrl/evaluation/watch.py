@@ -181,6 +181,15 @@ def eval_summary(root: Path) -> dict[str, Any]:
         "eval_step_first": first["step"] if first else None,
         "eval_step_last": last["step"] if last else None,
         "eval": [[r["step"], r["solve_rate"]] for r in results],
+        # a mixture's: each task's held-out solve rate by step
+        "eval_tasks": {
+            label: [
+                [r["step"], r["tasks"][label]["solve_rate"]]
+                for r in results
+                if label in (r.get("tasks") or {})
+            ]
+            for label in dict.fromkeys(k for r in results for k in (r.get("tasks") or {}))
+        },
     }
 
 

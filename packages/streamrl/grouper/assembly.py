@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import redis
@@ -55,7 +56,8 @@ from streamrl.obs.tracing import Tracer
 from streamrl.queues import backlog, partial_groups
 from streamrl.rl.clock import PolicyClock, TrainerVersion, policy_clock
 from streamrl.run.liveness import Liveness
-from streamrl.tasks.registry import make_task
+from streamrl.tasks.base import group_cursor
+from streamrl.tasks.mixture import make_task, mixture
 from streamrl.transport import Delivery, RedisStreamConsumer
 from streamrl.wire import SCHEMA_VERSION, Trajectory, WireError, decode_body, encode_body
 
@@ -95,7 +97,7 @@ class Grouper:
         self.cfg = cfg
         self.log = log
         self.rebuild_task: TaskBuilder = rebuild_task or (
-            lambda cursor, n: make_task(cfg.task, cfg.run.seed, cursor, n)
+            lambda cursor, n: make_task(cfg, cursor, n)
         )
         self.input = RedisStreamConsumer(
             client,
@@ -395,11 +397,36 @@ class Grouper:
             emitted = sum(o.kind in EMITTED for o in done)
             if metrics is not None and emitted:
                 metrics.count(GROUPS, emitted)
+            if self.cfg.tasks and done:
+                self.count_per_task(done)
             if time.monotonic() >= self._next_waiting:
                 self._next_waiting = time.monotonic() + WAITING_EVERY_S
                 self.publish_waiting()
             if burst and not out and not self._has_pending():
                 return
+
+    def count_per_task(self, done: list[Outcome]) -> None:
+        """A mixture's groups emitted and dropped, per task (`counters.PER_TASK`): each
+        group's task from its cursor, by the mixture's order. Counted after the scripts
+        answered, so approximate (a grouper killed in between does not count them)."""
+        mix = mixture(self.cfg)
+        counts: Counter[str] = Counter()
+        for o in done:
+            field = (
+                counters.GROUPS
+                if o.kind in EMITTED
+                else counters.GROUPS_DROPPED
+                if o.kind == "dropped"
+                else None
+            )
+            cursor = group_cursor(o.group_id)
+            if field is not None and cursor is not None:
+                counts[counters.per_task(mix.label_at(cursor), field)] += 1
+        if counts:
+            pipe = self.client.pipeline(transaction=False)
+            for name, k in counts.items():
+                pipe.hincrby(self.keys.stats, name, k)
+            pipe.execute()
 
     def publish_waiting(self) -> int:
         """Write how many groups wait for the trainer (`Keys.groups_waiting`, for rollout's

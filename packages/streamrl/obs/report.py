@@ -510,6 +510,7 @@ def figures(data: RunData) -> list[Plot]:
     return [
         *([_heldout_plot(data)] if data.evals else []),
         _reward_plot(data),
+        *([_tasks_plot(data)] if _tasks_of(data) else []),
         _panels(
             data,
             "throughput",
@@ -616,6 +617,52 @@ def _heldout_lines(data: RunData) -> list[str]:
         )
     header = ["step", "solve rate [95%]", "tasks", "mean reward", "well-formed calls", "turns"]
     return _table(header, rows)
+
+
+def _tasks_of(data: RunData) -> dict[str, dict[str, Any]]:
+    """A mixture's `tasks` block of summary.json (`run.summary.task_summary`), or {}."""
+    return dict((data.summary or {}).get("tasks") or {})
+
+
+def _task_lines(data: RunData) -> list[str]:
+    """A mixture's figures per task, from summary.json."""
+    rows = []
+    for label, t in _tasks_of(data).items():
+        rows.append(
+            (
+                f"`{label}`",
+                t.get("tasks", 0),
+                t.get("trajectories", 0),
+                " / ".join(
+                    str(t.get(k, 0)) for k in ("groups", "groups_trained", "groups_dropped")
+                ),
+                f"{_maybe(t.get('mean_reward_first'))} -> {_maybe(t.get('mean_reward_last'))}",
+                _maybe(t.get("eval_solve_rate_last")),
+            )
+        )
+    header = ("task", "tasks written", "trajectories", "groups (emitted / trained / dropped)",
+              "reward, first steps -> last steps", "held-out solve rate (last)")  # fmt: skip
+    return _table(header, rows)
+
+
+def _tasks_plot(data: RunData) -> Plot:
+    """A mixture's reward and solve rate per trainer step, one line per task."""
+    title = "Reward and solve rate per task (trainer steps)"
+    tasks = _tasks_of(data)
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    reward_ax, solve_ax = fig.subplots(2, 1, sharex=True)
+    for label, t in tasks.items():
+        for ax, key in ((reward_ax, "rewards_per_step"), (solve_ax, "solve_rate_per_step")):
+            points = t.get(key) or []
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+    reward_ax.set_ylabel("reward (mean)")
+    solve_ax.set_ylabel("solve rate")
+    solve_ax.set_xlabel("trainer step")
+    for ax in (reward_ax, solve_ax):
+        _legend(ax)
+    fig.suptitle(title)
+    return Plot("tasks", title, fig)
 
 
 def _rates_lines(data: RunData) -> list[str]:
@@ -737,6 +784,7 @@ def render_markdown(data: RunData, plots: Sequence[Plot], title: str) -> str:
         "",
         *_heldout_lines(data),
         "",
+        *(["## Tasks of the mixture", "", *_task_lines(data), ""] if _tasks_of(data) else []),
         "## Rates and reward (each counter's last sample)",
         "",
         *_rates_lines(data),

@@ -23,10 +23,11 @@ What it reads, every `logging.interval_s` (a pass):
 
 What it writes. For each trainer step N that is new (x = N): `train_values` (the step's
 loss, KL, entropy, gradient norm, policy age, examples/s, ...; the task's reward and solve
-rate under `task/<task.name>/`, the layout a task mixture will fill with one name per
-task), with the run's counters and rates as the pass read them (`run_values`: totals and
-per-minute rates of trajectories, groups, tool calls, and dropped groups by reason; the
-rates are over the time since the last pass that wrote a step, or since the worker
+rate under `task/<label>/`; a mixture's under `task/all/` and each task's under its label),
+with the run's counters and rates as the pass read them (`run_values`: totals and
+per-minute rates of trajectories, groups, tool calls, and dropped groups by reason; a
+mixture's tasks written, trajectories, groups emitted and dropped per task, `task_totals`;
+the rates are over the time since the last pass that wrote a step, or since the worker
 started). For each new evaluation at step N: `eval_values` at x = N. Then every sink is
 flushed. Names (TensorBoard tags, W&B keys):
 
@@ -36,11 +37,17 @@ flushed. Names (TensorBoard tags, W&B keys):
     train/mismatch_kl train/mismatch_kl_seq train/mismatch_logp_abs
     train/correction_fraction
     task/<task>/reward task/<task>/solve_rate
+    task/<t>/groups_in_step task/<t>/tasks_total task/<t>/trajectories_total
+    task/<t>/groups_total task/<t>/groups_dropped_total (and each _per_min)
+                                          a mixture's, per task label t; <task> is
+                                          then `all` (the whole step's)
     run/<c>_total run/<c>_per_min         c: trajectories, groups, tool_calls
     drops/<r>_total drops/<r>_per_min     r: all, stale, stale_at_trainer,
                                              too_few_valid, nonfinite, zero_variance, other
     eval/<task>/solve_rate eval/<task>/solve_rate_lo eval/<task>/solve_rate_hi
     eval/<task>/reward eval/<task>/error_rate eval/<task>/truncation_rate
+                                          a mixture's: <task> `all` (pooled), and each
+                                          task's label (its held-out split alone)
 
 `drops/other` is what no reason counter names (timeouts: `grouper.group_timeout_policy`
 drop, or a re-run past `max_reruns`); `drops/zero_variance` is 0 unless
@@ -149,6 +156,7 @@ DROP_REASONS = {
 DROPS_ALL = "drops/all"
 DROPS_OTHER = "drops/other"
 TOTAL, PER_MIN = "_total", "_per_min"
+MIXTURE = "all"  # a mixture's whole-run reward and eval go under task/all/, eval/all/
 
 
 def tag_part(name: str) -> str:
@@ -160,15 +168,32 @@ def tag_part(name: str) -> str:
 # -- the pure part: records to values ----------------------------------------------------------
 
 
-def train_values(m: TrainMetrics, task: str) -> dict[str, float]:
+def train_values(m: TrainMetrics, task: str, per_task: bool = False) -> dict[str, float]:
     """One trainer step's figures by name (see the module docstring); `task`: the name
-    its reward and solve rate go under."""
+    its reward and solve rate go under; `per_task` (a mixture): each task's too, under
+    its label (`TrainMetrics.tasks`), with its groups in the step."""
     out = {name: float(getattr(m, f)) for f, name in TRAIN_FIELDS.items()}
     per_s = 1.0 / m.step_time_s if m.step_time_s > 0 else 0.0
     out[EXAMPLES_PER_S] = m.num_sequences * per_s
     out[TOKENS_PER_S] = m.num_tokens * per_s
     out[f"{TASK}{tag_part(task)}/reward"] = float(m.reward_mean)
     out[f"{TASK}{tag_part(task)}/solve_rate"] = float(m.solve_rate)
+    if per_task:
+        for label, f in m.tasks.items():
+            prefix = f"{TASK}{tag_part(label)}/"
+            out[prefix + "reward"] = float(f.reward_mean)
+            out[prefix + "solve_rate"] = float(f.solve_rate)
+            out[prefix + "groups_in_step"] = float(f.groups)
+    return out
+
+
+def task_totals(stats: Stats) -> dict[str, float]:
+    """A mixture's counters per task (`counters.PER_TASK`), as `task/<label>/<counter>`
+    totals."""
+    out: dict[str, float] = {}
+    for label, counts in c.by_task(stats).items():
+        for name, v in counts.items():
+            out[f"{TASK}{tag_part(label)}/{name}"] = float(v)
     return out
 
 
@@ -383,7 +408,9 @@ class Exporter:
         self.sinks = [Guarded(s, log) for s in sinks]
         self.log = log
         self.clock = clock
-        self.task = cfg.task.name
+        # what the whole run's reward goes under: its task's label, or a mixture's "all"
+        self.task = cfg.mixture[0].label if len(cfg.mixture) == 1 else MIXTURE
+        self.per_task = len(cfg.mixture) > 1
         self.cursor = "-"  # XRANGE start: the entry after the last one read
         self.unreadable = 0
         self.rates: Rates | None = None
@@ -399,7 +426,10 @@ class Exporter:
 
     def _totals(self) -> dict[str, float]:
         stats = read_stats(self.client, self.keys)
-        return run_totals(stats, self.cfg.grouper.zero_variance == "drop")
+        out = run_totals(stats, self.cfg.grouper.zero_variance == "drop")
+        if self.per_task:
+            out.update(task_totals(stats))
+        return out
 
     def new_metrics(self) -> list[TrainMetrics]:
         """The trainer's metrics entries after the last read, in stream order (a step
@@ -427,13 +457,15 @@ class Exporter:
             totals = self._totals()
             run = run_values(totals, self.rates.update(self.clock(), totals))
             for m in records:
-                values = {**train_values(m, self.task), **run}
+                values = {**train_values(m, self.task, self.per_task), **run}
                 for s in self.sinks:
                     s.step(m.step, values, m.created_at)
         done = min((s.progress.eval_step for s in self.sinks if s.alive), default=None)
         if done is not None:
             for result in evalrun.results_after(self.eval_root, done):
                 values = eval_values(result, self.task)
+                for label, part in (result.get("tasks") or {}).items():
+                    values.update(eval_values(part, label))
                 wall = float(result.get("written_at") or self.clock())
                 for s in self.sinks:
                     s.evaluation(int(result["step"]), values, wall)

@@ -42,8 +42,10 @@ from streamrl.names import Keys
 from streamrl.obs import metrics as m
 from streamrl.obs.metrics import decode_sample
 from streamrl.transport import as_str
+from streamrl.wire import TaskFigures, TrainMetrics, WireError, decode
 
 SCAN_COUNT = 500
+TASK_STEPS = 20  # trainer steps a mixture's per-task reward and solve rate are pooled over
 BEAT_FRESH_S = 30.0  # a beat unchanged for longer than this shows as `no beat`
 
 
@@ -77,6 +79,8 @@ class Snapshot:
     beat_age_s: dict[str, float]  # worker id -> seconds since its beat last changed
     taken_at: float  # unix seconds
     heldout: dict[str, Any] | None = None  # the evaluator's newest result (a run directory)
+    # a mixture's reward and solve rate per task over the trainer's last TASK_STEPS steps
+    tasks: dict[str, TaskFigures] = field(default_factory=dict)
 
 
 _SLOT = re.compile(r":worker:([A-Za-z_]+):(\d+)(:beat)?$")
@@ -122,6 +126,7 @@ class StatusReader:
             pipe.get(slots.get(wid, k.worker_slot(*_split(wid))))
             pipe.get(beat_keys.get(wid, k.worker_beat(*_split(wid))))
             pipe.xrevrange(series.get(wid, k.worker_metrics(wid)), count=1)
+        pipe.xrevrange(k.metrics, count=TASK_STEPS)
         pipe.hgetall(k.stats)
         replies = pipe.execute()
         workers = []
@@ -145,7 +150,36 @@ class StatusReader:
             )
         stats = {as_str(a): as_str(b) for a, b in replies[-1].items()}
         heldout = evalrun.latest_result(self.eval_root) if self.eval_root is not None else None
-        return Snapshot(self.keys.ns, workers, stats, beat_age, now, heldout)
+        steps = []
+        for _, fields in replies[-2]:
+            try:
+                steps.append(decode(fields, TrainMetrics))
+            except WireError:
+                continue  # the summary and the sinks count unreadable entries
+        tasks = pooled_task_figures(steps)
+        return Snapshot(self.keys.ns, workers, stats, beat_age, now, heldout, tasks)
+
+
+def pooled_task_figures(steps: Iterable[TrainMetrics]) -> dict[str, TaskFigures]:
+    """Each task's figures over several trainer steps: groups and sequences added up,
+    reward and solve rate averaged over the sequences."""
+    acc: dict[str, list[float]] = {}  # label -> groups, sequences, reward sum, solved sum
+    for step in steps:
+        for label, f in step.tasks.items():
+            a = acc.setdefault(label, [0.0, 0.0, 0.0, 0.0])
+            a[0] += f.groups
+            a[1] += f.sequences
+            a[2] += f.reward_mean * f.sequences
+            a[3] += f.solve_rate * f.sequences
+    return {
+        label: TaskFigures(
+            groups=int(g),
+            sequences=int(n),
+            reward_mean=r / n if n else 0.0,
+            solve_rate=sv / n if n else 0.0,
+        )
+        for label, (g, n, r, sv) in sorted(acc.items())
+    }
 
 
 def _split(worker_id: str) -> tuple[str, int]:
@@ -208,7 +242,40 @@ def render(snap: Snapshot) -> Group:
         _workers_table(snap),
         _queues_table(snap),
         _pipeline_table(snap),
+        *([_tasks_table(snap)] if len(_task_labels(snap)) > 1 else []),
     )
+
+
+def _task_labels(snap: Snapshot) -> list[str]:
+    """The tasks of a mixture the snapshot shows figures of (one task: no table)."""
+    labels = set(counters.by_task(snap.stats)) | set(snap.tasks)
+    labels |= set((snap.heldout or {}).get("tasks") or {})
+    return sorted(labels)
+
+
+def _tasks_table(snap: Snapshot) -> Table:
+    """A mixture's figures per task: its counters (run), the trainer's last steps' reward
+    and solve rate, and the held-out evaluation's solve rate."""
+    t = Table(title=f"tasks (reward, solve rate: last {TASK_STEPS} trainer steps)",
+              title_justify="left")  # fmt: skip
+    cols = ("task", "tasks", "trajectories", "groups", "dropped", "reward", "solve rate",
+            "held-out")  # fmt: skip
+    for col in cols:
+        t.add_column(col, justify="left" if col == "task" else "right")
+    counts = counters.by_task(snap.stats)
+    heldout = (snap.heldout or {}).get("tasks") or {}
+    for label in _task_labels(snap):
+        c = counts.get(label, {})
+        f = snap.tasks.get(label)
+        h = heldout.get(label)
+        t.add_row(
+            label,
+            *(str(c.get(name, 0)) for name in counters.PER_TASK),
+            _fmt(f.reward_mean if f else None, ".3f"),
+            _fmt(f.solve_rate if f else None, ".1%"),
+            _fmt(float(h["solve_rate"]) if h else None, ".2f"),
+        )
+    return t
 
 
 def _workers_table(snap: Snapshot) -> Table:

@@ -178,6 +178,7 @@ def trajectory(
         error=error,
         timings=timings,
         worker=worker,
+        task=task.kind,
     )
 
 

@@ -606,9 +606,12 @@ class RolloutWorker:
         acked = [*(d for d, _, last in batch if last), *bare]  # tasks this commit acknowledges
         acks = [d.entry_id for d in acked]
         resumed = [t for _, t, _ in batch if "resumed_turn" in t.timings]
-        statuses = Counter(t.status for _, t, _ in batch)
-        # Tasks done: the feeder's own, and re-runs of a timed-out group's missing members.
-        done = Counter(
+        # Episodes by status, a mixture's trajectories by task, and tasks done: the
+        # feeder's own, and re-runs of a timed-out group's missing members.
+        fields = Counter(counters.episodes(t.status) for _, t, _ in batch)
+        if self.cfg.tasks:
+            fields.update(counters.per_task(t.task, counters.TRAJECTORIES) for _, t, _ in batch)
+        fields.update(
             counters.TASKS_DONE if d.msg.members is None else counters.RERUN_TASKS_DONE
             for d in acked
         )
@@ -616,9 +619,7 @@ class RolloutWorker:
         def count(p: Any) -> None:
             if batch:
                 p.hincrby(stats, counters.TRAJECTORIES, len(batch))
-            for status, k in statuses.items():
-                p.hincrby(stats, counters.episodes(status), k)
-            for field, k in done.items():
+            for field, k in fields.items():
                 p.hincrby(stats, field, k)
             if resumed:
                 p.hincrby(stats, counters.EPISODES_RESUMED, len(resumed))

@@ -648,12 +648,14 @@ class Launcher:
         count)."""
         try:
             s = self._stats(client)
-            rewards = [m.reward_mean for m in step_metrics(client, self.keys, log)]
+            steps = step_metrics(client, self.keys, log)
+            rewards = [m.reward_mean for m in steps]
+            task_steps = [(m.step, m.tasks) for m in steps]
             dead: int | None = int(client.xlen(self.keys.dead))
             available = True
         except redis.RedisError as err:
             log.error("summary_without_redis", error=str(err))
-            s, rewards, dead, available = self._last_stats, [], None, False
+            s, rewards, task_steps, dead, available = self._last_stats, [], [], None, False
         summary = summarize(
             run=self.cfg.run.name,
             reason=reason,
@@ -666,6 +668,7 @@ class Launcher:
             redis_restarts=len(self.redis_restarts),
             resumed=self.resume,
             available=available,
+            task_steps=task_steps,
         )
         path = self.paths.summary
         path.write_text(json.dumps(summary, indent=2) + "\n")

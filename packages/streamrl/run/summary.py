@@ -9,7 +9,7 @@ rollout worker died, counts again (`streamrl.counters`). `elapsed_s` is this inv
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -19,7 +19,7 @@ import structlog
 from streamrl import counters as c
 from streamrl.names import Keys
 from streamrl.transport import hgetall_bytes, xrange_entries
-from streamrl.wire import Status, TrainMetrics, WireError, decode
+from streamrl.wire import Status, TaskFigures, TrainMetrics, WireError, decode
 
 # What the launcher prints of the summary when the run ends.
 SUMMARY_SHOWN = (
@@ -73,11 +73,15 @@ def summarize(
     redis_restarts: int,
     resumed: bool,
     available: bool = True,
+    task_steps: Sequence[tuple[int, Mapping[str, TaskFigures]]] = (),
 ) -> dict[str, Any]:
     """summary.json. `stats`: the counters (the last read, when Redis is gone for good:
     `available` False, and then no `rewards` per step and `dead` None); `rewards`: each
-    step's mean reward, in step order; `evals`: the evaluator's (`evalrun.eval_summary`)."""
+    step's mean reward, in step order; `evals`: the evaluator's (`evalrun.eval_summary`);
+    `task_steps`: each step's figures per task (`TrainMetrics.tasks`), for a mixture's
+    `tasks` block (`task_summary`)."""
     first, last = reward_ends(rewards)
+    tasks = task_summary(stats, task_steps, evals.get("eval_tasks") or {})
     return {
         "run": run,
         "exit_reason": reason,
@@ -107,7 +111,39 @@ def summarize(
         "worker_hangs": {p.worker_id: p.hangs for p in procs if p.hangs},
         "redis_restarts": redis_restarts,
         "resumed": resumed,
+        **({"tasks": tasks} if tasks else {}),
     }
+
+
+def task_summary(
+    stats: Stats,
+    task_steps: Sequence[tuple[int, Mapping[str, TaskFigures]]],
+    evals: Mapping[str, Sequence[Sequence[float]]],
+) -> dict[str, dict[str, Any]]:
+    """A mixture's figures per task (empty for a run of one task): its counters
+    (`counters.PER_TASK`), groups trained, the mean reward of its first and last steps
+    (`reward_ends` over the steps that trained any of its groups), its rewards and solve
+    rates per step as [step, value], and its held-out solve rates as [step, value]."""
+    counts = c.by_task(stats)
+    labels = sorted(set(counts) | {label for _, fs in task_steps for label in fs} | set(evals))
+    if len(labels) < 2:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        steps = [(step, fs[label]) for step, fs in task_steps if label in fs]
+        first, last = reward_ends([f.reward_mean for _, f in steps])
+        heldout = [list(e) for e in evals.get(label, [])]
+        out[label] = {
+            **{field: counts.get(label, {}).get(field, 0) for field in c.PER_TASK},
+            "groups_trained": sum(f.groups for _, f in steps),
+            "mean_reward_first": first,
+            "mean_reward_last": last,
+            "rewards_per_step": [[step, f.reward_mean] for step, f in steps],
+            "solve_rate_per_step": [[step, f.solve_rate] for step, f in steps],
+            "eval": heldout,
+            "eval_solve_rate_last": heldout[-1][1] if heldout else None,
+        }
+    return out
 
 
 def progress_line(

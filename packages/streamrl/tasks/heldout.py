@@ -112,10 +112,32 @@ def heldout_prompts(
 
 
 def heldout_tasks(
-    cfg: TaskConfig, seed: int, n: int, num_generations: int, also_seeds: Sequence[int] = ()
+    cfg: TaskConfig,
+    seed: int,
+    n: int,
+    num_generations: int,
+    also_seeds: Sequence[int] = (),
+    first_cursor: int = HELDOUT_CURSOR,
 ) -> list[Task]:
-    """The held-out split as tasks of `num_generations` members each."""
+    """The held-out split as tasks of `num_generations` members each, labelled with the
+    task's label, their cursors (and so ids) counted from `first_cursor`."""
     prompts = heldout_prompts(cfg, seed, n, also_seeds)
     return [
-        build_task(cfg.name, p, HELDOUT_CURSOR + i, num_generations) for i, p in enumerate(prompts)
+        build_task(cfg.label, p, first_cursor + i, num_generations) for i, p in enumerate(prompts)
+    ]
+
+
+def mixture_heldout_tasks(
+    tasks: Sequence[TaskConfig],
+    seed: int,
+    n: int,
+    num_generations: int,
+    also_seeds: Sequence[int] = (),
+) -> list[Task]:
+    """Every task's held-out split of `n` (a mixture's, task after task), the j-th task's
+    cursors from HELDOUT_CURSOR + j * n, so no two share an id (a single task: its split)."""
+    return [
+        t
+        for j, cfg in enumerate(tasks)
+        for t in heldout_tasks(cfg, seed, n, num_generations, also_seeds, HELDOUT_CURSOR + j * n)
     ]

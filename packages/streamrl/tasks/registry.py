@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from streamrl.tasks.base import (
     Demonstration,
     EpisodeContext,
     EpisodeServices,
+    Prompt,
     Reward,
     TaskDef,
     build_task,
@@ -80,13 +81,15 @@ class TaskSource:
             return self.data.end
         return self.cfg.epochs * self.cfg.num_prompts if self.cfg.epochs else None
 
-    def task(self, cursor: int, num_generations: int) -> Task:
-        """The task at `cursor` (the same for ever)."""
+    def prompt(self, cursor: int) -> Prompt:
+        """The prompt at `cursor` (the same for ever)."""
         if self.data is not None:
-            prompt = self.taskdef.from_row(self.data.row(cursor))
-        else:
-            prompt = self.taskdef.prompt(cursor % self.cfg.num_prompts)
-        return build_task(self.cfg.name, prompt, cursor, num_generations)
+            return self.taskdef.from_row(self.data.row(cursor))
+        return self.taskdef.prompt(cursor % self.cfg.num_prompts)
+
+    def task(self, cursor: int, num_generations: int) -> Task:
+        """The task at `cursor` (the same for ever), labelled as the task is reported."""
+        return build_task(self.cfg.label, self.prompt(cursor), cursor, num_generations)
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,16 +129,13 @@ def tool_limits(cfg: ToolsConfig) -> ToolLimits:
 
 
 @dataclass(frozen=True)
-class Episodes:
-    """A rollout worker's episode factory: the task's (or the configured) environment,
-    agent and reward, and what the episodes share."""
+class TaskEpisodes:
+    """One task's episode factory: its (or the configured) environment, agent and reward,
+    and what the episodes share."""
 
     environment: EnvironmentFactory
     agent: AgentFactory
     services: EpisodeServices
-    # `task.agent = "openai:module:main"`: the agent's async function (its episodes are
-    # played through the OpenAI-compatible endpoint, streamrl.endpoint.agent), else None
-    openai: Callable[..., Awaitable[object]] | None = None
 
     def context(self, task: Task, member: int) -> EpisodeContext:
         return EpisodeContext(task, member, self.services)
@@ -146,6 +146,38 @@ class Episodes:
         return self.agent(ctx), self.environment(ctx)
 
 
+@dataclass(frozen=True)
+class Episodes:
+    """A rollout worker's episode factory: each task of the run's mixture (by the label its
+    tasks carry as `Task.kind`) with its parts."""
+
+    tasks: Mapping[str, TaskEpisodes]
+    # `task.agent = "openai:module:main"`: the agent's async function (its episodes are
+    # played through the OpenAI-compatible endpoint, streamrl.endpoint.agent), else None
+    openai: Callable[..., Awaitable[object]] | None = None
+
+    def of(self, task: Task) -> TaskEpisodes:
+        """The parts of `task`'s task. A run of one task plays every task with its parts
+        (whatever label it carries); a mixture's task of no label of the mixture is an
+        error (its episode ends `error`)."""
+        parts = self.tasks.get(task.kind)
+        if parts is not None:
+            return parts
+        if len(self.tasks) == 1:
+            return next(iter(self.tasks.values()))
+        raise PluginError(
+            f"task {task.task_id} is of task {task.kind!r}, not one of the mixture's "
+            f"{sorted(self.tasks)}"
+        )
+
+    def context(self, task: Task, member: int) -> EpisodeContext:
+        return self.of(task).context(task, member)
+
+    def make(self, task: Task, member: int) -> tuple[Agent, Environment]:
+        """A fresh agent and environment for one episode of `task`."""
+        return self.of(task).make(task, member)
+
+
 def _part(ref: str, field: str, builtin: dict[str, Any] | None = None) -> Any:
     obj = builtin[ref] if builtin and ref in builtin else load_object(ref, field)
     if not callable(obj):
@@ -154,32 +186,39 @@ def _part(ref: str, field: str, builtin: dict[str, Any] | None = None) -> Any:
 
 
 def load_episodes(cfg: Config, caller: ToolCaller, limits: ToolLimits | None = None) -> Episodes:
-    """Every part of an episode, loaded and checked (what the rollout worker runs)."""
+    """Every part of every task's episodes, loaded and checked (what the rollout worker
+    runs). The tasks share the tool caller, the limits and the tools."""
     from streamrl.tools.registry import load_tools
 
-    taskdef = task_source(cfg.task, cfg.run.seed).taskdef
-    t = cfg.task
-    environment: EnvironmentFactory = (
-        _part(t.environment, "task.environment") if t.environment else taskdef.environment
-    )
+    shared_limits = limits if limits is not None else tool_limits(cfg.tools)
+    schemas = {name: tool.schema() for name, tool in load_tools(cfg.tools).items()}
+    where = "task" if len(cfg.mixture) == 1 else "tasks[{}]"
+    parts: dict[str, TaskEpisodes] = {}
     openai = None
-    if t.agent.startswith(OPENAI_AGENT):  # played through the endpoint, not an Agent
-        from streamrl.endpoint.agent import load_agent
+    for i, t in enumerate(cfg.mixture):
+        field = where.format(i)
+        taskdef = task_source(t, cfg.run.seed).taskdef
+        environment: EnvironmentFactory = (
+            _part(t.environment, f"{field}.environment") if t.environment else taskdef.environment
+        )
+        if t.agent.startswith(OPENAI_AGENT):  # played through the endpoint, not an Agent
+            from streamrl.endpoint.agent import load_agent
 
-        openai = load_agent(t.agent)
-        agent: AgentFactory = taskdef.agent
-    else:
-        agent = _part(t.agent, "task.agent", BUILTIN_AGENTS) if t.agent else taskdef.agent
-    reward: Reward = _part(t.reward, "task.reward") if t.reward else taskdef.reward
-    services = EpisodeServices(
-        caller=caller,
-        limits=limits if limits is not None else tool_limits(cfg.tools),
-        tool_schemas={name: tool.schema() for name, tool in load_tools(cfg.tools).items()},
-        seed=cfg.run.seed,
-        options=taskdef.options,
-        reward=reward,
-    )
-    return Episodes(environment, agent, services, openai)
+            openai = load_agent(t.agent)  # a single [task] only (Config._mixture)
+            agent: AgentFactory = taskdef.agent
+        else:
+            agent = _part(t.agent, f"{field}.agent", BUILTIN_AGENTS) if t.agent else taskdef.agent
+        reward: Reward = _part(t.reward, f"{field}.reward") if t.reward else taskdef.reward
+        services = EpisodeServices(
+            caller=caller,
+            limits=shared_limits,
+            tool_schemas=schemas,
+            seed=cfg.run.seed,
+            options=taskdef.options,
+            reward=reward,
+        )
+        parts[t.label] = TaskEpisodes(environment, agent, services)
+    return Episodes(parts, openai)
 
 
 class _NoCaller:
@@ -190,8 +229,9 @@ class _NoCaller:
 def check_plugins(cfg: Config) -> None:
     """Load every plug-in the config names (task, its options and data, environment, agent,
     reward, extra tools) and raise PluginError (a ConfigError) for the first that fails."""
-    source = task_source(cfg.task, cfg.run.seed)
-    source.task(0, cfg.rollout.num_generations)  # a prompt can be built (or a row read)
+    for t in cfg.mixture:
+        # a prompt can be built (or a row read)
+        task_source(t, cfg.run.seed).task(0, cfg.rollout.num_generations)
     load_episodes(cfg, _NoCaller())
 
 

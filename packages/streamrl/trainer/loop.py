@@ -60,7 +60,7 @@ from streamrl.trainer.hooks import Committed, Hook, Published
 from streamrl.trainer.resume import CheckpointMeta, Restored
 from streamrl.trainer.step import Batch, StepFn, TrainState, build_batch, padded_tokens
 from streamrl.transport import Delivery, RedisStreamConsumer, publish, stage_dead_letter
-from streamrl.wire import DeadLetter, Group, TrainMetrics, encode
+from streamrl.wire import DeadLetter, Group, TrainMetrics, encode, task_figures
 
 TRAINER_CONSUMER = "trainer"
 
@@ -517,6 +517,7 @@ class TrainerLoop:
             reward_mean=float(np.mean(rewards)),
             solve_rate=float(np.mean(np.asarray(rewards) >= SOLVED_REWARD)),
             policy_age_mean=float(np.mean(ages)),
+            tasks=task_figures([d.msg for d in groups], SOLVED_REWARD),
             num_groups=len(groups),
             num_sequences=len(rewards),
             num_tokens=int(scalar(m["num_tokens"])),

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ import optax
 
 from streamrl.chat.hf import HFChat
 from streamrl.chat.transcript import Transcript
-from streamrl.config import Config
+from streamrl.config import Config, TaskConfig
 from streamrl.model.checkpoint import (
     CheckpointError,
     export_checkpoint,
@@ -59,7 +60,8 @@ __all__ = [
 
 # Task fields that do not change the demonstrations: runs that differ only in these share
 # a warm start (the built-in agent and an agent of the OpenAI kind on the same task).
-NOT_IN_KEY = {"max_backlog", "agent", "agent_command", "agent_dir", "epochs"}
+# `id` labels a task and `weight` is its share (a mixture keys its weights apart).
+NOT_IN_KEY = {"max_backlog", "agent", "agent_command", "agent_dir", "epochs", "id", "weight"}
 # Bump whenever a code change alters what a warm start produces: it is part of the cache key.
 WARMSTART_VERSION = 3
 _LOG_EVERY = 100  # steps between progress events
@@ -71,15 +73,17 @@ Log = Callable[..., object]  # e.g. a structlog logger's `info`: log(event, **fi
 
 
 def demonstration_transcript(
-    cfg: Config, chat: HFChat, cursor: int, rng: random.Random
+    cfg: Config, chat: HFChat, cursor: int, rng: random.Random, task: TaskConfig | None = None
 ) -> Transcript:
-    """The scripted episode of the task at `cursor`, laid out as a rollout episode.
+    """The scripted episode of the task at `cursor` (of `task`, by default the run's first),
+    laid out as a rollout episode.
 
     prompt with the task's tools listed (mask 0), then each assistant turn (mask 1) with
     the tool result after it up to the next generation prompt (mask 0); each sampled turn
     ends with the template's turn-end token. `rng` decides whether this one errs.
     """
-    demo = demonstration(cfg.task, cfg.model_seed, cursor, rng, cfg.model.warmstart_error_rate)
+    task = cfg.mixture[0] if task is None else task
+    demo = demonstration(task, cfg.model_seed, cursor, rng, cfg.model.warmstart_error_rate)
     dialogue = chat.dialogue(demo.tools)
     t = Transcript()
     t.add_template(dialogue.prompt(demo.task.prompt))
@@ -100,10 +104,10 @@ def demonstration_batch(
 
     Right-padded with the pad id to L, a multiple of 32; mask is 1 on assistant tokens.
     """
-    episodes = [
-        demonstration_transcript(cfg, chat, rng.randrange(cfg.task.num_prompts), rng)
-        for _ in range(batch)
-    ]
+    episodes = []
+    for _ in range(batch):
+        cursor, task = _draw(cfg, rng)
+        episodes.append(demonstration_transcript(cfg, chat, cursor, rng, task))
     length = round_length(max(len(e) for e in episodes))
     tokens = np.full((batch, length), chat.pad_id, np.int32)
     mask = np.zeros((batch, length), np.float32)
@@ -111,6 +115,13 @@ def demonstration_batch(
         tokens[i, : len(e)] = e.tokens
         mask[i, : len(e)] = e.mask
     return tokens, mask
+
+
+def _draw(cfg: Config, rng: random.Random) -> tuple[int, TaskConfig]:
+    """A random task's cursor and its task: of a mixture, a task drawn by weight first."""
+    tasks = cfg.mixture
+    task = tasks[0] if len(tasks) == 1 else rng.choices(tasks, [t.weight for t in tasks])[0]
+    return rng.randrange(task.num_prompts), task
 
 
 def demonstration_loss(
@@ -199,7 +210,7 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
     nor `model.init`.
     """
     ckpt = ensure_checkpoint(cfg) if ckpt is None else ckpt
-    inputs = {
+    inputs: dict[str, Any] = {
         "version": WARMSTART_VERSION,
         "checkpoint": _checkpoint_identity(cfg, ckpt),
         "seed": cfg.model_seed,
@@ -213,8 +224,11 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
                 "warmstart_error_rate",
             }
         ),
-        "task": cfg.task.model_dump(exclude=NOT_IN_KEY),
     }
+    if cfg.tasks:  # a mixture: every task, and the weights its demonstrations are drawn by
+        inputs["tasks"] = [[t.weight, t.model_dump(exclude=NOT_IN_KEY)] for t in cfg.tasks]
+    else:
+        inputs["task"] = cfg.task.model_dump(exclude=NOT_IN_KEY)
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
