@@ -16,9 +16,9 @@ import argparse
 import dataclasses
 import math
 import re
-import typing
 import sys
 import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 

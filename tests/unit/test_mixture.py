@@ -231,7 +231,7 @@ def test_per_task_counters_round_trip_through_the_stats_hash() -> None:
     assert counters.split_per_task("task/x/not_a_counter") is None
     with pytest.raises(KeyError, match="not counted per task"):
         counters.per_task("a", counters.TOOL_CALLS)
-    stats = {name: "7", counters.per_task("a", counters.TASKS): "3", counters.GROUPS: "9"}
+    stats = {name: 7, counters.per_task("a", counters.TASKS): 3, counters.GROUPS: 9}
     assert counters.by_task(stats) == {"unit.conv-2": {"groups": 7}, "a": {"tasks": 3}}
     assert task_totals(stats) == {"task/unit.conv-2/groups": 7.0, "task/a/tasks": 3.0}
 
