@@ -1,6 +1,7 @@
-"""`streamrl up` on the user's own code: the worked example package trains end to end with
-its tool run by the tool workers; broken plug-ins stop the run at start (a bad path) or cost
-only their own episodes (an environment that raises, a reward that is not a number)."""
+"""`streamrl up` on the user's own code: broken plug-ins stop the run at start (a bad path)
+or cost only their own episodes (an environment that raises, a reward that is not a
+number). The worked example package trains end to end with its tool run by the tool
+workers in tests/e2e/test_mixture_up.py (a mixture of it and the arithmetic task)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_up import assert_nothing_left, summary_of, up
+from tests.e2e.test_up import summary_of, up
 from tests.helpers import REPO, committed_trajectories
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLE = REPO / "examples" / "unitconv" / "unitconv.toml"
 STUB = REPO / "configs" / "stub.toml"
 # The fixtures' plug-ins load by import path in every worker process.
 WITH_TESTS = {
@@ -28,32 +28,6 @@ WITH_TESTS = {
 def events(path: Path, name: str) -> list[dict[str, Any]]:
     lines = path.read_text().splitlines()
     return [e for e in (json.loads(x) for x in lines if x[:1] == "{") if e.get("event") == name]
-
-
-def test_example_task_trains_with_its_own_tool(tmp_path: Path, warm_cache: str) -> None:
-    """examples/unitconv from its own config: the task by its entry-point name, its options,
-    its environment in the rollout worker and its `convert` tool in the tool workers."""
-    run_dir = tmp_path / "run"
-    proc = up(
-        run_dir,
-        2,
-        f'model.cache_dir="{warm_cache}"',
-        "model.warmstart_steps=400",  # calls, not skill: 30 convert calls in a run here
-        config=EXAMPLE,
-    )
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    s = summary_of(run_dir)
-    assert s["trainer_steps"] == 2 and s["groups"] >= 8
-    assert s["tool_calls"] > 0  # convert calls answered by the tool workers
-    assert s["dead_letters"] == 0
-    assert_nothing_left(s, config=EXAMPLE)
-    logs = run_dir / "logs"
-    for name in ("tools-0", "tools-1"):
-        assert "convert" in events(logs / f"{name}.log", "tools_start")[0]["tools"]
-    trajectories = committed_trajectories(logs / "rollout-0.log")
-    assert sum(t["tool_calls"] for t in trajectories) > 0
-    assert all(t["status"] != "error" for t in trajectories), [t["error"] for t in trajectories]
 
 
 @pytest.mark.parametrize(

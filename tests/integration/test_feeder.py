@@ -1,5 +1,6 @@
 """The feeder against a real Redis: its backlog is read from the tasks stream, so tasks that
-went to the dead letters leave it (review 86b402d M5), and a dataset's epochs end it."""
+went to the dead letters leave it (review 86b402d M5), a dataset's epochs end it, and a
+mixture of tasks is written (and resumed) in its seeded order."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import redis
 import structlog
 from structlog.testing import capture_logs
 
+from streamrl import counters
 from streamrl.capacity import ADVERTISE_SCRIPT
 from streamrl.config import parse_config
 from streamrl.feeder import Feeder
 from streamrl.names import Keys
 from streamrl.obs.metrics import LIVE_POLICY_LAG, ROLLOUT_SLOTS, STALE_LAG_LIMIT
+from streamrl.run.summary import read_stats
 from streamrl.tasks.heldout import heldout_tasks
+from streamrl.tasks.mixture import mixture
 from streamrl.transport import RedisStreamConsumer
 from streamrl.wire import Task, decode
 from tests.conftest import entries
@@ -178,3 +182,43 @@ def test_the_live_rollout_capacity_is_checked_against_the_staleness_bound(
     assert [e["event"] for e in said] == ["rollout_capacity_does_not_fit", "rollout_capacity_fits"]
     assert "4 x 16 / 4 = 16 groups in flight" in said[0]["problem"]
     assert said[0]["rollout_workers"] == 4
+
+
+def test_a_mixture_is_written_in_its_order_and_resumes_in_it(
+    rclient: redis.Redis, keys: Keys
+) -> None:
+    """Issue 32: a 3:1 mixture of tasks with ends. Each task written is the mixture's at its
+    position (`Mixture.task`), labelled and counted per task in the same transaction; a
+    restarted feeder continues at its cursor in the same order; an ended task's positions
+    are stepped over, and the mixture ends after the last task of the other."""
+    tasks = [
+        {"id": "a", "name": "arithmetic", "weight": 3, "num_prompts": 9, "epochs": 2},
+        {"id": "b", "name": "arithmetic", "weight": 1, "num_prompts": 2, "epochs": 1,
+         "operators": "*"},
+    ]  # fmt: skip
+    cfg = parse_config({"task": {"max_backlog": 7}, "tasks": tasks})
+    mix = mixture(cfg)
+    assert mix.end is not None and mix.end > 18 + 2  # b's later positions are holes
+
+    def written() -> list[Task]:
+        return [decode(f, Task) for _, f in entries(rclient, keys.tasks)]
+
+    assert Feeder(rclient, keys, cfg, LOG).fill() == 7
+    first = written()
+    rclient.xtrim(keys.tasks, maxlen=0)  # as if rolled out
+    restarted = Feeder(rclient, keys, cfg, LOG)
+    rest: list[Task] = []
+    while restarted.fill():
+        rest += written()
+        rclient.xtrim(keys.tasks, maxlen=0)
+    cursor = restarted.backlog()[0]
+    assert cursor == mix.end and rclient.get(keys.feeder_end) == str(mix.end).encode()
+    expected = [t for t in (mix.task(k, 4) for k in range(mix.end)) if t is not None]
+    assert len(expected) == 18 + 2
+    assert first + rest == expected
+    assert [t.kind for t in expected].count("b") == 2
+    assert all(("*" in t.prompt) == (t.kind == "b") for t in expected)
+    stats = read_stats(rclient, keys)
+    assert stats["tasks"] == 20
+    assert counters.by_task(stats) == {"a": {"tasks": 18}, "b": {"tasks": 2}}
+    assert mix.written(cursor) == {"a": 18, "b": 2}

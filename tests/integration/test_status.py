@@ -10,10 +10,13 @@ import redis
 import structlog
 from rich.console import Console
 
+from streamrl import counters
 from streamrl.evaluation import watch as evalrun
 from streamrl.names import Keys
 from streamrl.obs import metrics as m
 from streamrl.obs.status import StatusReader, show
+from streamrl.transport import publish
+from streamrl.wire import TaskFigures, TrainMetrics
 
 LOG = structlog.get_logger()
 
@@ -75,3 +78,41 @@ def test_live_view_redraws(rclient: redis.Redis, keys: Keys) -> None:
     show(StatusReader(rclient, keys), console, once=False, every_s=0.01, frames=2)
     text = out.getvalue()
     assert "grouper-0" in text and "12.0 groups/min" in text
+
+
+def test_a_mixture_gets_a_table_per_task(rclient: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    """Issue 32: a mixture's counters per task (the stats hash), its reward and solve rate
+    over the trainer's last steps (the metrics stream) and its held-out solve rate (the
+    evaluator's newest result), one row per task."""
+    for label, field, value in (
+        ("arith", counters.TASKS, 30), ("arith", counters.TRAJECTORIES, 112),
+        ("arith", counters.GROUPS, 27), ("units", counters.TASKS, 10),
+        ("units", counters.GROUPS, 9), ("units", counters.GROUPS_DROPPED, 1),
+    ):  # fmt: skip
+        rclient.hset(keys.stats, counters.per_task(label, field), value)
+    for step, arith_reward in ((1, 0.25), (2, 0.75)):
+        m_ = TrainMetrics(
+            step=step, version=step, loss=0.0, reward_mean=0.5, num_groups=2, num_sequences=8,
+            num_tokens=100, clip_fraction=0.0, grad_norm=1.0, max_policy_lag=0, step_time_s=1.0,
+            tasks={
+                "arith": TaskFigures(groups=1, sequences=4, reward_mean=arith_reward,
+                                     solve_rate=arith_reward),
+                "units": TaskFigures(groups=1, sequences=4, reward_mean=0.5, solve_rate=0.0),
+            },
+        )  # fmt: skip
+        publish(rclient, keys.metrics, m_)
+    evals = evalrun.eval_dir(tmp_path)
+    evalrun.write_result(
+        evals, 2, {"solve_rate": 0.4, "step": 2, "tasks": {"arith": {"solve_rate": 0.7},
+                                                         "units": {"solve_rate": 0.1}}}
+    )  # fmt: skip
+    snap = StatusReader(rclient, keys, eval_root=evals).read()
+    assert snap.tasks["arith"].reward_mean == 0.5 and snap.tasks["units"].groups == 2
+    out = io.StringIO()
+    console = Console(file=out, width=160, color_system=None, force_terminal=False)
+    show(StatusReader(rclient, keys, eval_root=evals), console, once=True)
+    cells = [[c for c in line.split() if c != "│"] for line in out.getvalue().splitlines()]
+    rows = {row[0]: row[1:] for row in cells if row[:1] in (["arith"], ["units"])}
+    # tasks, trajectories, groups, dropped, reward, solve rate, held-out
+    assert rows["arith"][:7] == ["30", "112", "27", "0", "0.500", "50.0%", "0.70"]
+    assert rows["units"][:7] == ["10", "0", "9", "1", "0.500", "0.0%", "0.10"]

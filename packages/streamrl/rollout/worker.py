@@ -670,6 +670,7 @@ class RolloutWorker:
         rows = [
             {
                 "traj_id": t.traj_id,
+                "task": t.task,
                 "entry_id": d.entry_id,
                 "status": t.status,
                 "reward": t.reward,
