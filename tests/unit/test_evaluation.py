@@ -1,13 +1,23 @@
-"""`streamrl.evaluation`'s pure parts: tool-call counting, one pass's figures, pass@k."""
+"""`streamrl.evaluation`'s pure parts: tool-call counting, one pass's figures, pass@k, a
+mixture's figures per task."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from streamrl.agents.agents import ToolAgent
 from streamrl.agents.base import Reset
-from streamrl.evaluation import CountingAgent, Outcome, pass_ks, summarize, summarize_sampled
-from streamrl.tasks.arithmetic import calculator_call
+from streamrl.config import TaskConfig
+from streamrl.evaluation import (
+    CountingAgent,
+    Outcome,
+    by_task,
+    pass_ks,
+    summarize,
+    summarize_sampled,
+)
+from streamrl.tasks.arithmetic import calculator_call, make_task
 from streamrl.tools.registry import CALCULATOR
 
 
@@ -55,3 +65,20 @@ def test_sampled_pass_at_k_over_tasks() -> None:
     assert k["1"]["value"] == pytest.approx((0.25 + 0 + 1) / 3)
     assert k["2"]["value"] == pytest.approx((0.5 + 0 + 1) / 3)
     assert k["4"]["value"] == pytest.approx(2 / 3) and k["4"]["n"] == 3
+
+
+def test_a_mixture_is_summarized_per_task_by_hand() -> None:
+    """Issue 32: tasks 0-1 of `a`, 2 of `b` (indices into the split); greedy: a solves one
+    of two, b its one; sampled (2 each): a's task 1 twice, b's task none. Each task's part
+    counts its own episodes, its pass@k over its own tasks (indices from 0)."""
+    split = [make_task(TaskConfig(), 0, c, 2) for c in range(3)]
+    split = [msgspec.structs.replace(t, kind=k) for t, k in zip(split, "aab", strict=True)]
+    greedy = [_o(0, 0.0), _o(1, 1.0), _o(2, 1.0)]
+    sampled = [_o(0, 0.0), _o(0, 0.0), _o(1, 1.0), _o(1, 1.0), _o(2, 0.0), _o(2, 0.0)]
+    got = by_task(split, greedy, sampled, 2, 1.0)
+    assert list(got) == ["a", "b"]
+    assert (got["a"]["n"], got["a"]["solve_rate"], got["b"]["solve_rate"]) == (2, 0.5, 1.0)
+    assert got["a"]["greedy"]["episodes"] == 2 and got["b"]["greedy"]["episodes"] == 1
+    assert got["a"]["sampled"]["pass_at_k"]["2"]["value"] == pytest.approx(0.5)
+    assert got["b"]["sampled"]["solve_rate"]["value"] == 0.0
+    assert by_task(split, greedy, [], 0, 1.0)["a"]["sampled"] is None
