@@ -228,11 +228,18 @@ class _NoCaller:
 
 def check_plugins(cfg: Config) -> None:
     """Load every plug-in the config names (task, its options and data, environment, agent,
-    reward, extra tools) and raise PluginError (a ConfigError) for the first that fails."""
+    reward, extra tools) and raise PluginError (a ConfigError) for the first that fails.
+    With `trainer.eval_every`, every task's held-out split of `trainer.eval_tasks` must be
+    there too (HeldoutError): the evaluator would fail at its first evaluation."""
     for t in cfg.mixture:
         # a prompt can be built (or a row read)
         task_source(t, cfg.run.seed).task(0, cfg.rollout.num_generations)
     load_episodes(cfg, _NoCaller())
+    if cfg.trainer.eval_every:
+        from streamrl.tasks.heldout import mixture_heldout_tasks
+
+        warm = (cfg.model_seed,) if cfg.model.init == "warmstart" else ()
+        mixture_heldout_tasks(cfg.mixture, cfg.run.seed, cfg.trainer.eval_tasks, 1, warm)
 
 
 def _what(obj: object) -> str:
