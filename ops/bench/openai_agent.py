@@ -2,6 +2,8 @@
 
     .venv/bin/python -m ops.bench.openai_agent                 # 40 prompts x 3 epochs, 3 rounds
     .venv/bin/python -m ops.bench.openai_agent --greedy        # rollout.top_k = 1
+    .venv/bin/python -m ops.bench.openai_agent --greedy --set model.warmstart_error_rate=0
+                    # greedy on a warm start that always uses the calculator: tool turns
 
 Each row is a `streamrl up` of the default config (configs/tiny.toml, its warm start
 cached under build/model-cache) on `--prompts` generated prompts, `--epochs` times,
@@ -93,8 +95,10 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="times each prompt is played")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--greedy", action="store_true", help="rollout.top_k = 1 in both runs")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting of both runs (a row that changes one says so)")  # fmt: skip
     args = p.parse_args()
-    extra = ["rollout.top_k=1"] if args.greedy else []
+    extra = [*(["rollout.top_k=1"] if args.greedy else []), *args.set]
     rows = []
     with tempfile.TemporaryDirectory(prefix="oa-bench-") as tmp:
         work = Path(tmp)
@@ -108,6 +112,8 @@ def main() -> None:
             if r >= 0:
                 rows.append((r, built, agent, len(both), same))
     how = "greedy" if args.greedy else "sampled (the same per-turn seeds)"
+    if args.set:
+        how += ", " + ", ".join(args.set)
     print(f"\n### built-in agent vs the endpoint agent: default config, rollout alone, {how}, "
           f"{args.prompts} prompts x {args.epochs} epochs, {args.rounds} rounds after a "
           "warm-up; trajectories/s after the first quarter\n")  # fmt: skip

@@ -106,6 +106,8 @@ def test_a_mixture_reports_per_task_and_resumes_in_its_order(
     live = _kill_after(run_dir, up(run_dir, 100, *sets, config=MIXTURE), 4)  # past step 3's
     assert set(live) == set(LABELS), live
     assert all(int(live[label][0]) > 0 for label in LABELS)  # tasks written of each
+    # the trainer's 4 steps so far: arithmetic's reward and solve rate (3 of 4 groups)
+    assert live["arithmetic"][4] != "-" and live["arithmetic"][5].endswith("%"), live
     killed_at = len(_events(run_dir / "logs" / "trainer-0.log", "train_step"))
     last = killed_at + 3
     _resume(run_dir, last, sets)
