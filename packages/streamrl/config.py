@@ -1521,6 +1521,12 @@ class Config(_Section):
                     '"openai:..." or task.agent_command) plays a single [task] only, not a '
                     "mixture"
                 )
+            if t.epochs and self.grouper.order == "submission":
+                raise ValueError(
+                    f'tasks[{i}].epochs ({t.epochs}) with grouper.order = "submission": a '
+                    "mixture's task that ends leaves positions with no task, which submission "
+                    "order would wait for; end the run with --steps (or trainer.max_steps)"
+                )
             if t.label in seen:
                 raise ValueError(
                     f"tasks[{i}] and tasks[{seen[t.label]}] are both reported as "
