@@ -1,7 +1,8 @@
 """Where a test run's wall time went: reads DIR/timeline-*.jsonl (written by
 tests/conftest.py, one line per test) and prints each test process's busy and idle time, how
-long 0, 1 or 2+ tests ran at once, and the tests that ran alone at the end (the tail no other
-process shared).
+long 0, 1 or 2+ tests ran at once, the tests that ran alone at the end (the tail no other
+process shared), the tests that waited most (wall time past their CPU) and those that
+compiled most.
 
     python ops/test_timeline.py [DIR] [--tail N]   (DIR: build/logs/timeline by default)
 """
@@ -21,6 +22,7 @@ class Row:
     start: float
     end: float
     compile_s: float = 0.0  # XLA compiles in the test's own process
+    cpu_s: float | None = None  # CPU of the test's process and the children it waited for
 
 
 def load(log_dir: Path) -> list[Row]:
@@ -36,6 +38,7 @@ def load(log_dir: Path) -> list[Row]:
                         float(d["start"]),
                         float(d["end"]),
                         float(d.get("compile_s", 0.0)),
+                        float(d["cpu_s"]) if "cpu_s" in d else None,
                     )
                 )
     return rows
@@ -86,6 +89,22 @@ def main() -> None:
     for r in last:
         s, e = r.start - t0, r.end - t0
         print(f"  {r.worker:<6} {s:>7.0f} -> {e:>6.0f} s ({e - s:>5.0f} s)  {r.test}")
+
+    timed = [r for r in rows if r.cpu_s is not None]
+    if timed:
+        # What waits rather than computes: on a CI machine whose cores the tests keep busy,
+        # a test's wall time past its CPU is a core left to the other processes, or idle.
+        def waited(r: Row) -> float:
+            return r.end - r.start - (r.cpu_s or 0.0)
+
+        wall = sum(r.end - r.start for r in timed)
+        cpu = sum(r.cpu_s or 0.0 for r in timed)
+        print(
+            "CPU of the tests (their processes and the children they waited for): "
+            f"{cpu:.0f} s over {wall:.0f} s of test time; the most waiting (wall - CPU):"
+        )
+        for r in sorted(timed, key=waited)[-args.tail :][::-1]:
+            print(f"  {waited(r):>6.1f} s waiting of {r.end - r.start:>6.1f} s  {r.test}")
 
     compiled = sum(r.compile_s for r in rows)
     print(f"XLA compiles in the test processes themselves: {compiled:.0f} s; the most:")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import socket
 import subprocess
 import time
@@ -65,7 +66,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # CI prints its summary beside the durations table, so a slow run says where its wall time
 # went. Written by the process that ran the test (under pytest-xdist the controlling process
 # also sees every test's start and end, later, and writes nothing).
-_TIMELINE: dict[str, tuple[float, float]] = {}  # test -> (start, compile seconds before)
+_TIMELINE: dict[str, tuple[float, float, float]] = {}  # test -> (start, compile s, CPU s)
 _COMPILE_S = [0.0]  # XLA compile seconds in this process so far (timeline on)
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -83,8 +84,18 @@ def _timeline_dir() -> Path | None:
     return Path(path) if path else None
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children it waited for (a test's `streamrl
+    up`, and through it the workers the launcher waited for)."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    _TIMELINE[nodeid] = (time.time(), _COMPILE_S[0])
+    _TIMELINE[nodeid] = (time.time(), _COMPILE_S[0], _cpu_s())
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
@@ -92,13 +103,14 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str])
     out = _timeline_dir()
     if began is None or out is None or any(_XDIST_CONTROLLER):
         return
-    start, compiled = began
+    start, compiled, cpu = began
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     out.mkdir(parents=True, exist_ok=True)
-    # compile_s: XLA compiles in the test process itself (not in the workers it starts)
+    # compile_s: XLA compiles in the test process itself (not in the workers it starts);
+    # cpu_s: CPU of the test's process and of the processes it started and waited for
     compile_s = round(_COMPILE_S[0] - compiled, 3)
     row = {"test": nodeid, "worker": worker, "start": start, "end": time.time()}
-    line = json.dumps({**row, "compile_s": compile_s})
+    line = json.dumps({**row, "compile_s": compile_s, "cpu_s": round(_cpu_s() - cpu, 3)})
     with open(out / f"timeline-{worker}.jsonl", "a") as f:
         f.write(line + "\n")
 
