@@ -149,7 +149,7 @@ def test_one_task_is_a_mixture_of_one_labelled_by_its_name() -> None:
                 "grouper": {"order": "submission"},
             },
             'tasks[1].epochs (1) with grouper.order = "submission"',
-        ),  # fmt: skip
+        ),
         ({"tasks": [{**ARITH, "weight": 0}]}, "tasks.0.weight"),
         ({"tasks": [{**ARITH, "id": "no spaces"}]}, "tasks.0.id"),
     ],
