@@ -265,3 +265,21 @@ def test_the_summary_tasks_block_by_hand() -> None:
     assert got["b"]["solve_rate_per_step"] == [[2, 1.0]] and got["b"]["eval_solve_rate_last"] == 0.5
     # a run of one task has no tasks block
     assert task_summary({}, [(1, {"arithmetic": steps[0][1]["a"]})], {}) == {}
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"name": "no_such_pkg.mod:Task"}, "field `tasks[1].name`: cannot import"),
+        ({"name": "arithmetic", "options": {"nope": 1}}, "unknown key `tasks[1].options.nope`"),
+        ({"name": "unitconv", "options": {"max_value": 9}}, "tasks[1].num_prompts"),
+    ],
+    ids=["bad-name", "bad-option", "no-heldout-split"],
+)
+def test_a_bad_mixture_entry_is_named_by_its_index(entry: dict[str, Any], message: str) -> None:
+    """A task's own errors name `task.<field>`; in a mixture they name the entry."""
+    cfg = mix(ARITH, {**entry, "id": "b"}, trainer={"eval_every": 5, "eval_tasks": 50})
+    with pytest.raises(ConfigError) as err:
+        check_plugins(cfg)
+    assert message in str(err.value)
+    assert "`task." not in str(err.value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import random
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -231,15 +232,27 @@ def check_plugins(cfg: Config) -> None:
     reward, extra tools) and raise PluginError (a ConfigError) for the first that fails.
     With `trainer.eval_every`, every task's held-out split of `trainer.eval_tasks` must be
     there too (HeldoutError): the evaluator would fail at its first evaluation."""
-    for t in cfg.mixture:
-        # a prompt can be built (or a row read)
-        task_source(t, cfg.run.seed).task(0, cfg.rollout.num_generations)
-    load_episodes(cfg, _NoCaller())
-    if cfg.trainer.eval_every:
-        from streamrl.tasks.heldout import mixture_heldout_tasks
+    from streamrl.tasks.heldout import heldout_tasks
 
-        warm = (cfg.model_seed,) if cfg.model.init == "warmstart" else ()
-        mixture_heldout_tasks(cfg.mixture, cfg.run.seed, cfg.trainer.eval_tasks, 1, warm)
+    warm = (cfg.model_seed,) if cfg.model.init == "warmstart" else ()
+    for i, t in enumerate(cfg.mixture):
+        try:
+            # a prompt can be built (or a row read)
+            task_source(t, cfg.run.seed).task(0, cfg.rollout.num_generations)
+            if cfg.trainer.eval_every:
+                heldout_tasks(t, cfg.run.seed, cfg.trainer.eval_tasks, 1, warm)
+        except PluginError as err:
+            raise in_entry(err, i) if cfg.tasks else err from None
+    load_episodes(cfg, _NoCaller())
+
+
+_TASK_FIELD = re.compile(r"(?<![\w.\[])task\.(?=[a-z_])")
+
+
+def in_entry(err: PluginError, i: int) -> PluginError:
+    """`err` of the mixture's entry i: the `task.<field>` its message names (the task's code
+    names fields as a single [task]'s) become `tasks[i].<field>`."""
+    return type(err)(_TASK_FIELD.sub(f"tasks[{i}].", str(err)))
 
 
 def _what(obj: object) -> str:
