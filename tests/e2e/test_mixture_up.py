@@ -110,7 +110,13 @@ def test_a_mixture_reports_per_task_and_resumes_in_its_order(
     assert live["arithmetic"][4] != "-" and live["arithmetic"][5].endswith("%"), live
     killed_at = len(_events(run_dir / "logs" / "trainer-0.log", "train_step"))
     last = killed_at + 3
+    # The killed launcher's evaluator goes on (its own session), recorded for the resume
+    # to stop: left beside the resumed run's, it took the final snapshot and wrote its
+    # result after the summary (a CI run saw it).
+    old_evaluator = rundir.orphans(run_dir)[rundir.EVALUATOR]
     _resume(run_dir, last, sets)
+    found = _events(run_dir / "logs" / "launcher.log", "orphans_found")
+    assert found and found[-1]["procs"][rundir.EVALUATOR] == old_evaluator, found
     s = summary_of(run_dir)
     assert s["resumed"] and s["trainer_steps"] == last
     _assert_in_order(run_dir, s, mixture(load_config(MIXTURE, list(sets))))

@@ -334,6 +334,10 @@ class Launcher:
         pids = {p.worker_id: p.popen.pid for p in self.procs}
         if self.redis is not None and self.redis.proc is not None:
             pids[rundir.REDIS] = self.redis.proc.pid
+        # The evaluator too: one a killed launcher left would go on beside the resumed
+        # run's, claim its snapshots and write its final result after the summary.
+        if self.evaluator is not None and self.evaluator.popen is not None:
+            pids[rundir.EVALUATOR] = self.evaluator.popen.pid
         ports = {p.worker_id: self._port(p.name, p.index) for p in self.procs}
         rundir.record(self.run_dir, pids, self.cfg.run.name, {w: n for w, n in ports.items() if n})
 
@@ -424,7 +428,10 @@ class Launcher:
             if ended is not None:
                 return ended
             if self.evaluator is not None:
+                was = self.evaluator.popen
                 self.evaluator.check(self.cfg, log)
+                if self.evaluator.popen is not was:  # restarted: a new pid to record
+                    self._record()
             self._watch_liveness(client, log)
             if time.monotonic() >= next_progress:
                 try:

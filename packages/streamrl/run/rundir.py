@@ -25,6 +25,7 @@ import structlog
 LOCK_FILE = "launcher.lock"
 PROCS_FILE = "launcher.procs.json"
 REDIS = "redis"  # the embedded server's name in the record (workers go by their ids)
+EVALUATOR = "evaluator"  # the run's evaluator's (trainer.eval_every), its own session
 
 
 class RunDirBusyError(RuntimeError):
