@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -20,7 +19,7 @@ import pytest
 
 from streamrl import checkpoints as ckpts
 from streamrl.run import failpoints, rundir
-from tests.e2e.test_up import started_pids, summary_of, up
+from tests.e2e.test_up import resume, started_pids, summary_of, up
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.e2e
@@ -139,14 +138,6 @@ def test_a_train_step_longer_than_the_limit_is_no_hang(tmp_path: Path) -> None:
     assert _events(run_dir / "logs" / "launcher.log", "worker_hung") == []
 
 
-def _up_resume(run_dir: Path, steps: int, *sets: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(STUB),
-           "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
-    for s in sets:
-        cmd += ["--set", s]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
-
-
 @pytest.mark.timeout(400)
 def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path) -> None:
     """A second launcher on a run directory in use refuses. The launcher is SIGKILLed mid
@@ -161,7 +152,7 @@ def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path
     try:
         logs = run_dir / "logs"
         _wait_for("a checkpoint", lambda: _events(logs / "trainer-0.log", "checkpoint_written"))
-        second = _up_resume(run_dir, steps, *sets)
+        second = resume(run_dir, steps, *sets, config=STUB)
         assert second.returncode == 2, second.stdout + second.stderr
         assert "in use by another `streamrl up`" in second.stderr
         assert f"pid {proc.pid}" in second.stderr
@@ -178,7 +169,7 @@ def test_a_resume_after_a_killed_launcher_stops_its_orphans_first(tmp_path: Path
         orphans = [pid for pid in started if rundir.start_time(pid)]
         assert len(orphans) == len(workers) + 1, ("the orphans run on", orphans, workers)
 
-        resumed = _up_resume(run_dir, steps, *sets)
+        resumed = resume(run_dir, steps, *sets, config=STUB)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         assert "stopped what the last launcher left running" in resumed.stdout + resumed.stderr
         for pid in orphans:

@@ -27,7 +27,7 @@ from streamrl.run import rundir
 from streamrl.tasks.base import group_cursor
 from streamrl.tasks.mixture import Mixture, mixture
 from tests.e2e.test_sinks_up import _events
-from tests.e2e.test_up import started_pids, summary_of, up
+from tests.e2e.test_up import resume, started_pids, summary_of, up
 from tests.helpers import REPO, committed_trajectories
 from tests.sinkfiles import tensorboard_scalars
 
@@ -85,11 +85,8 @@ def _kill_after(run_dir: Path, proc: subprocess.Popen[str], steps: int) -> dict[
 
 def _resume(run_dir: Path, steps: int, sets: tuple[str, ...]) -> None:
     orphans = [p for p in started_pids(run_dir).values() if rundir.start_time(p)]
-    cmd = ["up", "--config", str(MIXTURE), "--steps", str(steps), "--resume", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
     try:
-        resumed = _cli(*cmd, timeout=400)
+        resumed = resume(run_dir, steps, *sets, config=MIXTURE, timeout_s=400)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     finally:  # a failed check leaves none of the first launcher's processes running
         for pid in orphans:

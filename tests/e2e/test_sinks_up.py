@@ -10,8 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 
 from streamrl.run import rundir
-from tests.e2e.test_up import assert_nothing_left, started_pids, summary_of, up
+from tests.e2e.test_up import assert_nothing_left, resume, started_pids, summary_of, up
 from tests.helpers import REPO
 from tests.sinkfiles import RUN_NAMES, STEP_NAMES, tensorboard_scalars, wandb_rows
 
@@ -80,14 +78,6 @@ def test_up_writes_every_metric_at_every_step(tmp_path: Path, warm_cache: str) -
     assert _events(log, "sink_failed") == [] and len(_events(log, "sink_closed")) == 2
 
 
-def _resume(run_dir: Path, steps: int, *sets: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(STUB),
-           "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
-    for s in sets:
-        cmd += ["--set", s]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=200, check=False)
-
-
 @pytest.mark.timeout(300)
 def test_a_killed_and_resumed_run_continues_both_sinks(tmp_path: Path) -> None:
     """The stub policy (fast steps). The launcher and the trainer are SIGKILLed at step 6
@@ -114,7 +104,7 @@ def test_a_killed_and_resumed_run_continues_both_sinks(tmp_path: Path) -> None:
     killed_at = len(_events(logs / "trainer-0.log", "train_step"))
     orphans = [p for p in started_pids(run_dir).values() if rundir.start_time(p)]
     try:
-        resumed = _resume(run_dir, killed_at + 4, *sets)
+        resumed = resume(run_dir, killed_at + 4, *sets, config=STUB, timeout_s=200)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     finally:  # a failed check leaves none of the first launcher's processes running
         for pid in orphans:

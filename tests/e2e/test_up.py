@@ -55,6 +55,19 @@ def up(
     )
 
 
+def resume(
+    run_dir: Path, steps: int, *sets: str, config: Path = TINY, timeout_s: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """`streamrl up --resume RUN_DIR` to `steps`, with the overrides `sets`, run to its end."""
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(config),
+           "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
 def summary_of(run_dir: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     return data
