@@ -25,11 +25,6 @@ PY=$VENV/bin/python
 TEST_WORKERS=${TEST_WORKERS:-2}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 LOGS=build/logs
-# Each JAX process of the run (the prewarm, the test processes and every worker they start)
-# runs its XLA programs on one thread (streamrl.model.cpu): the suite keeps both cores busy
-# with two test processes, where XLA's two-thread split of each program only adds CPU
-# (a warm-start step: 161 ms of CPU on two threads, 134 ms on one).
-export STREAMRL_XLA_CPU_THREADS=${STREAMRL_XLA_CPU_THREADS-1}
 mkdir -p "$LOGS"
 T0=$SECONDS
 ROOT=0

@@ -23,12 +23,10 @@ def main() -> int:
         return 2
     config, cache_dir = sys.argv[1], sys.argv[2]
     from streamrl.config import load_config
-    from streamrl.model.cpu import narrow_from_env
     from streamrl.trainer.warmstart import cache_path, warmstart_params
     from streamrl_workers.cli import keep_torch_out
 
     keep_torch_out()
-    narrow_from_env()  # STREAMRL_XLA_CPU_THREADS: `make test` runs this beside other work
     cfg = load_config(config, [f'model.cache_dir="{cache_dir}"'])
     if cfg.model.init != "warmstart":
         print(f"prewarm: {config} has model.init = {cfg.model.init!r}: nothing to train")

@@ -41,11 +41,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     jax.config.update("jax_platforms", "cpu")
-    # STREAMRL_XLA_CPU_THREADS (`make test`: 1): each test process's XLA programs on one
-    # thread, as its workers' (streamrl.model.cpu); the other core runs the other process.
-    from streamrl.model.cpu import narrow_from_env
-
-    narrow_from_env()
     if _timeline_dir() is not None:
         jax.monitoring.register_event_duration_secs_listener(_count_compile)
 

@@ -106,12 +106,6 @@ CONFIG_ONLY: dict[str, Callable[[argparse.Namespace, Config], int]] = {
 }
 
 
-# What runs JAX programs: the commands and the worker kinds whose CPU backend
-# STREAMRL_XLA_CPU_THREADS narrows (nothing else imports JAX for it).
-MODEL_COMMANDS = frozenset({"eval", "generate"})
-MODEL_WORKERS = frozenset({"rollout", "trainer", "colocated"})
-
-
 def _fit_gate(args: argparse.Namespace, cfg: Config) -> int | None:
     """`up --explain`: the values the config implies, and exit (2 when it is refused).
     Otherwise an exit code when the config would drop most of its own work as stale (it
@@ -149,14 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in NO_CONFIG:
         return NO_CONFIG[args.command](args)
-    if args.command in MODEL_COMMANDS or getattr(args, "name", None) in MODEL_WORKERS:
-        from streamrl.model.cpu import narrow_from_env
-
-        try:
-            narrow_from_env()  # STREAMRL_XLA_CPU_THREADS
-        except ValueError as err:
-            print(f"streamrl: {err}", file=sys.stderr)
-            return 2
     try:
         cfg = load_config(args.config, overrides=args.set)
     except ConfigError as err:
