@@ -2,7 +2,7 @@
 
 import pytest
 
-from streamrl.rollout.admission import Admission, Occupancy, start_limit
+from streamrl.rollout.admission import Admission, Occupancy
 
 
 def occ(held: int, waiting: int = 0, evictions: int = 0, slots: int = 32) -> Occupancy:
@@ -65,29 +65,6 @@ def test_an_eviction_or_an_overflowing_pool_trims_to_nine_tenths_of_the_running(
     b = Admission(cap=8, auto=True, start=2)
     b.update(1, 1, occ(1, evictions=0))
     assert b.update(1, 1, occ(4, waiting=4, evictions=1, slots=4)) == "trim" and b.limit == 1
-
-
-def test_a_saturated_engine_gets_no_more_episodes() -> None:
-    # a 32-slot pool, limit 8, binding, 24 slots free: growth depends on the engine's busy
-    # share since the last look. First clocked look (t = 10 s, 4 s busy so far): a
-    # baseline, hold. 0.25 s later, 0.2 s more busy: 0.8 < 0.9: + max(1, 8 // 8) = 9.
-    a = Admission(cap=64, auto=True, start=8)
-    t = Occupancy(slots=32, held=8, waiting=0, evictions=0, busy_s=4.0, at_s=10.0)
-    assert a.update(8, 4, t) == "hold" and a.limit == 8
-    t = Occupancy(slots=32, held=8, waiting=0, evictions=0, busy_s=4.2, at_s=10.25)
-    assert a.update(8, 4, t) == "grow" and a.limit == 9
-    # 0.24 s busy of 0.25: 0.96 >= 0.9: the engine is the limit: hold, slots free or not
-    t = Occupancy(slots=32, held=9, waiting=0, evictions=0, busy_s=4.44, at_s=10.5)
-    assert a.update(9, 4, t) == "hold" and a.limit == 9
-    # 0.125 of 0.25: 0.5: it grows again
-    t = Occupancy(slots=32, held=9, waiting=0, evictions=0, busy_s=4.565, at_s=10.75)
-    assert a.update(9, 4, t) == "grow" and a.limit == 10
-    assert a.grows == 2 and a.trims == 0
-
-
-def test_the_limit_starts_at_half_the_pool() -> None:
-    assert [start_limit(n, pooled=True) for n in (1, 2, 3, 16, 64)] == [1, 1, 1, 8, 32]
-    assert start_limit(16, pooled=False) == 16  # no pool (the stub): the cap
 
 
 def test_without_a_kv_pool_it_grows_to_the_cap() -> None:

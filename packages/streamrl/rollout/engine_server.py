@@ -103,7 +103,6 @@ class EngineServer:
         self._progress_at = time.monotonic()  # the last step done, or the last idle look
         self.swaps = 0
         self.stall_s = 0.0  # engine time lost to syncs: held or swapping with work pending
-        self.busy_s = 0.0  # engine time in its steps (adaptive admission's busy share)
 
     # -- event-loop side -------------------------------------------------------------------
 
@@ -125,8 +124,6 @@ class EngineServer:
             # inbox, which also carries session ends and cancels)
             waiting=e.unplaced,
             evictions=e.evictions,
-            busy_s=self.busy_s,
-            at_s=time.monotonic(),
         )
 
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]:
@@ -248,7 +245,6 @@ class EngineServer:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            start = time.monotonic()
             try:
                 finished = self.engine.step()
             except Exception as err:
@@ -263,7 +259,6 @@ class EngineServer:
             failures = 0
             self.steps += 1
             self._progress_at = time.monotonic()
-            self.busy_s += self._progress_at - start
             for handle, result in finished:
                 call = self._calls.pop(handle, None)
                 if call is not None:

@@ -63,7 +63,7 @@ from streamrl.obs.metrics import (
     Metrics,
 )
 from streamrl.obs.tracing import Span, Tracer
-from streamrl.rollout.admission import TICK_S, Admission, start_limit
+from streamrl.rollout.admission import TICK_S, Admission
 from streamrl.rollout.episode import ModelServer, Runner, traj_id
 from streamrl.rollout.threads import WorkerThreads
 from streamrl.rollout.weights import WeightFollower
@@ -298,11 +298,9 @@ class RolloutWorker:
         r = cfg.rollout
         self.threads = threads or WorkerThreads(r.env_threads or r.max_concurrency)
         # Episodes at once: max_concurrency, or under adaptive admission a limit that
-        # follows the engine (streamrl.rollout.admission), starting at half its KV pool.
+        # follows the engine's KV pool (streamrl.rollout.admission), starting at the pool.
         self.admission = Admission(
-            cap=r.max_concurrency,
-            auto=r.admission == "auto",
-            start=start_limit(cfg.concurrency_estimate, cfg.model.kind != "stub"),
+            cap=r.max_concurrency, auto=r.admission == "auto", start=cfg.concurrency_estimate
         )
         self.paused = False  # backpressure, as the reader last read it
         self.active = 0
