@@ -3,12 +3,15 @@ and one persistent JAX compilation cache for every test process and the workers 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import resource
+import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -113,6 +116,55 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str])
     line = json.dumps({**row, "compile_s": compile_s, "cpu_s": round(_cpu_s() - cpu, 3)})
     with open(out / f"timeline-{worker}.jsonl", "a") as f:
         f.write(line + "\n")
+
+
+def _processes_naming(path: str) -> list[int]:
+    """Pids of the live processes (zombies aside) with `path`, or a path under it, in an
+    argument of their command line, this one excepted."""
+    inside, found = (path.rstrip("/") + "/").encode(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile
+            continue
+        if state != "Z" and any(inside in arg + b"/" for arg in argv):
+            found.append(int(entry.name))
+    return found
+
+
+def stop_processes_naming(path: str, grace_s: float = 20.0) -> list[int]:
+    """SIGTERM every process whose command line names `path` (or a path under it), SIGKILL
+    those still there after `grace_s`; returns the pids it found."""
+    found = _processes_naming(path)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in _processes_naming(path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _processes_naming(path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_the_test_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test with a `tmp_path`, no process naming that path runs on: a `streamrl up`
+    that a failed or timed-out test left (its launcher blocked on a pipe nobody reads, its
+    workers on in sessions of their own) would otherwise take CPU from every later test of
+    the session. Each worker gets SIGTERM (the tools workers remove their containers), the
+    remainder SIGKILL. A test that checks for leftovers itself (`assert_nothing_left`) has
+    done so by then."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp = str(request.getfixturevalue("tmp_path"))  # set up before this fixture, so still there
+    yield
+    left = stop_processes_naming(tmp)
+    if left:
+        sys.stderr.write(f"stopped {len(left)} processes the test left: {left}\n")
 
 
 @pytest.fixture(scope="session")

@@ -121,7 +121,9 @@ def _iso_s(stamp: str) -> float:
 def test_a_train_step_longer_than_the_limit_is_no_hang(tmp_path: Path) -> None:
     """Train steps (and their compile) are busy steps: a trainer whose every step outlasts
     `run.liveness_timeout_s` beats on and is never killed (a loop stuck that long would be
-    within twice the limit: its beat stops one limit after its last tick)."""
+    within twice the limit: its beat stops one limit after its last tick). And a host that
+    froze for twice the limit (every process of the run stopped; the launcher wakes first)
+    has none of them taken for hung: silence the launcher did not watch is not theirs."""
     run_dir = tmp_path / "run"
     proc = up(
         run_dir,
@@ -130,7 +132,19 @@ def test_a_train_step_longer_than_the_limit_is_no_hang(tmp_path: Path) -> None:
         f"model.stub_train_step_s={2 * LIVENESS_S + 2}",
         config=STUB,
     )
-    out, _ = proc.communicate(timeout=180)
+    with reaped(proc):
+        _wait_for_steps(run_dir / "logs", 1)
+        workers = started_pids(run_dir).values()  # each leads a process group of its own
+        os.kill(proc.pid, signal.SIGSTOP)
+        for pid in workers:
+            os.killpg(pid, signal.SIGSTOP)
+        time.sleep(2 * LIVENESS_S)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(1.0)  # the launcher looks at beats the frozen workers could not write
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):  # killed meanwhile as hung
+                os.killpg(pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 2

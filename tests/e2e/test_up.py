@@ -23,30 +23,27 @@ from tests.helpers import NO_EVALUATOR, REPO, TINY, committed_trajectories, live
 pytestmark = pytest.mark.e2e
 
 
+def up_command(config: Path, steps: int, *args: str, sets: tuple[str, ...] = ()) -> list[str]:
+    """argv of `streamrl up --config CONFIG --steps STEPS ARGS...` with `--set` for each
+    of `sets`, in this interpreter."""
+    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(config),
+           "--steps", str(steps), *args]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
 def up(
     run_dir: Path,
     steps: int,
     *sets: str,
     env: dict[str, str] | None = None,
-    timeout_s: float = 600,
     config: Path = TINY,
 ) -> subprocess.Popen[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrl_workers.cli",
-        "up",
-        "--config",
-        str(config),
-        "--steps",
-        str(steps),
-        "--run-dir",
-        str(run_dir),
-    ]
-    for s in (NO_EVALUATOR, *sets):
-        cmd += ["--set", s]
+    """`streamrl up` of a new run in `run_dir`, the evaluator off, started: its output
+    (stdout and stderr) in the pipe that `communicate()` reads."""
     return subprocess.Popen(
-        cmd,
+        up_command(config, steps, "--run-dir", str(run_dir), sets=(NO_EVALUATOR, *sets)),
         cwd=REPO,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
@@ -59,12 +56,13 @@ def resume(
     run_dir: Path, steps: int, *sets: str, config: Path = TINY, timeout_s: float = 240
 ) -> subprocess.CompletedProcess[str]:
     """`streamrl up --resume RUN_DIR` to `steps`, with the overrides `sets`, run to its end."""
-    cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(config),
-           "--steps", str(steps), "--resume", str(run_dir)]  # fmt: skip
-    for s in sets:
-        cmd += ["--set", s]
     return subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False
+        up_command(config, steps, "--resume", str(run_dir), sets=sets),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
     )
 
 
@@ -211,6 +209,7 @@ def _sandbox_containers(namespace: str) -> int | None:
         client.close()
 
 
+@pytest.mark.timeout(600)  # its own warm start first: about 140 s alone, twice that in a busy suite
 def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path, warm_cache: str) -> None:
     """The code task: its own (short) warm start, then episodes whose reward comes from
     hidden tests run in the sandbox; containers when an engine answers (CI), and none is
@@ -229,7 +228,7 @@ def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path, warm_cache: str) -> 
     # where 120 made none. The test needs calls, not skill.
     proc = up(run_dir, 3, f'model.cache_dir="{warm_cache}"', f"run.name={name}",
               "model.warmstart_steps=250", config=REPO / "configs" / "code.toml")  # fmt: skip
-    out, _ = proc.communicate(timeout=900)
+    out, _ = proc.communicate(timeout=540)
     assert proc.returncode == 0, out
     s = summary_of(run_dir)
     assert s["trainer_steps"] == 3 and s["dead_letters"] == 0

@@ -37,7 +37,6 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +52,7 @@ from streamrl.run import failpoints as fp
 from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.tasks.registry import make_task
 from streamrl.wire import Group, Task, Trajectory, WireError, decode
+from tests.e2e.test_up import up_command
 from tests.helpers import NO_EVALUATOR, REPO, TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -149,10 +149,7 @@ class Up:
         self.proc = self._start(["--run-dir", str(self.run_dir)])
 
     def _start(self, where: list[str]) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(TINY),
-               "--steps", "0", *where]  # fmt: skip
-        for s in (NO_EVALUATOR, *self.sets):
-            cmd += ["--set", s]
+        cmd = up_command(TINY, 0, *where, sets=(NO_EVALUATOR, *self.sets))
         self.launches += 1
         return subprocess.Popen(
             cmd, cwd=REPO, env=self.env, stdout=self.out, stderr=subprocess.STDOUT

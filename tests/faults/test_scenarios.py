@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,7 +25,7 @@ from streamrl.names import Keys
 from streamrl.run import failpoints
 from streamrl.run.redis_server import url_from_conf
 from tests.e2e.test_launcher_faults import STUB, _events, _wait_for, _wait_for_steps, reaped
-from tests.e2e.test_up import assert_nothing_left, summary_of, up
+from tests.e2e.test_up import assert_nothing_left, summary_of, up, up_command
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.e2e
@@ -72,8 +71,7 @@ def test_empty_redis_mid_run_stops_the_run_and_resume_restores_it(tmp_path: Path
     assert ck is not None
     steps = ck.step + 3
     again = subprocess.run(
-        [sys.executable, "-m", "streamrl_workers.cli", "up", "--config", str(STUB), "--steps",
-         str(steps), "--resume", str(run_dir), *(x for s in sets for x in ("--set", s))],
+        up_command(STUB, steps, "--resume", str(run_dir), sets=sets),
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert again.returncode == 0, again.stdout + again.stderr

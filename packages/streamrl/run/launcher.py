@@ -49,6 +49,7 @@ from streamrl.obs.metrics import GROUPS_PER_MIN, newest_sample, prometheus_port
 from streamrl.run import incarnation, rundir
 from streamrl.run.acl import private_dir, worker_role
 from streamrl.run.identity import default_holder
+from streamrl.run.liveness import BeatClock
 from streamrl.run.logs import LOG_DIR_ENV, cap_file, configure_logging, redact_url
 from streamrl.run.redis_server import EmbeddedRedis, free_port
 from streamrl.run.runtime import (
@@ -194,7 +195,7 @@ class Launcher:
         self._stopped = False
         self.started = time.monotonic()
         self._next_watch = 0.0  # the next liveness check
-        self._watch_from = 0.0  # beats older than this do not count (Redis was away)
+        self._beats = BeatClock(cfg.run.liveness_timeout_s)  # whose silence counts since when
         # The counters as last read: the summary's, should Redis fail for good.
         self._last_stats: dict[str, int | float] = {}
 
@@ -483,7 +484,8 @@ class Launcher:
     def _watch_liveness(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
         """SIGKILL a worker whose liveness beat (`streamrl.run.liveness`) has not changed for
         `run.liveness_timeout_s`; `_check_workers` then restarts it like a crash. The clock
-        stops while Redis does not answer (no worker can beat then) and restarts with it."""
+        (`BeatClock`) counts only time in which a beat could have been seen: it restarts
+        after Redis did not answer or answered slowly, or the launcher itself did not look."""
         now = time.monotonic()
         if now < self._next_watch:
             return
@@ -494,14 +496,15 @@ class Launcher:
         try:
             raw = mget_bytes(client, [self.keys.worker_beat(p.name, p.index) for p in running])
         except redis.RedisError:
-            self._watch_from = now
+            self._beats.blind(now)
             return
+        self._beats.looked(now, time.monotonic())
         limit = self.cfg.run.liveness_timeout_s
         for p, value in zip(running, raw, strict=True):
             beat = value.decode() if isinstance(value, bytes) else None
             if beat not in (None, p.beat) and beat.split(" ")[0] == default_holder(p.popen.pid):
                 p.beat, p.beat_at = beat, now
-            silent_s = now - max(p.beat_at, self._watch_from)
+            silent_s = self._beats.silent_s(p.beat_at, now)
             if silent_s <= limit:
                 continue
             p.hangs += 1
@@ -569,7 +572,7 @@ class Launcher:
             return f"the embedded Redis could not be restarted: {err}"
         self.redis_restarts.append(time.monotonic())
         self._record()
-        self._watch_from = time.monotonic()
+        self._beats.blind(time.monotonic())
         log.info(
             "redis_restarted",
             pid=self.redis.proc.pid,

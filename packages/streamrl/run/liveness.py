@@ -60,3 +60,33 @@ class Liveness:
         with self._lock:
             busy = any(now < deadline for deadline in self._busy.values())
         return last is None or busy or now - last < limit_s
+
+
+class BeatClock:
+    """The launcher's clock for the workers' beats: a worker's silence counts only over
+    time in which the launcher could have seen it beat. It restarts (beats read before then
+    no longer count against anyone) when Redis did not answer, when a read of the beats
+    took long (Redis or the host was slow: the workers' own writes waited as long), and when
+    the launcher itself did not look for half the limit (it was stopped, or starved of CPU:
+    silence it did not watch is not the workers'). A truly hung worker is then found up to
+    one limit later, never a live one killed for the launcher's own gap."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.counts_from = 0.0  # monotonic: silence before this does not count
+        self._last_look: float | None = None
+
+    def blind(self, at: float) -> None:
+        """The beats could not be read at `at` (Redis away or restarted)."""
+        self.counts_from, self._last_look = at, at
+
+    def looked(self, start: float, end: float) -> None:
+        """The beats were read: the read began at `start` and answered at `end`."""
+        gap = None if self._last_look is None else start - self._last_look
+        if (gap is not None and gap > self.limit_s / 2) or end - start > self.limit_s / 4:
+            self.counts_from = end
+        self._last_look = start
+
+    def silent_s(self, beat_changed_at: float, now: float) -> float:
+        """How long a worker whose beat last changed at `beat_changed_at` has been silent."""
+        return now - max(beat_changed_at, self.counts_from)
