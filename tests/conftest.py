@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 2 if "/tests/compose/" in path else 1 if "/tests/faults/" in path else 0
 
     items.sort(key=rank)  # stable: the order within each rank stays
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report, even when formatting its traceback meets CPython 3.11's AST
+    race (gh-106905, fixed in 3.12: `ast.parse` in two threads at once raises "AST
+    constructor recursion depth mismatch" in one): pytest parses the failing test's source
+    to show it, and that error turned the failure into an INTERNALERROR that ended the test
+    process and every test still queued for it. Formatted again (the race is transient),
+    else reported with the exception's text alone."""
+    try:
+        return (yield)
+    except SystemError as err:
+        if "AST constructor recursion depth mismatch" not in str(err):
+            raise
+    for _ in range(3):
+        with contextlib.suppress(SystemError):
+            return pytest.TestReport.from_item_and_call(item, call)
+    excinfo = call.excinfo
+    text = "no exception" if excinfo is None else f"{excinfo.typename}: {excinfo.value}"
+    when = "call" if call.when == "collect" else call.when  # a test's phases only, here
+    return pytest.TestReport(
+        item.nodeid, item.location, dict.fromkeys(item.keywords, 1), "failed",
+        f"{text} (its traceback could not be formatted: CPython gh-106905)", when,
+        duration=call.duration, start=call.start, stop=call.stop,
+    )  # fmt: skip
 
 
 # The test timeline (`make test` sets STREAMRL_TEST_TIMELINE to a directory): when each test

@@ -5,6 +5,8 @@ service, and the ends an agent may meet: an answer, a hang, a crash, the call li
 from __future__ import annotations
 
 import asyncio
+import gc
+from asyncio import selector_events
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -68,10 +70,21 @@ def episode(
     return asyncio.run(body()), model
 
 
+def _open_sockets() -> int:
+    """asyncio socket transports not closed, of any event loop of this process."""
+    gc.collect()
+    kind = selector_events._SelectorSocketTransport
+    return sum(1 for o in gc.get_objects() if type(o) is kind and not o.is_closing())
+
+
 def test_the_example_agent_calls_the_calculator_and_answers(policy: Any) -> None:
     main = load_agent(EXAMPLE)
     turns = [calculator_call("2+3"), "<answer>5</answer>"]
+    before = _open_sockets()
     out, model = episode(policy, turns, main)
+    # The agent's connection pool closed with the episode's event loop (left open, its
+    # socket was reclaimed during some later test, which a ResourceWarning then failed).
+    assert _open_sockets() == before
     assert (out.status, out.answer, out.error) == ("ok", "5", "")
     tr = out.episode.session.transcript
     assert out.episode.calls == 2 and tr.versions == [2, 2] and model.ended == ["g4-m1"]
