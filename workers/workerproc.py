@@ -27,6 +27,7 @@ from streamrl.errors import FATAL_EXIT_CODE, FatalError
 from streamrl.names import RunPaths
 from streamrl.obs.tracing import Span
 from streamrl.run import incarnation
+from streamrl.run.failpoints import WORKER_START, failpoint
 from streamrl.run.identity import Heartbeat, claim_index, default_holder
 from streamrl.run.logs import redact_url
 from streamrl.run.runtime import (
@@ -87,6 +88,7 @@ def main(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
                 args.name, index, cfg, run_dir, max_steps=args.steps, burst=args.burst
             )
         ctx.holder = holder
+        failpoint(WORKER_START, ctx.log)
         beat = Heartbeat(
             ctx.client(socket_timeout=NONBLOCKING_TIMEOUT_S),
             ctx.keys,

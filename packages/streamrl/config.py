@@ -134,6 +134,17 @@ class RunConfig(_Section):
             "(a stopped process; a main loop stuck outside start-up, train steps, checkpoints)."
         ),
     )
+    start_timeout_s: float = Field(
+        600.0,
+        ge=2,
+        le=86400,
+        description=(
+            "`streamrl up` kills and restarts a worker that has not beaten once this long "
+            "after its start (a start-up that hangs). Until its first beat a worker is "
+            "starting (imports, model load, restore: slow on a busy host), which "
+            "`run.liveness_timeout_s` does not judge."
+        ),
+    )
 
 
 class RedisConfig(_Section):

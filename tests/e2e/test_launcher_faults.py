@@ -121,16 +121,22 @@ def _iso_s(stamp: str) -> float:
 def test_a_train_step_longer_than_the_limit_is_no_hang(tmp_path: Path) -> None:
     """Train steps (and their compile) are busy steps: a trainer whose every step outlasts
     `run.liveness_timeout_s` beats on and is never killed (a loop stuck that long would be
-    within twice the limit: its beat stops one limit after its last tick). And a host that
-    froze for twice the limit (every process of the run stopped; the launcher wakes first)
-    has none of them taken for hung: silence the launcher did not watch is not theirs."""
+    within twice the limit: its beat stops one limit after its last tick). Nor is a worker
+    whose start-up outlasts the limit (imports on a busy host: it has not beaten yet, and
+    `run.start_timeout_s` judges it), nor any worker of a host that froze for twice the
+    limit (every process of the run stopped; the launcher wakes first): silence the
+    launcher did not watch is not theirs."""
     run_dir = tmp_path / "run"
+    points = tmp_path / "failpoints"
+    points.mkdir()
+    failpoints.arm(points, failpoints.WORKER_START, 2 * LIVENESS_S)  # one worker, once
     proc = up(
         run_dir,
         2,
         f"run.liveness_timeout_s={LIVENESS_S}",
         f"model.stub_train_step_s={2 * LIVENESS_S + 2}",
         config=STUB,
+        env={failpoints.ENV: str(points)},
     )
     with reaped(proc):
         _wait_for_steps(run_dir / "logs", 1)
@@ -150,6 +156,7 @@ def test_a_train_step_longer_than_the_limit_is_no_hang(tmp_path: Path) -> None:
     assert s["trainer_steps"] == 2
     assert s["worker_hangs"] == {}
     assert _events(run_dir / "logs" / "launcher.log", "worker_hung") == []
+    assert not (points / failpoints.WORKER_START).exists()  # a worker paused at its start
 
 
 @pytest.mark.timeout(400)

@@ -25,7 +25,11 @@ EPISODE_SAVED = "episode_saved"  # rollout: episode states written at a turn bou
 # trainer: a checkpoint restored (and its queues written back, if Redis lost them), its
 # consumer group not yet rewound, no version taken
 TRAINER_RESUME = "trainer_resume"
-NAMES = (CHECKPOINT_COMMIT, WEIGHTS_PUBLISH, WEIGHTS_LOAD, EPISODE_SAVED, TRAINER_RESUME)
+# any worker: started, its heartbeat not yet (a start-up slow on a busy host)
+WORKER_START = "worker_start"
+NAMES = (
+    CHECKPOINT_COMMIT, WEIGHTS_PUBLISH, WEIGHTS_LOAD, EPISODE_SAVED, TRAINER_RESUME, WORKER_START
+)  # fmt: skip
 
 
 def arm(directory: str | Path, name: str, pause_s: float) -> None:

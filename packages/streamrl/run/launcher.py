@@ -483,7 +483,8 @@ class Launcher:
 
     def _watch_liveness(self, client: redis.Redis, log: structlog.stdlib.BoundLogger) -> None:
         """SIGKILL a worker whose liveness beat (`streamrl.run.liveness`) has not changed for
-        `run.liveness_timeout_s`; `_check_workers` then restarts it like a crash. The clock
+        `run.liveness_timeout_s`, or that has not beaten once `run.start_timeout_s` after
+        its start; `_check_workers` then restarts it like a crash. The clock
         (`BeatClock`) counts only time in which a beat could have been seen: it restarts
         after Redis did not answer or answered slowly, or the launcher itself did not look."""
         now = time.monotonic()
@@ -499,19 +500,27 @@ class Launcher:
             self._beats.blind(now)
             return
         self._beats.looked(now, time.monotonic())
-        limit = self.cfg.run.liveness_timeout_s
+        run = self.cfg.run
         for p, value in zip(running, raw, strict=True):
             beat = value.decode() if isinstance(value, bytes) else None
             if beat not in (None, p.beat) and beat.split(" ")[0] == default_holder(p.popen.pid):
                 p.beat, p.beat_at = beat, now
+            # Before its first beat the worker is starting: judged by the start limit.
+            field, limit = (
+                ("run.start_timeout_s", max(run.start_timeout_s, run.liveness_timeout_s))
+                if p.beat is None
+                else ("run.liveness_timeout_s", run.liveness_timeout_s)
+            )
             silent_s = self._beats.silent_s(p.beat_at, now)
             if silent_s <= limit:
                 continue
             p.hangs += 1
-            log.error("worker_hung", worker=p.worker_id, pid=p.popen.pid, silent_s=silent_s)
+            log.error("worker_hung", worker=p.worker_id, pid=p.popen.pid, silent_s=silent_s,
+                      starting=p.beat is None)  # fmt: skip
+            since = "since its start" if p.beat is None else "for"
             print(
-                f"\nstreamrl: worker {p.worker_id} has not beaten for {silent_s:.0f}s "
-                f"(run.liveness_timeout_s = {limit:g}): killing it",
+                f"\nstreamrl: worker {p.worker_id} has not beaten {since} {silent_s:.0f}s "
+                f"({field} = {limit:g}): killing it",
                 file=sys.stderr,
             )
             kill(p.popen)
