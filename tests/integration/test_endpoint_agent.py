@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from asyncio import selector_events
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -73,8 +72,13 @@ def episode(
 def _open_sockets() -> int:
     """asyncio socket transports not closed, of any event loop of this process."""
     gc.collect()
-    kind = selector_events._SelectorSocketTransport
-    return sum(1 for o in gc.get_objects() if type(o) is kind and not o.is_closing())
+    return sum(
+        1
+        for o in gc.get_objects()
+        if type(o).__name__ == "_SelectorSocketTransport"
+        and type(o).__module__ == "asyncio.selector_events"
+        and not o.is_closing()
+    )
 
 
 def test_the_example_agent_calls_the_calculator_and_answers(policy: Any) -> None:
