@@ -506,7 +506,7 @@ class Launcher:
             if beat not in (None, p.beat) and beat.split(" ")[0] == default_holder(p.popen.pid):
                 p.beat, p.beat_at = beat, now
             # Before its first beat the worker is starting: judged by the start limit.
-            field, limit = (
+            setting, limit = (
                 ("run.start_timeout_s", max(run.start_timeout_s, run.liveness_timeout_s))
                 if p.beat is None
                 else ("run.liveness_timeout_s", run.liveness_timeout_s)
@@ -520,7 +520,7 @@ class Launcher:
             since = "since its start" if p.beat is None else "for"
             print(
                 f"\nstreamrl: worker {p.worker_id} has not beaten {since} {silent_s:.0f}s "
-                f"({field} = {limit:g}): killing it",
+                f"({setting} = {limit:g}): killing it",
                 file=sys.stderr,
             )
             kill(p.popen)
