@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -16,23 +15,18 @@ import redis
 
 from streamrl import checkpoints as ckpts
 from streamrl.names import Keys
-from tests.e2e.test_up import assert_nothing_left, started_pids, summary_of, up, up_command
-from tests.helpers import NO_EVALUATOR, REPO, TINY
+from tests.e2e.test_up import assert_nothing_left, started_pids, summary_of, up
+from tests.e2e.test_up import resume as resume_run
+from tests.helpers import NO_EVALUATOR
 
 # Two `streamrl up` runs each (the first of the session also trains the warm start).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 def resume(run_dir: Path, steps: int, *sets: str, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run(
-        up_command(TINY, steps, "--resume", str(run_dir), sets=(NO_EVALUATOR, *sets)),
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    """`streamrl up --resume` to `steps`, the evaluator off; it must end with status 0.
+    Returns what it printed."""
+    proc = resume_run(run_dir, steps, NO_EVALUATOR, *sets, timeout_s=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 

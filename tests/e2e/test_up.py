@@ -53,12 +53,19 @@ def up(
 
 
 def resume(
-    run_dir: Path, steps: int, *sets: str, config: Path = TINY, timeout_s: float = 240
+    run_dir: Path,
+    steps: int,
+    *sets: str,
+    config: Path = TINY,
+    timeout_s: float = 240,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`streamrl up --resume RUN_DIR` to `steps`, with the overrides `sets`, run to its end."""
+    """`streamrl up --resume RUN_DIR` to `steps`, with the overrides `sets` (and `env` over
+    this environment), run to its end."""
     return subprocess.run(
         up_command(config, steps, "--resume", str(run_dir), sets=sets),
         cwd=REPO,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout_s,

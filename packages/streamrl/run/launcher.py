@@ -506,9 +506,10 @@ class Launcher:
             if beat not in (None, p.beat) and beat.split(" ")[0] == default_holder(p.popen.pid):
                 p.beat, p.beat_at = beat, now
             # Before its first beat the worker is starting: judged by the start limit.
+            starting = p.beat is None
             setting, limit = (
                 ("run.start_timeout_s", max(run.start_timeout_s, run.liveness_timeout_s))
-                if p.beat is None
+                if starting
                 else ("run.liveness_timeout_s", run.liveness_timeout_s)
             )
             silent_s = self._beats.silent_s(p.beat_at, now)
@@ -516,8 +517,8 @@ class Launcher:
                 continue
             p.hangs += 1
             log.error("worker_hung", worker=p.worker_id, pid=p.popen.pid, silent_s=silent_s,
-                      starting=p.beat is None)  # fmt: skip
-            since = "since its start" if p.beat is None else "for"
+                      starting=starting)  # fmt: skip
+            since = "since its start" if starting else "for"
             print(
                 f"\nstreamrl: worker {p.worker_id} has not beaten {since} {silent_s:.0f}s "
                 f"({setting} = {limit:g}): killing it",
