@@ -162,11 +162,13 @@ def committed_trajectories(log: Path) -> list[dict[str, Any]]:
 
 def devices_env(devices: int) -> dict[str, str]:
     """This environment with `devices` forced host CPU devices (JAX reads the flag once, at
-    start: a mesh test runs its script in a process of its own)."""
+    start: a mesh test runs its script in a process of its own), compiling as the test
+    processes do (tests/conftest.py: XLA's cheapest compile)."""
     return {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
     }
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from streamrl.obs.metrics import ENGINE_BATCH_OCCUPANCY, TOKENS
 from streamrl.plugins import PluginError
 from streamrl.rollout.episode import EpisodeRunner, NewDialogue, Runner
-from streamrl.rollout.weights import Load, SyncLock, WeightFollower, WeightLoader
+from streamrl.rollout.weights import Load, SyncLock, WeightFollower
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.run.runtime import WorkerContext
 from streamrl.tasks.registry import Episodes, load_episodes
@@ -58,6 +58,7 @@ class Policy:
 def transformer_policy(ctx: WorkerContext) -> Policy:
     """The JAX engine behind the continuous-batching server."""
     from streamrl.rollout.engine_server import EngineServer
+    from streamrl.rollout.loader import WeightLoader
 
     chat, engine = build_engine(ctx)
     # The checkpoint's params: the structure versions decode into, and the base adapters

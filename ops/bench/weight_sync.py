@@ -59,7 +59,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from streamrl.config import load_config
+from streamrl.config import LoraServing, load_config
 from streamrl.model.checkpoint import build_tiny_checkpoint, load_checkpoint
 from streamrl.model.engine import Engine, EngineConfig
 from streamrl.model.lora import (
@@ -75,13 +75,8 @@ from streamrl.model.spec import ModelSpec
 from streamrl.model.tiny import ensure_checkpoint
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
-from streamrl.rollout.weights import (
-    LoraServing,
-    SyncLock,
-    SyncMode,
-    WeightFollower,
-    WeightLoader,
-)
+from streamrl.rollout.loader import WeightLoader
+from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower
 from streamrl.run.redis_server import EmbeddedRedis
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.transport import publish

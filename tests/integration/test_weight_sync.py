@@ -37,7 +37,8 @@ from streamrl.model.weights import params_from_bytes, params_to_bytes
 from streamrl.names import Keys
 from streamrl.rollout.engine_server import EngineServer
 from streamrl.rollout.episode import EpisodeRunner
-from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower, WeightLoader
+from streamrl.rollout.loader import WeightLoader
+from streamrl.rollout.weights import SyncLock, SyncMode, WeightFollower
 from streamrl.run.liveness import Liveness
 from streamrl.trainer.cluster import Cluster
 from streamrl.trainer.hooks import PublishHook

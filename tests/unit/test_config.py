@@ -142,10 +142,10 @@ def test_each_value_set_is_defined_once_in_the_schema() -> None:
 
     from streamrl import config, weightsync
     from streamrl.rl import losses
-    from streamrl.rollout import weights
+    from streamrl.rollout import loader, weights
     from streamrl.tools import backends
 
-    assert weights.SyncMode is config.SyncMode and weights.LoraServing is config.LoraServing
+    assert weights.SyncMode is config.SyncMode and loader.LoraServing is config.LoraServing
     assert backends.SandboxKind is config.SandboxKind
     assert losses.KlEstimator is config.KlEstimator
     assert losses.Correction is config.Correction

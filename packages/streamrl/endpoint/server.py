@@ -48,7 +48,7 @@ from streamrl.endpoint.protocol import (
     parse_request,
 )
 from streamrl.endpoint.session import EndpointSession, TranscriptEdited, stop_cut
-from streamrl.model.sampling import GenRequest
+from streamrl.model.requests import GenRequest
 from streamrl.obs.tracing import Tracer
 from streamrl.rollout.episode import ModelCalls, ModelCallTimeoutError, ModelService
 

@@ -35,7 +35,7 @@ from streamrl.agents.base import Action, Agent, Environment, StepResult
 from streamrl.agents.flow import CircuitOpenError
 from streamrl.chat.transcript import Transcript
 from streamrl.config import RolloutConfig
-from streamrl.model.sampling import GenRequest, GenResult
+from streamrl.model.requests import GenRequest, GenResult
 from streamrl.model.spec import PyTree
 from streamrl.obs.tracing import TRAJ_FLOW, Span, Tracer, flow_id
 from streamrl.rollout.admission import Occupancy

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from streamrl.model.sampling import GenRequest, GenResult
+from streamrl.model.requests import GenRequest, GenResult
 from streamrl.model.spec import PyTree
 from streamrl.names import Keys
 from streamrl.weightsync import WeightsError, read_published
