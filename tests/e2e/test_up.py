@@ -232,9 +232,11 @@ def test_up_runs_the_code_task_in_sandboxes(tmp_path: Path, warm_cache: str) -> 
     # second suite on the engine, running this test at the same time, has its own).
     name = f"e2ecode{uuid.uuid4().hex[:8]}"
     # 250 warm-start steps (the config's 400 are for learning): 46 tool calls in a run here,
-    # where 120 made none. The test needs calls, not skill.
+    # where 120 made none. The test needs calls, not skill: 2 groups a step (the config's 4
+    # are for learning) halve the episodes it plays.
     proc = up(run_dir, 3, f'model.cache_dir="{warm_cache}"', f"run.name={name}",
-              "model.warmstart_steps=250", config=REPO / "configs" / "code.toml")  # fmt: skip
+              "model.warmstart_steps=250", "trainer.groups_per_step=2",
+              config=REPO / "configs" / "code.toml")  # fmt: skip
     out, _ = proc.communicate(timeout=540)
     assert proc.returncode == 0, out
     s = summary_of(run_dir)
