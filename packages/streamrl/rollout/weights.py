@@ -11,7 +11,8 @@ holds it no new episode starts. What running episodes do meanwhile is the sync m
 - `pause`: the engine stops at its next chunk boundary while the new version loads, then
   goes on with it; model calls made meanwhile wait and are sampled by the new version.
 
-Loading (fetch, checksum, decode, LoRA merge) runs on threads, so the event loop stays
+Loading (fetch, checksum, decode, LoRA merge: `streamrl.rollout.loader`, the transformer
+policy's, apart so that the stub's worker needs no JAX) runs on threads, so the event loop stays
 free. A version that is missing, truncated, fails its checksum or does not decode, or a
 `dir` version whose path is not a regular file in the run's weights directory, is
 refused with a logged reason (`weights_refused`) and the worker keeps serving the last
