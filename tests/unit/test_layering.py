@@ -26,6 +26,17 @@ LIGHT_MODULES = [
     "streamrl.run.runtime",
     "streamrl.tools.client",
     "streamrl.tools.jobs",
+    # the weight channel, and the rollout worker of the stub policy (the fault, launcher and
+    # orchestration tests, the benchmarks): the engine, its sampling and the weight loader
+    # are imported only for the transformer policy (JAX's import was 3 of the stub worker's
+    # 4.8 CPU seconds of start-up, paid again at each of its restarts)
+    "streamrl.weightsync",
+    "streamrl_workers.rollout",
+    "streamrl.rollout.stub",
+    "streamrl.rollout.weights",
+    "streamrl.rollout.episode",
+    "streamrl.rollout.worker",
+    "streamrl.model.requests",
     "streamrl.obs.metrics",
     "streamrl.obs.status",
     # the sinks worker: tensorboardX and wandb only once a sink opens
@@ -63,24 +74,6 @@ def test_light_workers_import_no_model_stack() -> None:
     loaded = _imported(LIGHT_MODULES)
     heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
     assert heavy == []
-
-
-def test_the_stub_rollout_worker_imports_no_model_stack() -> None:
-    """The rollout worker with the stub policy (the fault, launcher and orchestration tests,
-    the benchmarks) starts without JAX: the engine, its sampling and the weight loader are
-    imported only for the transformer policy (JAX's import was 3 of its 4.8 CPU seconds of
-    start-up, paid again at each of its restarts)."""
-    loaded = _imported(
-        [
-            "streamrl_workers.rollout",
-            "streamrl.rollout.stub",
-            "streamrl.rollout.weights",
-            "streamrl.rollout.episode",
-            "streamrl.rollout.worker",
-            "streamrl.model.requests",
-        ]
-    )
-    assert sorted(m for m in loaded if m.split(".")[0] in HEAVY) == []
 
 
 def test_the_rollout_tool_client_imports_no_sandbox() -> None:
