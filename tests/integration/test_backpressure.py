@@ -8,7 +8,6 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
@@ -17,7 +16,7 @@ from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.queues import format_report, inspect
 from streamrl.rollout.worker import Backpressure
-from streamrl.transport import publish
+from streamrl.transport import make_async_client, publish
 from streamrl.wire import Trajectory, pack_arrays
 from tests.helpers import queues_json
 
@@ -54,7 +53,7 @@ def test_rollout_pauses_on_half_filled_groups(
     g = Grouper(rclient, keys, CFG, "g0", structlog.get_logger())
 
     async def go() -> list[MutableMapping[str, Any]]:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         bp = Backpressure(aclient, keys, CFG, structlog.get_logger())
         with capture_logs() as logs:
             assert not await bp.check()
@@ -100,7 +99,7 @@ def test_off_by_default(rclient: redis.Redis, redis_url: str, keys: Keys) -> Non
     add(rclient, g, *(member(i, 0) for i in range(20)))
 
     async def go() -> bool:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         paused = await Backpressure(aclient, keys, cfg, structlog.get_logger()).check()
         await aclient.aclose()
         return paused
@@ -125,7 +124,7 @@ def test_slow_environment_shows_in_queues(rclient: redis.Redis, redis_url: str, 
     assert ages[0] >= 0.3 and ages[0] < ages[1] < ages[2]
 
     async def pause() -> None:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         assert await Backpressure(aclient, keys, cfg, structlog.get_logger()).check()
         await aclient.aclose()
 
@@ -153,7 +152,7 @@ def test_ready_groups_are_what_the_trainer_has_not_taken(
 
     async def reason() -> str | None:
         g.publish_waiting()  # what the grouper's loop does every WAITING_EVERY_S
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         try:
             return await Backpressure(aclient, keys, cfg, structlog.get_logger()).reason()
         finally:
@@ -188,7 +187,7 @@ def test_rollout_pauses_when_no_grouper_reads(
     per_group = cfg.rollout.num_generations
 
     async def reason() -> str | None:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         try:
             return await Backpressure(aclient, keys, cfg, structlog.get_logger()).reason()
         finally:

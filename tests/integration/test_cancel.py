@@ -10,9 +10,8 @@ import asyncio
 import random
 import sys
 
-import redis.asyncio as aioredis
-
 from streamrl.run.tasks import cancel_and_wait
+from streamrl.transport import make_async_client
 
 ROUNDS = 60
 # A round's bound. The client here keeps redis-py's default socket timeout, so every command
@@ -25,7 +24,7 @@ ROUND_S = 120
 
 def test_tasks_in_redis_calls_end_when_cancelled(redis_url: str) -> None:
     async def main() -> tuple[int, int]:
-        client = aioredis.Redis.from_url(redis_url)
+        client = make_async_client(redis_url)
         touch = client.register_script("return redis.call('PING')")
 
         async def heartbeat() -> None:  # the rollout worker's, at a shorter period

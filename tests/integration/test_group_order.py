@@ -17,7 +17,7 @@ from streamrl.checkpoints import restore_queues, take_snapshot
 from streamrl.config import Config, parse_config
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
-from streamrl.transport import publish
+from streamrl.transport import make_client, publish
 from streamrl.wire import Group, decode
 from tests.conftest import entries
 from tests.integration.test_grouper import traj
@@ -50,7 +50,7 @@ def stat(rclient: redis.Redis, keys: Keys, name: str) -> int:
 
 
 def grouper(url: str, keys: Keys, cfg: Config, name: str = "g0") -> Grouper:
-    return Grouper(redis.Redis.from_url(url), keys, cfg, name, structlog.get_logger())
+    return Grouper(make_client(url), keys, cfg, name, structlog.get_logger())
 
 
 def drain(*groupers: Grouper) -> None:

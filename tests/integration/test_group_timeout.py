@@ -11,7 +11,6 @@ from typing import Any, cast
 import msgspec
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
@@ -21,7 +20,7 @@ from streamrl.names import Keys
 from streamrl.rollout.weights import SyncLock
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.tasks.registry import make_task
-from streamrl.transport import publish
+from streamrl.transport import make_async_client, make_client, publish
 from streamrl.wire import Group, Task, Trajectory, decode, encode_body, pack_arrays
 from tests.conftest import entries
 
@@ -78,7 +77,7 @@ def three_of_four(rclient: redis.Redis, keys: Keys, g: Grouper, cursor: int = 0)
 
 
 def grouper(url: str, keys: Keys, cfg: Config, name: str = "g0") -> Grouper:
-    return Grouper(redis.Redis.from_url(url), keys, cfg, name, structlog.get_logger())
+    return Grouper(make_client(url), keys, cfg, name, structlog.get_logger())
 
 
 def groups_out(rclient: redis.Redis, keys: Keys) -> list[Group]:
@@ -187,9 +186,9 @@ def test_rollout_runs_only_the_rerun_members_and_acks_with_the_last(
     runner = ScriptedRunner()
 
     async def go() -> None:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         worker = RolloutWorker(
-            client=redis.Redis.from_url(redis_url),
+            client=make_client(redis_url),
             aclient=aclient,
             keys=keys,
             cfg=cfg,

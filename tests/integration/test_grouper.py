@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 from streamrl.config import Config, parse_config
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
-from streamrl.transport import publish
+from streamrl.transport import make_client, publish
 from streamrl.wire import Group, Status, Trajectory, decode, encode_body, pack_arrays
 from tests.conftest import entries
 
@@ -53,7 +53,7 @@ def groups_out(rclient: redis.Redis, keys: Keys) -> list[Group]:
 
 
 def grouper(url: str, keys: Keys, name: str, cfg: Config = CFG) -> Grouper:
-    return Grouper(redis.Redis.from_url(url), keys, cfg, name, structlog.get_logger())
+    return Grouper(make_client(url), keys, cfg, name, structlog.get_logger())
 
 
 def test_group_emitted_with_advantages(rclient: redis.Redis, redis_url: str, keys: Keys) -> None:

@@ -13,7 +13,7 @@ from streamrl.config import Config
 from streamrl.grouper import Grouper, Outcome
 from streamrl.grouper.scoring import OutcomeKind
 from streamrl.names import Keys
-from streamrl.transport import publish
+from streamrl.transport import make_client, publish
 from streamrl.wire import Trajectory
 from tests.integration.test_grouper import CFG, groups_out, traj
 
@@ -74,7 +74,7 @@ def recording_grouper(
     url: str, keys: Keys, cfg: Config, before_send: Callable[[list[str]], None] = lambda names: None
 ) -> tuple[Grouper, list[list[str]]]:
     sent: list[list[str]] = []
-    client = redis.Redis.from_url(
+    client = make_client(
         url, connection_class=RecordingConnection, sent=sent, before_send=before_send
     )
     g = Grouper(client, keys, cfg, "g0", structlog.get_logger())
@@ -174,7 +174,7 @@ def test_batch_matches_one_delivery_at_a_time(
     each delivery (the one-by-one reference). Same outcomes, same Redis state."""
     runs = [keys, Keys(f"{keys.ns}b")]
     batch, single = (
-        Grouper(redis.Redis.from_url(redis_url), k, cfg, "g0", structlog.get_logger()) for k in runs
+        Grouper(make_client(redis_url), k, cfg, "g0", structlog.get_logger()) for k in runs
     )
     for run in runs:
         rclient.set(run.policy_version, TRAINER_VERSION)

@@ -11,6 +11,7 @@ import structlog
 from streamrl.names import Keys
 from streamrl.run.identity import Heartbeat, claim_index, holder_of, renew
 from streamrl.run.liveness import Liveness
+from streamrl.transport import make_client
 
 LOG = structlog.get_logger()
 
@@ -35,7 +36,7 @@ def test_racing_replicas_never_share_an_index(redis_url: str, keys: Keys) -> Non
     lock = threading.Lock()
 
     def claim(holder: str) -> None:
-        client = redis.Redis.from_url(redis_url)
+        client = make_client(redis_url)
         index = claim_index(client, keys, "rollout", holder, ttl_s=30)
         with lock:
             got.append(index)

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 from msgspec.structs import replace
 
@@ -24,6 +23,7 @@ from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient
 from streamrl.tools.ledger import AsyncToolLedger, ToolLedger, ledger_key
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
@@ -59,7 +59,7 @@ async def step(
     url: str, keys: Keys, tool: Tool, text: str = "hi", wait_s: float = 30.0
 ) -> list[str]:
     """One turn of a fresh environment (a replay builds a fresh one) that calls `tool`."""
-    aclient = aioredis.Redis.from_url(url)
+    aclient = make_async_client(url)
     try:
         ledger = AsyncToolLedger(aclient, keys, structlog.get_logger(), wait_s=wait_s)
         env = ToolEnvironment("p", [tool], no_reward, ToolLimits(), ledger=ledger)
@@ -188,8 +188,8 @@ ONCE = ToolsConfig(non_idempotent=["shell"])
 
 
 async def shell(url: str, keys: Keys, cfg: ToolsConfig, command: str, call_id: str) -> ToolResult:
-    aclient = aioredis.Redis.from_url(url)
-    client = ToolClient(redis.Redis.from_url(url), aclient, keys, cfg, structlog.get_logger())
+    aclient = make_async_client(url)
+    client = ToolClient(make_client(url), aclient, keys, cfg, structlog.get_logger())
     try:
         return await client.call("shell", json.dumps({"command": command}), call_id)
     finally:

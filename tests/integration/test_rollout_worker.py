@@ -29,7 +29,7 @@ from streamrl.rollout.episode import traj_id
 from streamrl.rollout.weights import SyncLock
 from streamrl.rollout.worker import RolloutWorker
 from streamrl.tasks.registry import make_task
-from streamrl.transport import ensure_group, publish
+from streamrl.transport import ensure_group, make_async_client, make_client, publish
 from streamrl.wire import EpisodeState, SavedTurn, Task, Trajectory, decode, encode_state
 from tests.conftest import entries
 from tests.integration.test_group_timeout import traj
@@ -99,12 +99,12 @@ def make_worker(
     stop: Callable[[], bool],
     consumer: str = "r0",
 ) -> tuple[RolloutWorker, aioredis.Redis]:
-    aclient = aioredis.Redis.from_url(redis_url)
+    aclient = make_async_client(redis_url)
     follower = SimpleNamespace(
         lock=SyncLock(), wait_initial=_ready, follow=_forever, loaded_version=0
     )
     worker = RolloutWorker(
-        client=redis.Redis.from_url(redis_url),
+        client=make_client(redis_url),
         aclient=aclient,
         keys=keys,
         cfg=cfg,

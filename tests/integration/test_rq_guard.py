@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 from rq import Callback, Queue
 from rq.job import Job, JobStatus
@@ -23,6 +22,7 @@ from streamrl.names import Keys
 from streamrl.tools import JOB_PATH
 from streamrl.tools.client import ToolClient
 from streamrl.tools.rqguard import ToolCallWorker
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
@@ -50,10 +50,8 @@ def wait_done(job: Job, timeout_s: float = 20) -> JobStatus | None:
 
 
 async def calculator(url: str, keys: Keys, expression: str) -> ToolResult:
-    aclient = aioredis.Redis.from_url(url)
-    client = ToolClient(
-        redis.Redis.from_url(url), aclient, keys, ToolsConfig(), structlog.get_logger()
-    )
+    aclient = make_async_client(url)
+    client = ToolClient(make_client(url), aclient, keys, ToolsConfig(), structlog.get_logger())
     try:
         args = json.dumps({"expression": expression})
         return await client.call("calculator", args, f"c-{time.monotonic_ns()}")

@@ -13,7 +13,6 @@ import msgspec
 import numpy as np
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
@@ -28,6 +27,7 @@ from streamrl.rollout.stub import StubDialogue, StubLoader, StubServer
 from streamrl.rollout.weights import SyncLock, WeightFollower
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.stub import stub_state
+from streamrl.transport import make_async_client
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel
 from streamrl.wire import Trajectory
 from tests.policies import scripted_task
@@ -72,7 +72,7 @@ def test_stub_serves_published_versions(
     runner = EpisodeRunner(server, StubDialogue, cfg, 0, "test", LOG)
 
     async def go() -> list[Trajectory]:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         # The follower is annotated with the engine server, whose interface the stub has.
         served = cast(EngineServer, server)
         follower = WeightFollower(
@@ -133,7 +133,7 @@ def test_a_weights_path_outside_the_weights_directory_or_not_a_file_is_refused(
     fifo = weights / "v000003.weights"
 
     async def go() -> None:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         loader = StubLoader(rclient, keys, weights)
         follower = WeightFollower(
             aclient, keys, cast(EngineServer, server), loader, SyncLock(), LOG, "continue"

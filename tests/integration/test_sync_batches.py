@@ -5,7 +5,6 @@ batch starts at most a step's worth of tasks beyond the groups dropped since it 
 import asyncio
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
@@ -14,7 +13,7 @@ from streamrl.counters import GROUPS_SET_ASIDE
 from streamrl.grouper import Grouper
 from streamrl.names import Keys
 from streamrl.rollout.worker import SyncBatches
-from streamrl.transport import Delivery, publish
+from streamrl.transport import Delivery, make_async_client, publish
 from streamrl.wire import Task, Trajectory, pack_arrays
 
 CFG = parse_config(
@@ -54,7 +53,7 @@ def test_a_batch_replaces_its_dropped_groups_until_the_next_version(
     rclient.hset(keys.stats, "groups_dropped", 5)  # earlier batches' drops: not this one's
 
     async def go() -> None:
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = make_async_client(redis_url)
         batches = SyncBatches(aclient, keys, CFG, structlog.get_logger())
         with capture_logs() as logs:
             assert await batches.room(0) == 2

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 from rq import Queue
 from rq.serializers import JSONSerializer
@@ -23,6 +22,7 @@ from streamrl.tools.backends import WorkerSandbox, builder
 from streamrl.tools.client import ToolClient
 from streamrl.tools.registry import TOOLS
 from streamrl.tools.rqguard import ToolCallJob, ToolCallWorker
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult
 
 SKEW_S = 30.0
@@ -57,11 +57,9 @@ def test_a_tool_host_clock_ahead_still_answers(
 
     def rollout_side() -> None:
         async def go() -> None:
-            aclient = aioredis.Redis.from_url(redis_url)
+            aclient = make_async_client(redis_url)
             cfg = ToolsConfig(time_limit_s=2.0, result_margin_s=3.0, retries=0)
-            client = ToolClient(
-                redis.Redis.from_url(redis_url), aclient, keys, cfg, structlog.get_logger()
-            )
+            client = ToolClient(make_client(redis_url), aclient, keys, cfg, structlog.get_logger())
             try:
                 results.append(await client.call("calculator", '{"expression": "6*7"}', "c0"))
             finally:

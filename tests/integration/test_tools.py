@@ -10,13 +10,13 @@ from typing import Any, TypeVar
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
 from streamrl.obs import metrics as m
 from streamrl.tools.client import ToolClient
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult, encode_body
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
@@ -35,9 +35,9 @@ async def _calls(
     calls: list[tuple[str, str]],
     metrics: m.Metrics | None = None,
 ) -> list[ToolResult]:
-    aclient = aioredis.Redis.from_url(url)
+    aclient = make_async_client(url)
     log = structlog.get_logger()
-    client = ToolClient(redis.Redis.from_url(url), aclient, keys, cfg, log, metrics)
+    client = ToolClient(make_client(url), aclient, keys, cfg, log, metrics)
     try:
         return list(
             await asyncio.gather(
@@ -135,10 +135,8 @@ def test_a_stale_result_never_reaches_another_execution(
         wait_for_rq_worker(rclient, keys.tool_queue)
 
         async def call() -> ToolResult:
-            aclient = aioredis.Redis.from_url(redis_url)
-            client = ToolClient(
-                redis.Redis.from_url(redis_url), aclient, keys, FAST, structlog.get_logger()
-            )
+            aclient = make_async_client(redis_url)
+            client = ToolClient(make_client(redis_url), aclient, keys, FAST, structlog.get_logger())
             try:
                 return await client.call("calculator", '{"expression": "1+1"}', call_id)
             finally:

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import redis
 import structlog
 
 from streamrl.config import ToolsConfig
@@ -51,7 +50,7 @@ def test_a_tool_worker_serves_calls_through_the_call_server(
         "tools.call_server=true", log_path=log,
     )  # fmt: skip
     try:
-        wait_for_rq_worker(redis.Redis.from_url(redis_url), keys.tool_queue, timeout_s=60)
+        wait_for_rq_worker(make_client(redis_url), keys.tool_queue, timeout_s=60)
         results = asyncio.run(_calls(redis_url, keys))
     finally:
         assert stop(proc) == 0

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 
 from streamrl.config import ToolsConfig
 from streamrl.names import Keys
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult
 from tests.helpers import REPO, spawn_worker, stop, wait_for_rq_worker
 
@@ -45,10 +45,8 @@ def bare_host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
 async def _call(url: str, keys: Keys, name: str, args: dict[str, str]) -> ToolResult:
     from streamrl.tools.client import ToolClient
 
-    aclient = aioredis.Redis.from_url(url)
-    client = ToolClient(
-        redis.Redis.from_url(url), aclient, keys, ToolsConfig(), structlog.get_logger()
-    )
+    aclient = make_async_client(url)
+    client = ToolClient(make_client(url), aclient, keys, ToolsConfig(), structlog.get_logger())
     try:
         return await client.call(name, json.dumps(args), f"c-{time.monotonic_ns()}")
     finally:

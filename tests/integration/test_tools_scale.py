@@ -11,7 +11,6 @@ import json
 import time
 from pathlib import Path
 
-import redis
 import structlog
 
 from streamrl.config import ToolsConfig
@@ -62,7 +61,7 @@ def serve(redis_url: str, keys: Keys, tmp_path: Path, workers: int) -> tuple[int
         for i in range(workers)
     ]
     try:
-        wait_for_rq_worker(redis.Redis.from_url(redis_url), keys.tool_queue, n=workers)
+        wait_for_rq_worker(make_client(redis_url), keys.tool_queue, n=workers)
         results = asyncio.run(calls(redis_url, keys, CALLS))
     finally:
         for p in procs:

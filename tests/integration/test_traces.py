@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import redis
-import redis.asyncio as aioredis
 import structlog
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 
@@ -37,6 +36,7 @@ from streamrl.rollout.episode import EpisodeRunner
 from streamrl.rollout.stub import StubDialogue, StubServer
 from streamrl.rollout.weights import SyncLock
 from streamrl.tools.client import ToolClient
+from streamrl.transport import make_async_client, make_client
 from streamrl.wire import Task
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
@@ -189,9 +189,9 @@ def test_a_tool_call_is_traced_by_its_caller_and_by_the_tools_worker(
         wait_for_rq_worker(rclient, keys.tool_queue)
 
         async def go() -> None:
-            aclient = aioredis.Redis.from_url(redis_url)
+            aclient = make_async_client(redis_url)
             client = ToolClient(
-                redis.Redis.from_url(redis_url), aclient, keys, ToolsConfig(), LOG, tracer=tracer
+                make_client(redis_url), aclient, keys, ToolsConfig(), LOG, tracer=tracer
             )
             try:
                 results = await asyncio.gather(

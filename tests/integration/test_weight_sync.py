@@ -22,7 +22,6 @@ import jax
 import numpy as np
 import pytest
 import redis
-import redis.asyncio as aioredis
 import structlog
 from structlog.testing import capture_logs
 
@@ -43,6 +42,7 @@ from streamrl.run.liveness import Liveness
 from streamrl.trainer.cluster import Cluster
 from streamrl.trainer.hooks import PublishHook
 from streamrl.trainer.publish import WeightPublisher
+from streamrl.transport import make_async_client
 from streamrl.weightsync import DirChannel, RedisChannel, WeightsChannel, read_published
 from streamrl.wire import Trajectory, Weights, decode
 from tests.policies import always_eos, scripted_task, tiny_policy
@@ -109,7 +109,7 @@ def _follower(
     params = model[3]
     server = server or EngineServer(_engine(model, params), -1, LOG)
     loader = load or WeightLoader(rclient, keys, params, params, weights_dir=weights_dir)
-    aclient = aioredis.Redis.from_url(redis_url)  # connects in the test's event loop
+    aclient = make_async_client(redis_url)  # connects in the test's event loop
     return WeightFollower(aclient, keys, server, loader, SyncLock(), LOG, mode)
 
 
