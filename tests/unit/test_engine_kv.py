@@ -203,7 +203,10 @@ def test_a_prompt_that_departs_from_the_kept_tokens_reuses_the_common_prefix() -
     assert (r2.reused_tokens, r2.prefill_tokens) == (20, len(edited) - 1 - 20)
     [alone] = make_engine(False, slots=2, stop=()).generate([GenRequest(edited, TURN, seed=2)])
     assert r2.tokens == alone.tokens
-    np.testing.assert_allclose(r2.logprobs, alone.logprobs, atol=2e-6)
+    # float32 sums in another order (a prefix from the cache, a suffix prefill): 2.6e-6 apart
+    # on an AVX-512 host with the tests' unoptimized compiles, so the file's 1e-5 (2e-6 held
+    # on other hosts)
+    np.testing.assert_allclose(r2.logprobs, alone.logprobs, atol=1e-5)
     assert len(r.tokens) == TURN
 
 
