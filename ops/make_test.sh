@@ -19,6 +19,9 @@
 # Environment (set by the Makefile): VENV, TEST_WORKERS, PYTEST_ARGS, CONFIG.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Modules compile once into __pycache__ and are read from there after (the Makefile says
+# why: with PYTHONDONTWRITEBYTECODE set, every process compiled all it imported).
+unset PYTHONDONTWRITEBYTECODE
 
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
