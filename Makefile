@@ -21,7 +21,7 @@ TEST_WORKERS ?= 2
 # from many container images (this development machine; CI runs on one like it). The venv is
 # installed with --no-compile (below), so with it set every process compiled every module
 # it imported, every time: `streamrl up` of configs/stub.toml for 5 steps took 22 CPU s
-# against 10 with the cache, the trainer's imports 5.1 s against 1.9. Every target here
+# against 10-12 with the cache, the trainer's imports 5.1 s against 1.9. Every target here
 # runs without it; the images compile at install (compose/Dockerfile.*).
 unexport PYTHONDONTWRITEBYTECODE
 
