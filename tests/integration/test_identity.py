@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import redis
 import structlog
 
 from streamrl.names import Keys
-from streamrl.run.identity import Heartbeat, claim_index, holder_of, renew
+from streamrl.run.identity import HEARTBEAT_TTL_S, Heartbeat, claim_index, holder_of, renew
 from streamrl.run.liveness import Liveness
 from streamrl.transport import make_client
 
@@ -162,3 +164,34 @@ def test_replicas_on_the_host_network_get_distinct_holders() -> None:
     assert len(found) == 2
     assert all(cid == seen for cid, seen in found.items())  # each its own id
     assert container_id("") is None  # outside a container: hostname:pid as before
+
+
+def test_the_fence_takes_back_a_lapsed_slot_and_refuses_a_taken_one(
+    redis_url: str, keys: Keys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's fence (`WorkerContext.holds_identity`) asks before each hook whether
+    another trainer took its identity. A trainer paused past the slot's TTL (SIGSTOP, a long
+    GC, a swapped-out host) finds its slot lapsed, not taken: nobody else is the trainer, so
+    it takes the slot back and goes on, as its heartbeat thread would a moment later. (It
+    read the lapse as a takeover and stopped, fatal, when its main thread asked before the
+    heartbeat thread renewed: a CI run of test_stalled_trainer_pauses_rollout, paused 18 s
+    against the 15 s TTL.) A slot that names another holder still fences it."""
+    from streamrl.config import load_config
+    from streamrl.run.runtime import make_context
+    from tests.helpers import TINY
+
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    ctx = make_context("trainer", 0, load_config(TINY, overrides=[f"run.name={keys.ns}"]),
+                       tmp_path)  # fmt: skip
+    ctx.holder = "host:1"
+    client = make_client(redis_url)
+    slot = keys.worker_slot("trainer", 0)
+    client.set(slot, "host:1", px=30_000)
+    assert ctx.holds_identity(client)
+    client.delete(slot)  # the TTL ran out while the process was stopped
+    assert ctx.holds_identity(client)
+    assert holder_of(client, keys, "trainer", 0) == "host:1"  # taken back, with a TTL
+    assert 0 < int(client.pttl(slot)) <= HEARTBEAT_TTL_S * 1000
+    client.set(slot, "host:2", px=30_000)  # a second trainer took it over
+    assert not ctx.holds_identity(client)
+    assert holder_of(client, keys, "trainer", 0) == "host:2"  # left to that one

@@ -20,7 +20,7 @@ from streamrl.obs.metrics import Metrics, Sampler, Sink, device_memory_probe, me
 from streamrl.obs.tracing import Tracer, open_tracer
 from streamrl.run import incarnation
 from streamrl.run.acl import read_password_file
-from streamrl.run.identity import holder_of
+from streamrl.run.identity import HEARTBEAT_TTL_S, renew
 from streamrl.run.liveness import Liveness
 from streamrl.run.logs import LOG_DIR_ENV, LogFile, configure_logging
 from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
@@ -104,13 +104,15 @@ class WorkerContext:
     def holds_identity(self, client: redis.Redis) -> bool:
         """Whether this process still holds its identity slot (True when it claimed none):
         false once another process has taken it (a new replica while this one was cut off
-        from Redis), which is then the worker of that index. RunLostError when Redis no
-        longer holds the run this worker recorded (`run_id`)."""
+        from Redis), which is then the worker of that index. A slot that lapsed (this
+        process paused past its TTL: SIGSTOP, a long GC) and that nobody took is taken back,
+        as the heartbeat's next renewal would: nobody else is this worker. RunLostError when
+        Redis no longer holds the run this worker recorded (`run_id`)."""
         if self.run_id:
             incarnation.check(client, self.keys, self.run_id)
         if not self.holder:
             return True
-        return holder_of(client, self.keys, self.name, self.index) == self.holder
+        return renew(client, self.keys, self.name, self.index, self.holder, HEARTBEAT_TTL_S)
 
     def client(self, socket_timeout: float | None = None) -> redis.Redis:
         """A client of the run's Redis. `socket_timeout`: for one that never blocks (the
