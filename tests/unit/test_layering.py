@@ -119,3 +119,17 @@ def test_trainer_and_rollout_meet_only_through_streams() -> None:
             assert not any(n.startswith(other) for n in _imports_of(p)), p
     for p in (pkg / "tools").rglob("*.py"):  # the sandbox side never sees the policy
         assert not any(n.startswith("streamrl.model") for n in _imports_of(p)), p
+
+
+def test_the_trainer_package_does_not_import_the_process_runtime() -> None:
+    """Code review row 18: trainer/cluster.py imported streamrl.run.runtime (a worker
+    process's context, its Redis client and logging) for one constant, the coordinator's
+    environment variable. The trainer's library code takes nothing from the process layer;
+    the constant lives in streamrl.trainer, which the launcher reads."""
+    pkg = REPO / "packages" / "streamrl" / "trainer"
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in pkg.rglob("*.py")
+        if "streamrl.run.runtime" in _imports_of(p)
+    ]
+    assert offenders == []

@@ -53,7 +53,6 @@ from streamrl.run.liveness import BeatClock
 from streamrl.run.logs import LOG_DIR_ENV, cap_file, configure_logging, redact_url
 from streamrl.run.redis_server import EmbeddedRedis, free_port
 from streamrl.run.runtime import (
-    COORDINATOR_ENV,
     PASSWORD_FILE_ENV,
     NoRedisError,
     refuse_eviction,
@@ -75,6 +74,7 @@ from streamrl.run.supervise import (
     restart_decision,
     terminate,
 )
+from streamrl.trainer import COORDINATOR_ENV
 from streamrl.transport import make_client, mget_bytes, waits_out, xrevrange_entries
 from streamrl.weightsync import published_state_of
 from streamrl.wire import TrainMetrics, WireError, decode

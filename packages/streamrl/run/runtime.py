@@ -27,8 +27,6 @@ from streamrl.transport import RQ_NEEDS_ONE_REDIS, make_client
 
 # A command of a client that never blocks fails after this long on a half-open socket.
 NONBLOCKING_TIMEOUT_S = 10.0
-# host:port of trainer process 0's coordination service (trainer.num_processes > 1)
-COORDINATOR_ENV = "STREAMRL_COORDINATOR"
 
 # A file holding the password of REDIS_URL's user: how `streamrl up` hands each worker
 # its own role's credentials, never on a command line (see `streamrl.run.acl`).

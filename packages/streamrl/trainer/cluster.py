@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 
 from streamrl.errors import FatalError
 from streamrl.model.spec import PyTree
-from streamrl.run.runtime import COORDINATOR_ENV
+from streamrl.trainer import COORDINATOR_ENV
 
 
 class ClusterError(RuntimeError):
