@@ -28,7 +28,10 @@ Figures, per row:
 - the admission limit at the end, and its trims.
 
 The baseline is the best fixed row of the same run (the highest median goodput): "of best
-fixed" is a row's median goodput over it.
+fixed" is a row's median goodput over it; "paired" the median over rounds of the row's
+goodput over the baseline's in the same round, and "rounds >= it" in how many rounds the
+row reached the baseline's goodput (the machine's slow and fast minutes fall on both sides
+of a paired ratio).
 """
 
 from __future__ import annotations
@@ -265,7 +268,7 @@ def main() -> None:
                     args.rollout_only,
                     args.prompt_words,
                 )
-                row["row"] = name
+                row["row"], row["round"] = name, rnd
                 if rnd >= 0:
                     runs.setdefault(name, []).append(row)
                 print(f"# round {rnd}: {row}", file=sys.stderr, flush=True)
@@ -287,7 +290,20 @@ def main() -> None:
                 "wall_s": median([r["wall_s"] for r in ok]),
             }
         )
-    best = max((r["goodput"] for r in rows if r["row"].startswith("fixed")), default=float("nan"))
+    fixed = [r for r in rows if r["row"].startswith("fixed")]
+    best_row = max(fixed, key=lambda r: r["goodput"])["row"] if fixed else ""
+    best = max((r["goodput"] for r in fixed), default=float("nan"))
+    # Paired: each round's goodput over the best fixed row's in the same round, the median
+    # of those (a slow minute of the machine hits both sides of a ratio alike).
+    base = {r["round"]: r["goodput_tok_s"] for r in runs.get(best_row, []) if "failed" not in r}
+    for r in rows:
+        ratios = [
+            x["goodput_tok_s"] / base[x["round"]]
+            for x in runs[r["row"]]
+            if "failed" not in x and x["round"] in base
+        ]
+        r["paired"] = median(ratios)
+        r["wins"] = sum(x >= 1 for x in ratios)
     print(
         f"\n### admission: tiny transformer, {args.slots} KV slots, "
         f"first prompts of {args.prompt_words} words, synthetic task of {args.turns} steps "
@@ -295,15 +311,16 @@ def main() -> None:
         f"interleaved rounds after {args.warmup} not counted (compilation)\n"
     )
     print(
-        "| row | goodput tok/s (runs) | of best fixed | episodes/s | tokens/episode "
-        "| evictions | limit at end | trims | wall s |"
+        "| row | goodput tok/s (runs) | of best fixed | paired | rounds >= it | episodes/s "
+        "| tokens/episode | evictions | limit at end | trims | wall s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         failed = f" ({len(r['failed'])} failed: {r['failed'][0][:80]})" if r["failed"] else ""
         print(
             f"| {r['row']}{failed} | {r['goodput']:.0f} ({', '.join(map(str, r['goodputs']))}) "
-            f"| {r['goodput'] / best:.2f} | {r['episodes_s']:.2f} | {r['tokens']:.0f} "
+            f"| {r['goodput'] / best:.2f} | {r['paired']:.2f} | {r['wins']}/{r['runs']} "
+            f"| {r['episodes_s']:.2f} | {r['tokens']:.0f} "
             f"| {r['evictions']:.0f} | {', '.join(map(str, r['limit']))} | {r['trims']} "
             f"| {r['wall_s']:.0f} |"
         )

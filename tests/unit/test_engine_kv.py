@@ -274,3 +274,36 @@ def test_unplaced_counts_the_requests_that_found_no_slot_not_next_turns() -> Non
     while e.has_work():
         e.step()
     assert e.unplaced == 0 and e.kv_stats()["evictions"] == 1  # c took a parked slot
+
+
+def test_parked_and_empty_slots_cost_a_decode_call_nothing() -> None:
+    """A decode call gathers the active slots' rows: sessions parked below an active slot
+    (their episodes waiting on tools) do not widen it. Seven sessions park in slots 0-6; a
+    new one takes slot 7 and decodes alone, one row a call (the engine before this decoded
+    the first pow2(7 + 1) = 8 rows), sampling what it samples on an engine of its own; the
+    parked sessions' keys/values are untouched (each next turn still reuses its prefix)."""
+    e = make_engine(True, slots=8, stop=())
+    firsts = [GenRequest(prompt(10 + i, 20), TURN, seed=i, session=f"p{i}") for i in range(7)]
+    parked = e.generate(firsts)
+    assert e.parked == 7 and e.active == 0
+    calls, rows = e.decode_calls, e.decode_rows
+    new = GenRequest(prompt(30, 25), TURN, seed=99, session="new")
+    [got] = e.generate([new])
+    assert e.decode_calls > calls and e.decode_rows - rows == e.decode_calls - calls
+    [alone] = make_engine(True, slots=1, stop=()).generate([new])
+    assert got.tokens == alone.tokens
+    np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5)
+    # The parked sessions' next turns: each takes its slot back and samples what a whole
+    # prefill samples.
+    nexts = [
+        GenRequest(f.prompt + r.tokens + prompt(40 + i, 6), TURN, seed=50 + i, session=f.session)
+        for i, (f, r) in enumerate(zip(firsts, parked, strict=True))
+    ]
+    again = e.generate(nexts)
+    assert all(
+        r.reused_tokens == len(f.prompt) + TURN - 1 for f, r in zip(firsts, again, strict=True)
+    )
+    whole = make_engine(False, slots=8, stop=()).generate(nexts)
+    for a, w in zip(again, whole, strict=True):
+        assert a.tokens == w.tokens
+        np.testing.assert_allclose(a.logprobs, w.logprobs, atol=1e-5)

@@ -16,8 +16,9 @@ Every concurrent sequence of a rollout worker owns one slot of the pool
 3. frees the slots of finished sequences at once (stop token, stop string or token budget),
    or parks them (below).
 
-Slots are handed out lowest-first, so the active ones stay packed at the low end and a
-decode call covers only the first `bucket(highest active slot)` rows. Shapes are bucketed
+A decode call gathers the active slots' rows (their live span) into a batch of
+`bucket(active slots)` rows and scatters them back after, so neither an empty slot nor a
+parked one costs a decode call anything, wherever it lies in the pool. Shapes are bucketed
 (powers of two for rows, multiples of 64 for prompt lengths, two span buckets per doubling),
 so steady state compiles nothing new; `compile_counts` says how many traces each program
 took.
@@ -35,8 +36,8 @@ slot is evicted, least recently parked first, when a new request finds no free s
 session then prefills its whole prompt again: counted in `evictions`); `end_session` frees
 it (the episode ended), and new params (`set_params`) drop every parked slot, since keys and
 values computed by the old params are not what the new ones compute. A sequence admitted
-before a `set_params` is not parked either. Parked slots are not decoded (their rows in a
-decode call write nothing they hold), but one below an active slot widens the decode call.
+before a `set_params` is not parked either. Parked slots are not decoded (a decode call
+takes only the active ones).
 
 Exactness: a reused position's keys/values were computed by an earlier call (the previous
 turn's prefill or a decode step) where without reuse this turn's prefill computes them; the
@@ -242,6 +243,8 @@ class Engine:
         self.reuse_hits = 0  # requests that took back their session's parked slot
         self.reused_tokens = 0  # prompt positions those did not compute again
         self.evictions = 0  # parked slots taken for other requests
+        self.decode_calls = 0  # decode chunks run
+        self.decode_rows = 0  # rows those covered (active slots, plus padding to a bucket)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -440,50 +443,59 @@ class Engine:
     # -- decode ----------------------------------------------------------------------------
 
     def _decode_chunk(self) -> list[tuple[int, GenResult]]:
-        top = max(i for i, s in enumerate(self._slots) if s is not None)
-        n = min(round_up(pow2(top + 1), self._row_multiple), self.cfg.num_slots)
+        # The active slots, lowest first, as the call's rows; the rest of the bucket are
+        # padding rows: slot num_slots, out of range (their writes are dropped).
+        active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
+        n = min(round_up(pow2(len(active)), self._row_multiple), self.cfg.num_slots)
+        rows = np.full((n,), self.cfg.num_slots, np.int32)
         last = np.zeros((n,), np.int32)
         lengths = np.zeros((n,), np.int32)
-        budget = np.zeros((n,), np.int32)  # 0: an empty slot, done before it starts
+        budget = np.zeros((n,), np.int32)  # 0: a padding row, done before it starts
         seeds = np.zeros((n,), np.uint32)
         produced = np.zeros((n,), np.int32)
-        for i, s in enumerate(self._slots[:n]):
-            if s is None:
-                # A row that is done before it starts still writes its token's key/value
-                # at its length: the slot's last position, which no parked slot holds.
-                lengths[i] = self.pool_len - 1
-                continue
-            last[i], lengths[i], seeds[i] = s.last, s.length, s.request.seed
-            produced[i] = len(s.tokens)
-            budget[i] = s.request.max_new_tokens - len(s.tokens)
+        for j, (i, s) in enumerate(active):
+            rows[j], last[j], lengths[j], seeds[j] = i, s.last, s.length, s.request.seed
+            produced[j] = len(s.tokens)
+            budget[j] = s.request.max_new_tokens - len(s.tokens)
+        # A padding row still writes its token's key/value at its length, in its copy of
+        # the pool's last row; the scatter back drops it.
+        lengths[len(active) :] = self.pool_len - 1
         # The live span: every position a row reads in this chunk (its length plus the
         # chunk's tokens, no more than its budget) lies below `span`. Active rows are those
         # with a budget (an empty slot has none; a row without one has finished).
         reach = int((lengths + np.minimum(self.cfg.decode_chunk, budget))[budget > 0].max())
         span = span_bucket(reach, self.pool_len) if self.cfg.live_span else self.pool_len
         pool, toks, lps, counts, stopped = self._decode(
-            self.params, self.pool, last, lengths, budget, seeds, produced, span=span
+            self.params, self.pool, rows, last, lengths, budget, seeds, produced, span=span
         )
         self.pool = pool
+        self.decode_calls += 1
+        self.decode_rows += n
         toks, lps = np.asarray(toks), np.asarray(lps)
         counts, stopped = np.asarray(counts), np.asarray(stopped)
-        return self._collect(n, toks, lps, counts, stopped)
+        return self._collect([i for i, _ in active], toks, lps, counts, stopped)
 
     def _collect(
-        self, n: int, toks: np.ndarray, lps: np.ndarray, counts: np.ndarray, stopped: np.ndarray
+        self,
+        slots: list[int],
+        toks: np.ndarray,
+        lps: np.ndarray,
+        counts: np.ndarray,
+        stopped: np.ndarray,
     ) -> list[tuple[int, GenResult]]:
+        """Take row j's tokens into the sequence of slot `slots[j]`."""
         finished = []
-        for i, s in enumerate(self._slots[:n]):
-            if s is None:
-                continue
-            c = int(counts[i])
+        for j, i in enumerate(slots):
+            s = self._slots[i]
+            assert s is not None
+            c = int(counts[j])
             before = len(s.tokens)
-            s.tokens.extend(toks[i, :c].tolist())
-            s.logprobs.extend(lps[i, :c].tolist())
+            s.tokens.extend(toks[j, :c].tolist())
+            s.logprobs.extend(lps[j, :c].tolist())
             self.tokens_generated += c
             s.length += c
             s.last = s.tokens[-1] if s.tokens else s.last
-            s.stopped = bool(stopped[i]) or self._hit_stop_string(s, before)
+            s.stopped = bool(stopped[j]) or self._hit_stop_string(s, before)
             if s.stopped or len(s.tokens) >= s.request.max_new_tokens:
                 result = GenResult(
                     s.tokens,
@@ -572,6 +584,7 @@ class Engine:
         self,
         params: Params,
         pool: KVCache,
+        rows: jax.Array,
         last: jax.Array,
         lengths: jax.Array,
         budget: jax.Array,
@@ -580,19 +593,19 @@ class Engine:
         *,
         span: int,
     ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
-        """`decode_chunk` steps over the first n slots, attending over the first `span`
-        positions of each (the live span: what those rows hold and write). Returns the pool,
-        tokens and log-probs [n, K], how many tokens each row produced [n] and whether it
-        stopped [n]."""
+        """`decode_chunk` steps over pool rows `rows` [n] (num_slots: a padding row),
+        attending over the first `span` positions of each (the live span: what those rows
+        hold and write). Returns the pool, tokens and log-probs [n, K], how many tokens each
+        row produced [n] and whether it stopped [n]."""
         self.compile_counts["decode"] += 1
-        n = last.shape[0]
         chunk = self.cfg.decode_chunk
         stop_ids = jnp.asarray(self.cfg.stop_ids, jnp.int32).reshape(-1)
         keys = jax.vmap(jax.random.PRNGKey)(seeds)
         k_slots = jnp.arange(span, dtype=jnp.int32)
-        # The live span's blocks of the first n rows: the rest of the pool is not touched.
+        # The live span's blocks of the rows, gathered: the rest of the pool is not touched.
         live = pool.prefix(-(-span // KV_BLOCK))
-        view = jax.tree.map(lambda x: x[:n], live)
+        gather = jnp.minimum(rows, self.cfg.num_slots - 1)
+        view = jax.tree.map(lambda x: x[gather], live)
 
         def body(carry: _Carry, i: jax.Array) -> tuple[_Carry, tuple[jax.Array, ...]]:
             cache, tok, length, done, count = carry
@@ -617,7 +630,7 @@ class Engine:
         (view, _, _, _, counts), (toks, lps, actives, hits) = jax.lax.scan(
             body, init, jnp.arange(chunk, dtype=jnp.int32)
         )
-        live = jax.tree.map(lambda full, part: full.at[:n].set(part), live, view)
+        live = jax.tree.map(lambda full, part: full.at[rows].set(part, mode="drop"), live, view)
         pool = self._constrain(pool.with_prefix(live))
         stopped = (hits & actives).any(axis=0)
         return pool, toks.T, lps.T, counts, stopped
