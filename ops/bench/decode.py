@@ -1,7 +1,7 @@
 """Decode throughput of the continuous-batching engine against transformers' generate.
 
     .venv/bin/python ops/bench/decode.py [--concurrency 1 8 32 64] [--threads 2]
-        [--rows all | decode bf16 agentic] [--agentic-episodes 64] [--agentic-turns 8]
+        [--rows all | decode bf16 agentic parked] [--agentic-episodes 64] [--agentic-turns 8]
 
 A ~20 M parameter Qwen2-family model with random weights (built locally, no download);
 prompts of 128 random tokens, 128 sampled tokens each (temperature 1, no stop token, so
@@ -27,6 +27,12 @@ The bf16 rows: the same checkpoint loaded in bfloat16 by both stacks (the engine
 `model.dtype = "bfloat16"` serves it: bf16 matmuls with float32 results, a float32 KV pool
 on a CPU; transformers with `dtype=torch.bfloat16`), beside the float32 engine. On a CPU
 with bfloat16 matrix units (AMX) both take them.
+
+The parked row (`--rows parked`, issue 29 item 4): C/2 sequences decoding on an engine of C
+slots while C/2 sessions sit parked in the slots below them (episodes whose tools are
+running), against the same C/2 sequences with nothing parked. A decode call gathers the
+active rows, so the ratio is about 1; the engine before decoded the first pow2(highest
+active slot) rows, parked ones included (C rows for C/2 sequences). No torch needed.
 
 The agentic row (issue 18): `--agentic-episodes` concurrent episodes (64) of
 `--agentic-turns` model turns (8) of 48 sampled tokens each, a 128-token first prompt and,
@@ -168,6 +174,46 @@ def agentic_row(
     }
 
 
+def parked_rate(spec: ModelSpec, params: object, slots: int, repeats: int, parked: bool) -> float:
+    """Sampled tokens/s of slots/2 sequences on an engine of `slots` slots, with (`parked`)
+    or without slots/2 sessions parked in the slots below them (agentic episodes whose
+    tools are running: their slots keep their keys/values for their next turn)."""
+    half = max(1, slots // 2)
+    cfg = EngineConfig(num_slots=slots, kv_cache_size=PROMPT + RESPONSE,
+                       max_prompt_length=PROMPT, max_new_tokens=RESPONSE, sampling=SAMPLING,
+                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16)  # fmt: skip
+    engine = Engine(spec, params, cfg)
+    texts = prompts(2 * half, spec.vocab_size)
+
+    def once(r: int) -> float:
+        """Seconds of the decode alone (the parking turns before it are not timed)."""
+        sessions = [f"{r}-{i}" for i in range(half)] if parked else []
+        engine.generate([GenRequest(texts[i], 8, seed=i, session=s)
+                         for i, s in enumerate(sessions)])  # fmt: skip
+        start = time.perf_counter()
+        engine.generate([GenRequest(texts[half + i], RESPONSE, seed=i) for i in range(half)])
+        took = time.perf_counter() - start
+        for s in sessions:
+            engine.end_session(s)
+        return took
+
+    once(0)  # compile every shape this run uses
+    return half * RESPONSE / statistics.median(once(r) for r in range(1, repeats + 1))
+
+
+def print_parked(spec: ModelSpec, params: object, args: argparse.Namespace) -> None:
+    """C/2 sequences decoding above C/2 parked sessions, against the same C/2 sequences on
+    the same engine with nothing parked (the baseline: a decode call of C/2 rows)."""
+    print("parked: C/2 sequences decoding above C/2 parked sessions vs nothing parked")
+    print(f"{'C':>3} {'parked below':>12} {'nothing parked':>14} {'x nothing parked':>16}")
+    for c in args.concurrency:
+        if c < 2:
+            continue
+        below = parked_rate(spec, params, c, args.repeats, parked=True)
+        alone = parked_rate(spec, params, c, args.repeats, parked=False)
+        print(f"{c:>3} {below:>12.0f} {alone:>14.0f} {below / alone:>16.2f}", flush=True)
+
+
 def print_agentic(spec: ModelSpec, params: object, args: argparse.Namespace) -> None:
     n, turns = args.agentic_episodes, args.agentic_turns
     slots = args.agentic_slots or n
@@ -213,15 +259,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--rows", nargs="+", choices=("all", "decode", "bf16", "agentic"), default=["all"]
+        "--rows",
+        nargs="+",
+        choices=("all", "decode", "bf16", "agentic", "parked"),
+        default=["all"],
     )
     parser.add_argument("--agentic-episodes", type=int, default=64)
     parser.add_argument("--agentic-turns", type=int, default=8)
     parser.add_argument("--agentic-slots", type=int, default=0, help="0: one per episode")
     args = parser.parse_args()
-    import torch
+    rows = {"decode", "bf16", "agentic", "parked"} if "all" in args.rows else set(args.rows)
+    if rows & {"decode", "bf16"}:  # transformers' rows: torch, a test-time reference only
+        import torch
 
-    torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     spec = ModelSpec.from_config(SPEC_CONFIG)
     with tempfile.TemporaryDirectory() as tmp:
         from streamrl.model.checkpoint import build_tiny_checkpoint
@@ -235,7 +286,8 @@ def main() -> None:
             f" bound {bound:.0f} tokens/s; jax {jax.__version__} on {jax.default_backend()};"
             f" torch threads {args.threads}; cpus {os.cpu_count()}"
         )
-        rows = {"decode", "bf16", "agentic"} if "all" in args.rows else set(args.rows)
+        if "parked" in rows:
+            print_parked(spec, params, args)
         if "agentic" in rows:
             print_agentic(spec, params, args)
         if "decode" in rows:
