@@ -61,9 +61,7 @@ warm=""
 if [ -n "$MODEL_CACHE" ]; then
   (
     if [ -n "$JAX_CACHE" ]; then
-      # (the size limit turns on the cache's file lock: tests/conftest.py says why)
-      export JAX_COMPILATION_CACHE_DIR=$JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-        JAX_COMPILATION_CACHE_MAX_SIZE=$((16 << 30))
+      export JAX_COMPILATION_CACHE_DIR=$JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
     fi
     exec "$PY" ops/prewarm.py "${CONFIG:-configs/tiny.toml}" "$MODEL_CACHE"
   ) >"$LOGS/prewarm.log" 2>&1 &

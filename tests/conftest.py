@@ -25,7 +25,6 @@ from streamrl.names import Keys
 from streamrl.run.redis_server import EmbeddedRedis, redis_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
-JAX_CACHE_MAX_BYTES = 16 << 30  # the tests' compilation cache: about 10 MB in a whole run
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,11 +36,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if cache:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.abspath(cache))
         os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        # A size limit turns on the cache's file lock around every read and write: without
-        # it JAX writes an entry in place while another process may read it, and the reader
-        # gets a truncated one (a CI run's collection failed on "Error -5 while
-        # decompressing data"). The limit itself is far above what the suite writes.
-        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(JAX_CACHE_MAX_BYTES))
     _XDIST_CONTROLLER.append(
         not os.environ.get("PYTEST_XDIST_WORKER")
         and bool(getattr(config.option, "numprocesses", None))
