@@ -96,6 +96,15 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [rng.integers(2, vocab, PROMPT).tolist() for _ in range(n)]
 
 
+def decode_engine(spec: ModelSpec, params: object, slots: int, live_span: bool = True) -> Engine:
+    """An engine of `slots` slots for PROMPT-token prompts and RESPONSE sampled tokens."""
+    cfg = EngineConfig(num_slots=slots, kv_cache_size=PROMPT + RESPONSE,
+                       max_prompt_length=PROMPT, max_new_tokens=RESPONSE, sampling=SAMPLING,
+                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16,
+                       live_span=live_span)  # fmt: skip
+    return Engine(spec, params, cfg)
+
+
 def engine_rate(
     spec: ModelSpec,
     params: object,
@@ -105,11 +114,7 @@ def engine_rate(
     group: int = 1,
     live_span: bool = True,
 ) -> float:
-    cfg = EngineConfig(num_slots=slots, kv_cache_size=PROMPT + RESPONSE,
-                       max_prompt_length=PROMPT, max_new_tokens=RESPONSE, sampling=SAMPLING,
-                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16,
-                       live_span=live_span)  # fmt: skip
-    engine = Engine(spec, params, cfg)
+    engine = decode_engine(spec, params, slots, live_span)
     distinct = prompts(-(-seqs // group), spec.vocab_size)
     reqs = [GenRequest(distinct[i // group], RESPONSE, seed=i) for i in range(seqs)]
     engine.generate(reqs)  # compile every shape this run uses
@@ -179,10 +184,7 @@ def parked_rate(spec: ModelSpec, params: object, slots: int, repeats: int, parke
     or without slots/2 sessions parked in the slots below them (agentic episodes whose
     tools are running: their slots keep their keys/values for their next turn)."""
     half = max(1, slots // 2)
-    cfg = EngineConfig(num_slots=slots, kv_cache_size=PROMPT + RESPONSE,
-                       max_prompt_length=PROMPT, max_new_tokens=RESPONSE, sampling=SAMPLING,
-                       stop_ids=(), pad_id=0, decode_chunk=16, max_prefill=16)  # fmt: skip
-    engine = Engine(spec, params, cfg)
+    engine = decode_engine(spec, params, slots)
     texts = prompts(2 * half, spec.vocab_size)
 
     def once(r: int) -> float:

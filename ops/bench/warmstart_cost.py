@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 from streamrl.chat.hf import HFChat
 from streamrl.config import load_config
@@ -55,14 +54,7 @@ def measure(config: str, cache: str, batches: int, repeats: int) -> dict[str, An
     real = sum(int((t != chat.pad_id).sum()) for t, _ in drawn)
     padded = sum(t.size for t, _ in drawn)
     tokens, mask = max(drawn, key=lambda b: b[0].shape[1])
-    optimizer = ws._optimizer(cfg)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, tokens: Any, mask: Any) -> Any:
-        loss, grads = jax.value_and_grad(ws.demonstration_loss)(params, spec, tokens, mask)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    optimizer, step = ws.demonstration_step(cfg, spec)
     forward = jax.jit(lambda p, t, m: ws.demonstration_loss(p, spec, t, m))
     opt_state = optimizer.init(params)
     cost = step.lower(params, opt_state, tokens, mask).compile().cost_analysis()

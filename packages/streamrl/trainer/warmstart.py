@@ -153,13 +153,12 @@ def _optimizer(cfg: Config) -> optax.GradientTransformation:
     )
 
 
-def train_demonstrations(
-    cfg: Config, spec: ModelSpec, params: Params, chat: HFChat, log: Log | None = None
-) -> Params:
-    """Run the warm start itself (no cache): `warmstart_steps` AdamW steps from `params`,
-    in their dtype."""
+def demonstration_step(
+    cfg: Config, spec: ModelSpec
+) -> tuple[optax.GradientTransformation, jax.stages.Wrapped]:
+    """The warm start's optimizer and its jitted step: (params, opt_state, tokens, mask) ->
+    (params, opt_state, loss), value and gradient of `demonstration_loss`, then AdamW."""
     optimizer = _optimizer(cfg)
-    opt_state = optimizer.init(params)
 
     @jax.jit
     def step(
@@ -169,6 +168,16 @@ def train_demonstrations(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return optimizer, step
+
+
+def train_demonstrations(
+    cfg: Config, spec: ModelSpec, params: Params, chat: HFChat, log: Log | None = None
+) -> Params:
+    """Run the warm start itself (no cache): `warmstart_steps` AdamW steps from `params`,
+    in their dtype."""
+    optimizer, step = demonstration_step(cfg, spec)
+    opt_state = optimizer.init(params)
     rng = random.Random(cfg.model_seed)
     start = time.perf_counter()
     steps = cfg.model.warmstart_steps
