@@ -24,6 +24,11 @@ TEST_WORKERS ?= 2
 # against 10-12 with the cache, the trainer's imports 5.1 s against 1.9. Every target here
 # runs without it; the images compile at install (compose/Dockerfile.*).
 unexport PYTHONDONTWRITEBYTECODE
+# malloc with transparent huge pages (streamrl.run.malloc) for every process a target starts,
+# tests included (their warm starts train in the test processes): a train step on the CPU
+# spent a third of its CPU faulting its buffers in again at every step without it. A value
+# of one's own in the environment wins.
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: demo report test lint typecheck docs unit integration e2e faults soak slow bench fmt clean sandbox-host
 

@@ -243,22 +243,31 @@ def test_worker_logs_roll_over(tmp_path: Path) -> None:
     `run.log_max_mb` and keeping `run.log_backups` old ones (review M4, logs)."""
     run_dir = tmp_path / "run"
     host = os.environ.get("DOCKER_HOST") or "unix:///run/streamrl-podman.sock"
+    # A tunable of the user's own: the workers keep it, with malloc's huge pages after it
+    # (streamrl.run.malloc).
+    mine = "glibc.malloc.arena_max=8"
     proc = up(run_dir, 30, "run.log_max_mb=0.02", "run.log_backups=2",
-              env={"DOCKER_HOST": host}, config=STUB)  # fmt: skip
+              env={"DOCKER_HOST": host, "GLIBC_TUNABLES": mine}, config=STUB)  # fmt: skip
     # Review N15: every worker inherited DOCKER_HOST, the container engine's socket (root
     # under the README's setup), plug-in code included; only the tool workers get it now.
     _wait_for_steps(run_dir / "logs", 1)
-    engine = {}
+    engine, tunables = {}, {}
     for name, pid in rundir.orphans(run_dir).items():
         if name == rundir.REDIS:
             continue
         with contextlib.suppress(OSError):  # (one that ended since)
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            environ = raw.split(b"\0")
             engine[name] = any(e.startswith(b"DOCKER_HOST=") for e in environ)
+            # glibc parses GLIBC_TUNABLES in place: its ':' read back as NUL here
+            environ = raw.replace(b"\0glibc.", b":glibc.").split(b"\0")
+            tunables[name] = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
     assert "trainer-0" in engine and any(n.startswith("tools-") for n in engine), engine
     assert {n for n, has in engine.items() if has} == {n for n in engine if n.startswith("tools-")}
+    want = [f"GLIBC_TUNABLES={mine}:glibc.malloc.hugetlb=1".encode()]
+    assert tunables and all(t == want for t in tunables.values()), tunables
     logs = run_dir / "logs"
     rolled = sorted(f.name for f in logs.glob("rollout-0.log*"))
     assert rolled == ["rollout-0.log", "rollout-0.log.1", "rollout-0.log.2"]

@@ -76,6 +76,15 @@ def test_full_pins_are_exactly_pyprojects_without_torch() -> None:
     assert "torch" not in full
 
 
+def test_the_full_image_sets_hugetlb_for_malloc() -> None:
+    """The rollout and trainer containers start as `streamrl up`'s workers do: malloc with
+    transparent huge pages (streamrl.run.malloc)."""
+    from streamrl.run.malloc import HUGETLB, TUNABLES_ENV
+
+    text = (COMPOSE / "Dockerfile.full").read_text()
+    assert re.search(rf"^\s*{TUNABLES_ENV}={re.escape(HUGETLB)}=1\s*$", text, re.M), text
+
+
 def test_dockerfiles_start_from_local_tags_only() -> None:
     assert {p.name for p in DOCKERFILES} >= {
         "Dockerfile.light",

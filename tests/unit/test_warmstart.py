@@ -24,6 +24,7 @@ from streamrl.trainer.warmstart import (
     cache_key,
     cache_path,
     demonstration_batch,
+    demonstration_length,
     demonstration_loss,
     demonstration_transcript,
     warmstart_params,
@@ -77,12 +78,21 @@ def test_demonstration_is_laid_out_as_a_rollout_episode(cache: Path, chat: HFCha
 
 def test_demonstration_batch_is_right_padded(cache: Path, chat: HFChat) -> None:
     tokens, mask = demonstration_batch(_cfg(cache), chat, random.Random(1), batch=3)
-    assert tokens.shape == mask.shape and tokens.shape[0] == 3 and tokens.shape[1] % 32 == 0
+    longest = max(int(np.flatnonzero(row != chat.pad_id).max()) + 1 for row in tokens)
+    assert tokens.shape == mask.shape and tokens.shape[0] == 3
+    assert tokens.shape[1] == demonstration_length(longest)
     assert tokens.dtype == np.int32 and mask.dtype == np.float32
     for row, m in zip(tokens, mask, strict=True):
         n = int(np.flatnonzero(row != chat.pad_id).max()) + 1
         assert m[n:].sum() == 0 and (row[n:] == chat.pad_id).all()
         assert m[:n].sum() > 0
+
+
+def test_demonstration_lengths_pad_finely_when_short() -> None:
+    # a multiple of 8 below 256 tokens (the default config's 96-132: 136, not 160), of the
+    # trainer's 32 from there
+    got = [demonstration_length(n) for n in (0, 1, 8, 9, 132, 255, 256, 257, 542)]
+    assert got == [8, 8, 8, 16, 136, 256, 256, 288, 544]
 
 
 def test_short_warmstart_lowers_loss_and_is_cached(cache: Path, chat: HFChat) -> None:

@@ -51,6 +51,7 @@ from streamrl.run.acl import private_dir, worker_role
 from streamrl.run.identity import default_holder
 from streamrl.run.liveness import BeatClock
 from streamrl.run.logs import LOG_DIR_ENV, cap_file, configure_logging, redact_url
+from streamrl.run.malloc import with_hugetlb
 from streamrl.run.redis_server import EmbeddedRedis, free_port
 from streamrl.run.runtime import (
     PASSWORD_FILE_ENV,
@@ -363,7 +364,9 @@ class Launcher:
     def _spawn_all(self) -> None:
         # Each worker writes its JSON log itself, rolling over by size (streamrl.run.logs).
         logs = str(self.paths.logs)
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_DIR_ENV: logs}
+        # Transparent huge pages for malloc (streamrl.run.malloc): a train step on the CPU
+        # spent a third of its CPU faulting in its buffers again at every step without.
+        self._env = {**with_hugetlb(os.environ), "PYTHONUNBUFFERED": "1", LOG_DIR_ENV: logs}
         if self.redis is None:
             # An external Redis: every worker gets what this process was given (REDIS_URL
             # and REDIS_PASSWORD_FILE from the environment, or the config's).
@@ -377,7 +380,7 @@ class Launcher:
                 cmd=evaluator_command(
                     self.config_path, self.run_dir, self.overrides, self.cfg.trainer.eval_tasks
                 ),
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**with_hugetlb(os.environ), "PYTHONUNBUFFERED": "1"},
                 err_path=self.paths.stderr("evaluator"),
             ).start()
 
