@@ -154,7 +154,6 @@ def _log_stop(
         admission_limit=worker.admission.limit,
         admission_grows=worker.admission.grows,
         admission_trims=worker.admission.trims,
-        admission_lowers=worker.admission.lowers,
     )
 
 

@@ -25,7 +25,7 @@ Figures, per row:
 - episodes/s over the same window;
 - evictions: parked sessions the engine evicted for another request (each one prefills its
   whole conversation again), from the rollout's `rollout_stop` line;
-- the admission limit at the end, its trims and its throughput steps down (all runs').
+- the admission limit at the end, and its trims.
 
 The baseline is the best fixed row of the same run (the highest median goodput): "of best
 fixed" is a row's median goodput over it; "paired" the median over rounds of the row's
@@ -209,7 +209,6 @@ def run_row(
         limit=stop.get("admission_limit"),
         trims=stop.get("admission_trims"),
         grows=stop.get("admission_grows"),
-        lowers=stop.get("admission_lowers"),
     )
     return row
 
@@ -288,7 +287,6 @@ def main() -> None:
                 "tokens": median([r["tokens_per_episode"] for r in ok]),
                 "limit": [r["limit"] for r in ok],
                 "trims": sum(r["trims"] or 0 for r in ok),
-                "lowers": sum(r.get("lowers") or 0 for r in ok),
                 "wall_s": median([r["wall_s"] for r in ok]),
             }
         )
@@ -314,9 +312,9 @@ def main() -> None:
     )
     print(
         "| row | goodput tok/s (runs) | of best fixed | paired | rounds >= it | episodes/s "
-        "| tokens/episode | evictions | limit at end | trims | steps down | wall s |"
+        "| tokens/episode | evictions | limit at end | trims | wall s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         failed = f" ({len(r['failed'])} failed: {r['failed'][0][:80]})" if r["failed"] else ""
         print(
@@ -324,7 +322,7 @@ def main() -> None:
             f"| {r['goodput'] / best:.2f} | {r['paired']:.2f} | {r['wins']}/{r['runs']} "
             f"| {r['episodes_s']:.2f} | {r['tokens']:.0f} "
             f"| {r['evictions']:.0f} | {', '.join(map(str, r['limit']))} | {r['trims']} "
-            f"| {r['lowers']} | {r['wall_s']:.0f} |"
+            f"| {r['wall_s']:.0f} |"
         )
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "runs": runs}, indent=2))

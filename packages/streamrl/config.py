@@ -554,9 +554,8 @@ class RolloutConfig(_Section):
             '"auto" sets): the limit follows the engine (streamrl.rollout.admission): it '
             "starts at the KV pool's slots (one an episode), drops below the episodes "
             "running (none preempted) when the engine evicts a parked session or a request "
-            "finds no slot; with the transformer engine it steps, every few seconds, toward "
-            "the engine's most tokens/s (up only within free slots), with the stub policy it "
-            "grows while the limit binds; max_concurrency is then the hard cap."
+            "finds no slot, and grows while slots are free and the limit binds; "
+            "max_concurrency is then the hard cap."
         ),
     )
     max_concurrency_cap: int = Field(

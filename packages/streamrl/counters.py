@@ -107,11 +107,6 @@ ADMISSION_TRIMS = _field(
     'times adaptive admission (rollout.max_concurrency = "auto") cut its limit below the '
     "episodes running, on an eviction or a full KV pool",
 )  # fmt: skip
-ADMISSION_LOWERS = _field(
-    "admission_lowers", "counter", "rollout.worker", "status, operators (queues --json)", False,
-    'times adaptive admission (rollout.max_concurrency = "auto") lowered its limit a step '
-    "following the engine's tokens/s (a step that lost went back up)",
-)  # fmt: skip
 BACKPRESSURE_PAUSES = _field(
     "backpressure_pauses", "counter", "rollout.worker", "queues", False,
     "times a rollout worker entered a backpressure pause (each worker counts its own)",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -507,35 +506,3 @@ def test_auto_admission_follows_slots_that_others_hold(
     assert runner.evictions == 0 and sorted(t.member for t in written(rclient, keys)) == sorted(
         m for _ in range(16) for m in range(G)
     )
-
-
-class SaturatedPool(PoolRunner):
-    """A pool whose engine samples as many tokens a second however many episodes run (its
-    cores are the limit, not its batch): 1,000 a second of the monotonic clock."""
-
-    def occupancy(self) -> Occupancy:
-        occ = super().occupancy()
-        return replace(occ, tokens=int(time.monotonic() * 1000))
-
-
-def test_auto_admission_steps_down_while_the_engine_keeps_its_tokens_per_second(
-    rclient: redis.Redis, redis_url: str, keys: Keys
-) -> None:
-    """rollout.max_concurrency = "auto" on an engine that counts its tokens (issue 29 item
-    4): the limit starts at the pool (8); after its first window (4 settling looks, one to
-    start, 16 measured: 5.25 s at 0.25 s a look) the engine gave as many tokens/s as before
-    at 8, so the limit steps down 8 // 4 = 2 to 6, counted in the stats and logged, no
-    episode preempted."""
-    cfg = config(max_concurrency="auto", max_concurrency_cap=64, max_batch_size=8,
-                 max_ready_groups=1000)  # fmt: skip
-    write_tasks(rclient, keys, cfg, 200)
-    runner = SaturatedPool(0.2, slots=8)
-    worker, aclient = make_worker(redis_url, keys, cfg, runner, lambda: False)
-    worker.server = cast(Any, SimpleNamespace(serve=_forever, stalled_s=lambda: 0.0,
-                                              occupancy=runner.occupancy))  # fmt: skip
-    with capture_logs() as logs:
-        run_until(worker, aclient, lambda: worker.admission.lowers >= 1 and runner.running <= 6)
-    lowered = [e for e in logs if e["event"] == "admission_lowered"]
-    assert [(e["was"], e["limit"]) for e in lowered] == [(8, 6)]
-    assert int(rclient.hget(keys.stats, "admission_lowers") or 0) == 1
-    assert worker.admission.trims == 0 and runner.evictions == 0

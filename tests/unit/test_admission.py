@@ -1,16 +1,12 @@
 """streamrl.rollout.admission: the adaptive episode limit, worked by hand."""
 
-from dataclasses import dataclass
-
 import pytest
 
 from streamrl.rollout.admission import Admission, Occupancy
 
 
-def occ(
-    held: int, waiting: int = 0, evictions: int = 0, slots: int = 32, tokens: int | None = None
-) -> Occupancy:
-    return Occupancy(slots=slots, held=held, waiting=waiting, evictions=evictions, tokens=tokens)
+def occ(held: int, waiting: int = 0, evictions: int = 0, slots: int = 32) -> Occupancy:
+    return Occupancy(slots=slots, held=held, waiting=waiting, evictions=evictions)
 
 
 def test_a_fixed_limit_never_moves() -> None:
@@ -82,104 +78,3 @@ def test_bad_settings_are_refused() -> None:
         Admission(cap=8, auto=True, start=0)
     with pytest.raises(ValueError, match="cap 8"):
         Admission(cap=8, auto=True, start=9)
-
-
-@dataclass
-class _Engine:
-    """An engine sampling rate[limit] tokens a look of the worker (16 slots)."""
-
-    rate: dict[int, int]
-    tokens: int = 0
-
-
-def _climb(a: Admission, engine: _Engine, looks: int) -> list[int]:
-    """`looks` looks at `engine`, the limit binding (as many running as it allows, more
-    waiting): the limits it moved through."""
-    seen = [a.limit]
-    for _ in range(looks):
-        engine.tokens += engine.rate[a.limit]
-        a.update(a.limit, 4, occ(a.limit, slots=16, tokens=engine.tokens))
-        if a.limit != seen[-1]:
-            seen.append(a.limit)
-    return seen
-
-
-def test_the_limit_climbs_to_the_most_tokens_per_second_and_stays_near_it() -> None:
-    # A 16-slot pool, the limit from 16; tokens a look at each limit: most at 9. A window
-    # after a change is 4 settling looks, one to start and 16 measured (21 looks); the next
-    # at the same limit 16. Look 21: the first window at 16 (100 a look) ends: a step down
-    # of 16 // 4 = 4 -> 12; look 42: 110 >= 0.95 x 100, kept: 12 // 4 = 3 -> 9; look 63: 120,
-    # kept: 9 // 4 = 2 -> 7; look 84: 105 < 0.95 x 120 = 114, refused: back to 9, the
-    # direction up, patience 2.
-    engine = _Engine({16: 100, 12: 110, 9: 120, 7: 105, 11: 112})
-    a = Admission(cap=64, auto=True, start=16)
-    assert _climb(a, engine, 84) == [16, 12, 9, 7, 9]
-    # two windows at 9 (looks 105 and 121), then 9 + 2 -> 11; look 142: 112 is not above
-    # 1.05 x 120 = 126, refused: back to 9, the direction down, patience 4
-    assert _climb(a, engine, 36) == [9]
-    assert _climb(a, engine, 22) == [9, 11, 9]
-    # four windows at 9 (looks 163, 179, 195, 211), 9 -> 7; look 232: refused, back to 9,
-    # patience 8: eight windows (looks 253 ... 365) before the next step, up
-    assert _climb(a, engine, 68) == [9]
-    assert _climb(a, engine, 1) == [9, 7]
-    assert _climb(a, engine, 21) == [7, 9]
-    assert _climb(a, engine, 132) == [9]
-    assert _climb(a, engine, 1) == [9, 11]
-    assert (a.grows, a.lowers, a.trims) == (4, 5, 0)
-
-
-def test_an_engine_that_gains_from_bigger_batches_keeps_the_limit_at_the_pool() -> None:
-    # tokens a look rise with the limit (an accelerator): the step down loses (80 < 95) and
-    # the limit goes back to 16, the pool; a step up finds no free slot, so the next step
-    # goes down again, each after more windows at 16: 2, then 4, then 8
-    engine = _Engine({16: 100, 12: 80})
-    a = Admission(cap=64, auto=True, start=16)
-    assert _climb(a, engine, 42) == [16, 12, 16]  # looks 21 and 42
-    assert _climb(a, engine, 37) == [16, 12]  # windows at 16 end at looks 63 and 79
-    assert _climb(a, engine, 21) == [12, 16]  # look 100, patience 4
-    assert _climb(a, engine, 68) == [16]  # windows at looks 121, 137, 153 ...
-    assert _climb(a, engine, 1) == [16, 12]  # ... and 169
-    assert a.limit == 12 and a.grows == 2 and a.lowers == 3
-
-
-def test_steps_that_each_lose_a_little_do_not_add_up() -> None:
-    # Each step down loses 3 %: 16 (100) -> 12 (97 >= 0.95 x 100, the best: kept) -> 9 (94 <
-    # 95: refused against the best, 16's, not 12's): back to 16, not to 12
-    engine = _Engine({16: 100, 12: 97, 9: 94, 7: 91})
-    a = Admission(cap=64, auto=True, start=16)
-    assert _climb(a, engine, 63) == [16, 12, 9, 16]
-
-
-def test_the_best_is_measured_again_at_its_limit() -> None:
-    # 16 (100) -> 12 (110: the best) -> 9 (90: refused): back to 12, where the engine now
-    # gives 80 (the machine slowed): that is 12's rate now, and the step up to 15 (12 + 3;
-    # the direction turned; after two windows at 12, patience 2, looks 84 and 100) is
-    # judged against it: 85 > 1.05 x 80, kept (look 121), the best; the next step up at once:
-    # 15 + 3 = 18, but one slot is free: 16
-    engine = _Engine({16: 100, 12: 110, 9: 90, 15: 85})
-    a = Admission(cap=64, auto=True, start=16)
-    assert _climb(a, engine, 63) == [16, 12, 9, 12]
-    engine.rate[12] = 80
-    assert _climb(a, engine, 58) == [12, 15, 16]
-    assert a._probe.best == (15, 85.0)
-
-
-def test_a_window_where_the_limit_does_not_bind_moves_nothing() -> None:
-    # 16 allowed, 10 running, nothing waiting: the limit is not what holds the engine back
-    a = Admission(cap=64, auto=True, start=16)
-    tokens = 0
-    for _ in range(21 * 3):
-        tokens += 100
-        assert a.update(10, 0, occ(10, slots=16, tokens=tokens)) == "hold"
-    assert a.limit == 16
-
-
-def test_a_trim_restarts_the_climb() -> None:
-    a = Admission(cap=64, auto=True, start=16)
-    engine = _Engine({16: 100, 12: 110})
-    assert _climb(a, engine, 21) == [16, 12]
-    # an eviction: 12 running x 0.9 = 10; then a fresh first window at 10, and a step down
-    a.update(12, 4, occ(12, slots=16, evictions=1, tokens=engine.tokens))
-    assert a.limit == 10 and a.trims == 1
-    engine.rate = {10: 120, 8: 121}
-    assert _climb(a, engine, 21) == [10, 8]

@@ -380,7 +380,6 @@ def _pipeline_table(snap: Snapshot) -> Table:
         ("rollout slots (advertised)", _fmt(largest(ws, m.ROLLOUT_SLOTS), ".0f")),
         # rollout.max_concurrency = "auto": the slots above are the adaptive limits
         ("admission trims (run)", snap.stats.get(counters.ADMISSION_TRIMS, "-")),
-        ("admission steps down (run)", snap.stats.get(counters.ADMISSION_LOWERS, "-")),
         ("policy lag at those slots", _live_lag(snap)),
         ("tasks backlog / target", _backlog(snap)),
         ("held-out solve rate", _heldout(snap.heldout)),

@@ -124,7 +124,6 @@ class EngineServer:
             # inbox, which also carries session ends and cancels)
             waiting=e.unplaced,
             evictions=e.evictions,
-            tokens=e.tokens_generated,
         )
 
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]:

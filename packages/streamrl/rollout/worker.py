@@ -530,11 +530,6 @@ class RolloutWorker:
             if action == "grow":
                 async with self._changed:
                     self._changed.notify_all()
-            elif action == "lower":
-                await self.aclient.hincrby(self.keys.stats, counters.ADMISSION_LOWERS, 1)
-                self.log.info(
-                    "admission_lowered", limit=self.admission.limit, was=before, running=self.active
-                )
             elif action == "trim":
                 await self.aclient.hincrby(self.keys.stats, counters.ADMISSION_TRIMS, 1)
                 self.log.info(
