@@ -6,10 +6,10 @@ memory in again, page by page, each step: 300 warm-start steps of the default co
 5.9 million page faults here, a third of the process's CPU in the kernel (user 21 s, sys
 11 s). With `glibc.malloc.hugetlb=1` (glibc 2.35 on) malloc asks for transparent huge
 pages (madvise), which fault in 2 MiB at a time: 0.15 million faults, sys 3 s, the
-default config's whole warm start 109 -> 63 CPU s (`ops/bench/malloc.py`,
+default config's whole warm start 100 -> 63 CPU s (`ops/bench/malloc.py`,
 docs/BENCHMARKS.md). The host's THP setting must allow madvise (`always` or `madvise` in
-/sys/kernel/mm/transparent_hugepage/enabled, Debian's default); where it does not, or
-where glibc is older, the tunable does nothing.
+/sys/kernel/mm/transparent_hugepage/enabled; `madvise` on the development machine); where
+it does not, or where glibc is older, the tunable does nothing.
 
 `streamrl up` starts its workers with it (`with_hugetlb`), the full image sets it, `make`
 exports it for the tests. A `GLIBC_TUNABLES` of the user's own that names
