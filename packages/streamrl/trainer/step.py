@@ -68,9 +68,9 @@ def round_batch(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def round_length(n: int) -> int:
-    """Length bucket: n rounded up to a multiple of LENGTH_BUCKET (at least one bucket)."""
-    return max(1, -(-n // LENGTH_BUCKET)) * LENGTH_BUCKET
+def round_length(n: int, bucket: int = LENGTH_BUCKET) -> int:
+    """Length bucket: n rounded up to a multiple of `bucket` (at least one bucket)."""
+    return max(1, -(-n // bucket)) * bucket
 
 
 class TrainState(flax.struct.PyTreeNode):

@@ -45,7 +45,7 @@ from streamrl.model.llm import DType, Params, causal_logits
 from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.model.tiny import builtin_key, cache_root, ensure_checkpoint
 from streamrl.tasks.registry import demonstration
-from streamrl.trainer.step import LENGTH_BUCKET, standard_promotion
+from streamrl.trainer.step import LENGTH_BUCKET, round_length, standard_promotion
 
 __all__ = [
     "WARMSTART_VERSION",
@@ -134,8 +134,7 @@ def demonstration_length(n: int) -> int:
     (0.70 of its tokens real; to 136: 0.82, and a step's CPU 95-107 -> 75 ms here, two
     lengths in 1,000 batches either way). Long ones (the code task's 350-540) gain little
     from finer buckets and would compile more lengths."""
-    bucket = SHORT_BUCKET if n < LONG_FROM else LENGTH_BUCKET
-    return max(1, -(-n // bucket)) * bucket
+    return round_length(n, SHORT_BUCKET if n < LONG_FROM else LENGTH_BUCKET)
 
 
 def _draw(cfg: Config, rng: random.Random) -> tuple[int, TaskConfig]:
