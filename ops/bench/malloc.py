@@ -40,19 +40,23 @@ warmstart_params(cfg)
 def run_once(config: str, steps: int, env: dict[str, str], scratch: Path) -> dict[str, float]:
     """One warm start in a child process: wall s, user s, sys s, minor faults."""
     cache = Path(tempfile.mkdtemp(dir=scratch))
+    err_path = cache / "stderr"
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, config, str(cache), str(steps)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
+    # stderr to a file, not a pipe: a child that prints more than a pipe holds would block
+    # while this process waits for it
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, config, str(cache), str(steps)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        raise RuntimeError(f"warm start of {config} failed ({proc.returncode}): {err[-2000:]}")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        tail = err_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"warm start of {config} failed ({code}): {tail}")
     return {
         "wall": wall,
         "user": usage.ru_utime,

@@ -256,11 +256,10 @@ def test_worker_logs_roll_over(tmp_path: Path) -> None:
         if name == rundir.REDIS:
             continue
         with contextlib.suppress(OSError):  # (one that ended since)
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            # glibc parses GLIBC_TUNABLES in place: its ':' read back as NUL here
+            raw = Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0glibc.", b":glibc.")
             environ = raw.split(b"\0")
             engine[name] = any(e.startswith(b"DOCKER_HOST=") for e in environ)
-            # glibc parses GLIBC_TUNABLES in place: its ':' read back as NUL here
-            environ = raw.replace(b"\0glibc.", b":glibc.").split(b"\0")
             tunables[name] = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out
