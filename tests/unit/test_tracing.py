@@ -346,6 +346,24 @@ def test_streamrl_trace_merges_a_run_and_refuses_one_without_traces(
     assert merged == read_trace(merge(trace_files(tmp_path)))
 
 
+def test_the_summary_counts_a_rolled_over_process_once(tmp_path: Path) -> None:
+    """Each file a writer rolls over to names its process again; the merged summary (what
+    `streamrl trace` prints) lists a process once however many files it wrote, and counts
+    every counter sample by its counter's name."""
+    w = TraceWriter(trace_path(tmp_path, "rollout-0"), "rollout-0", pid=7, chunk_packets=16,
+                    max_bytes=4_000)  # fmt: skip
+    track = w.track("episode", "g1-m0")
+    for i in range(400):
+        w.span(track, "env_step", 1000 + i * 10, 1005 + i * 10)
+    w.counter("rss_mb", 1.0, 5000)
+    w.close()
+    assert w.rollovers >= 1
+    summary = merge_run(tmp_path, tmp_path / "trace.pftrace")
+    assert len(trace_files(tmp_path)) == 2
+    assert summary.processes == [(7, "rollout-0")]
+    assert summary.counters == {"rss_mb": 1}
+
+
 def test_a_trace_past_its_cap_rolls_over_and_each_file_reads_alone(tmp_path: Path) -> None:
     """Review part 3: a worker's trace grew without bound. Past `max_bytes` it rolls over
     to <worker>.1.pftrace (replacing the one before): at most about twice the cap on disk,

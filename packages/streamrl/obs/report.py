@@ -32,7 +32,7 @@ from streamrl.evaluation import watch as evalrun
 from streamrl.names import RunPaths
 from streamrl.obs import metrics as m
 from streamrl.obs.metrics import percentile
-from streamrl.obs.tracing import Span, merge, read_trace, trace_files
+from streamrl.obs.tracing import Span, merge, read_trace, trace_files, tracks_of
 
 # Counter names read here (the metrics sampler writes them; the issue-16 contract).
 REWARD_COUNTERS = (m.REWARD_MEAN, m.SOLVE_RATE)
@@ -276,25 +276,16 @@ class RunData:
 def _tracks(trace: Trace) -> tuple[dict[int, str], dict[int, str]]:
     """Track uuid -> its worker (the process name of the process above it), and counter
     track uuid -> the counter's name."""
-    process: dict[int, str] = {}
-    parent: dict[int, int] = {}
-    counter_name: dict[int, str] = {}
-    for p in trace.packet:
-        if p.HasField("track_descriptor"):
-            d = p.track_descriptor
-            if d.HasField("process"):
-                process[d.uuid] = d.process.process_name or f"pid-{d.process.pid}"
-            if d.parent_uuid:
-                parent[d.uuid] = d.parent_uuid
-            if d.HasField("counter"):
-                counter_name[d.uuid] = d.name
+    names = tracks_of(trace)
+    process = {uuid: name or f"pid-{pid}" for uuid, (pid, name) in names.process.items()}
+    parent = names.parent
     worker_of = {}
     for uuid in {*process, *parent}:
         track, hops = uuid, 0
         while track not in process and track in parent and hops < 16:
             track, hops = parent[track], hops + 1
         worker_of[uuid] = process.get(track, "unknown")
-    return worker_of, counter_name
+    return worker_of, names.counter
 
 
 def parse_trace(trace: Trace) -> RunData:

@@ -720,6 +720,31 @@ def trace_files(run_dir: Path) -> list[Path]:
     return sorted((run_dir / TRACES_DIR).glob(f"*{TRACE_SUFFIX}"))
 
 
+@dataclass(frozen=True)
+class Tracks:
+    """What a trace's track descriptors name, by track uuid: each process track's (pid,
+    process name), each track's parent track, each counter track's counter name."""
+
+    process: dict[int, tuple[int, str]]
+    parent: dict[int, int]
+    counter: dict[int, str]
+
+
+def tracks_of(trace: Trace) -> Tracks:
+    """The track descriptors of `trace` (the summary below and the report read them)."""
+    names = Tracks({}, {}, {})
+    for p in trace.packet:
+        if p.HasField("track_descriptor"):
+            d = p.track_descriptor
+            if d.HasField("process"):
+                names.process[d.uuid] = (d.process.pid, d.process.process_name)
+            if d.parent_uuid:
+                names.parent[d.uuid] = d.parent_uuid
+            if d.HasField("counter"):
+                names.counter[d.uuid] = d.name
+    return names
+
+
 @dataclass
 class TraceSummary:
     """What a trace holds: its processes (pid, name), spans per name, counter samples per
@@ -732,22 +757,17 @@ class TraceSummary:
     flows_ended: int = 0
 
     def add(self, trace: Trace) -> None:
-        counter_names: dict[int, str] = {}
+        names = tracks_of(trace)
+        self.processes.extend(names.process.values())
         for p in trace.packet:
-            if p.HasField("track_descriptor"):
-                d = p.track_descriptor
-                if d.HasField("process"):
-                    self.processes.append((d.process.pid, d.process.process_name))
-                elif d.HasField("counter"):
-                    counter_names[d.uuid] = d.name
-            elif p.HasField("track_event"):
+            if p.HasField("track_event"):
                 e = p.track_event
                 if e.type == TrackEvent.TYPE_SLICE_BEGIN:
                     self.spans[e.name] += 1
                     self.flows += len(e.flow_ids)
                     self.flows_ended += len(e.terminating_flow_ids)
                 elif e.type == TrackEvent.TYPE_COUNTER:
-                    self.counters[counter_names.get(e.track_uuid, "?")] += 1
+                    self.counters[names.counter.get(e.track_uuid, "?")] += 1
 
 
 def merge_run(run_dir: Path, out: Path) -> TraceSummary:
