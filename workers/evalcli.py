@@ -16,10 +16,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from streamrl.config import Config
+    from streamrl.evaluation import EvalResult
+    from streamrl.evaluation.stats import GateVerdict
+    from streamrl.jsontypes import JSONObject
 
 GATE_RULE = (
     "--gate fails (exit 1) when the greedy solve rate fell by more than --tolerance below "
@@ -157,7 +160,7 @@ def _policy_errors() -> tuple[type[Exception], ...]:
     return (EvalError, ChatError, CheckpointError, SpecError)
 
 
-def _add_gate(result: dict[str, Any], baseline: dict[str, Any], verdict: Any, path: Path) -> None:
+def _add_gate(result: EvalResult, baseline: JSONObject, verdict: GateVerdict, path: Path) -> None:
     result["gate"] = {
         "baseline": str(path),
         "baseline_solve_rate": verdict.baseline,
@@ -191,7 +194,7 @@ def watch(cfg: Config, run_dir: Path, n: int, solve_threshold: float) -> int:
 
     unreadable: tuple[type[Exception], ...] = (*_policy_errors(), OSError)
 
-    def evaluate(step: int, path: Path) -> dict[str, Any]:
+    def evaluate(step: int, path: Path) -> EvalResult:
         try:
             policy = evaluation.load_policy(cfg, path, None)
         except unreadable as err:

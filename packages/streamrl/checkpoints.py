@@ -42,11 +42,11 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import redis
@@ -295,11 +295,12 @@ def _string_keys(keys: Keys) -> list[str]:
     ]
 
 
-def _pairs(flat: list[Any]) -> dict[str, bytes]:
+def _pairs(flat: list[bytes]) -> dict[str, bytes]:
     return {as_str(flat[i]): bytes(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
-def _entries(raw: list[Any]) -> list[Entry]:
+def _entries(raw: list[list[bytes | list[bytes]]]) -> list[Entry]:
+    """Stream entries as the script returns them: [id, [field, value, ...]] each."""
     return [(as_str(eid), [bytes(x) for x in fields]) for eid, fields in raw]
 
 
@@ -327,7 +328,7 @@ def take_snapshot(client: redis.Redis, keys: Keys, trained: Collection[str] = ()
     for _ in range(_SNAPSHOT_TRIES):
         gids = [as_str(g) for g in client.hkeys(keys.groups_started)]
         script_keys = [*fixed, *(keys.group_members(g) for g in gids)]
-        args: list[Any] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys)]
+        args: list[int | str] = [len(pairs), *[g for _, g in pairs], len(hkeys), len(skeys)]
         args += [len(gids), *gids, k, len(trained), *trained, _SPLIT, STATE_IN_SCRIPT_BYTES]
         raw: Any = client.eval(_SNAPSHOT, len(script_keys), *script_keys, *args)
         if raw is not None:
@@ -614,7 +615,7 @@ def _trim_to_bytes(client: redis.Redis, stream: str, limit: int) -> int:
     return int(client.xtrim(stream, maxlen=keep, approximate=False))
 
 
-def _in_pages(remove: Callable[..., Any], items: list[Any]) -> int:
+def _in_pages(remove: Callable[..., int], items: list[FieldT]) -> int:
     """`remove(*page)` for `items` a page per command; returns how many went."""
     return sum(int(remove(*items[i : i + _PAGE])) for i in range(0, len(items), _PAGE))
 
@@ -680,7 +681,17 @@ def _fsync_dir(path: Path) -> None:
 # restore trusts), xxh3_128 for the state files (about 10 GB/s on one core: it catches
 # corruption and same-size edits of a large state at little cost).
 SHA256, XXH3 = "sha256", "xxh3_128"
-_HASHES: dict[str, Callable[[], Any]] = {SHA256: hashlib.sha256, XXH3: xxhash.xxh3_128}
+
+
+class _Hash(Protocol):
+    """What `_digest` uses of a hash object (hashlib's and xxhash's alike)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+_HASHES: dict[str, Callable[[], _Hash]] = {SHA256: hashlib.sha256, XXH3: xxhash.xxh3_128}
 
 
 def _digest(path: Path, kind: str) -> str:
@@ -691,8 +702,8 @@ def _digest(path: Path, kind: str) -> str:
     return str(h.hexdigest())
 
 
-def _inventory(path: Path) -> dict[str, dict[str, Any]]:
-    files = {}
+def _inventory(path: Path) -> dict[str, dict[str, int | str]]:
+    files: dict[str, dict[str, int | str]] = {}
     for p in sorted(path.rglob("*")):
         if p.is_file() and p.name != COMMIT:
             rel = str(p.relative_to(path))
@@ -715,7 +726,7 @@ def prepare_dir(root: Path, step: int) -> Path:
 def commit(
     path: Path,
     step: int,
-    meta: dict[str, Any],
+    meta: Mapping[str, object],
     snapshot: QueueSnapshot,
     before_commit: Callable[[], None] | None = None,
 ) -> Checkpoint:
@@ -738,7 +749,7 @@ def write_checkpoint(
     root: Path,
     step: int,
     write_state: Callable[[Path], None],
-    meta: dict[str, Any],
+    meta: Mapping[str, object],
     snapshot: QueueSnapshot,
     before_commit: Callable[[], None] | None = None,
 ) -> Checkpoint:

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -1686,7 +1687,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
 _OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)=(.*)$")
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
+def _apply_override(data: dict[str, object], item: str) -> None:
     """`section.key=value`, or deeper (`task.options.latency_s=0.5`); the value is TOML,
     or a bare string."""
     m = _OVERRIDE.match(item)
@@ -1709,14 +1710,14 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def parse_config(
-    data: dict[str, Any], source: str = "<dict>", overrides: list[str] | None = None
+    data: Mapping[str, object], source: str = "<dict>", overrides: list[str] | None = None
 ) -> Config:
     """Validate a parsed TOML document (plus `section.key=value` overrides)."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for item in overrides or []:
-        _apply_override(data, item)
+        _apply_override(doc, item)
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(doc)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Any
+from collections.abc import Mapping
 
 from pydantic import BaseModel, ValidationError
 
@@ -28,7 +28,7 @@ class PluginError(ConfigError, FatalError):
     (compose) it is fatal, since restarting cannot fix it."""
 
 
-def load_object(ref: str, field: str) -> Any:
+def load_object(ref: str, field: str) -> object:
     """The object at `package.module:Name` (Name may be dotted: `Class.attr`)."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
@@ -45,7 +45,7 @@ def load_object(ref: str, field: str) -> Any:
             f"field `{field}`: importing `{module_name}` for `{ref}` failed: "
             f"{type(err).__name__}: {err}"
         ) from err
-    obj: Any = module
+    obj: object = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -78,7 +78,7 @@ def resolve_ref(ref: str, field: str, builtin: dict[str, str], group: str | None
     )
 
 
-def validate_options(model: type[BaseModel], data: dict[str, Any], field: str) -> BaseModel:
+def validate_options(model: type[BaseModel], data: Mapping[str, object], field: str) -> BaseModel:
     """`data` validated by the plug-in's options model; errors name `field.key`."""
     try:
         return model.model_validate(data)

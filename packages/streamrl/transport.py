@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -27,7 +27,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
-from redis.typing import StreamRangeResponse
+from redis.typing import EncodableT, FieldT, StreamRangeResponse
 
 from streamrl import counters
 from streamrl.config import TransportConfig
@@ -36,8 +36,9 @@ from streamrl.wire import DeadLetter, Message, WireError, decode, encode, raw_fi
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
+R = TypeVar("R")
 
-Pipeline = Any  # redis.client.Pipeline; its stubs are generic in ways mypy cannot follow
+Pipeline = redis.client.Pipeline | aioredis.client.Pipeline  # a transaction, sync or asyncio
 PipelineOp = Callable[[Pipeline], None]
 
 
@@ -72,9 +73,9 @@ def ensure_group(client: redis.Redis, stream: str, group: str, start_id: str = "
             raise
 
 
-def publish(client: redis.Redis | Pipeline, stream: str, msg: Message) -> Any:
+def publish(client: redis.Redis | Pipeline, stream: str, msg: Message) -> object:
     """Append one message to a stream; returns its entry id (or the pipeline)."""
-    fields: Any = encode(msg)
+    fields: dict[FieldT, EncodableT] = {k: v for k, v in encode(msg).items()}
     return client.xadd(stream, fields)
 
 
@@ -91,6 +92,19 @@ def as_str(x: object) -> str:
 
 RawFields = dict[bytes | str, bytes | str]  # a stream entry's fields, as redis-py types them
 Entry = tuple[str, RawFields]  # a stream entry: its id (as text) and its fields
+# An entry of an XREADGROUP or XAUTOCLAIM reply: no fields for one deleted while pending.
+ReadEntry = tuple[bytes | str, RawFields | None]
+
+
+class _AutoclaimArgs(TypedDict):
+    """XAUTOCLAIM's arguments (`RedisStreamConsumer._autoclaim_args`)."""
+
+    name: str
+    groupname: str
+    consumername: str
+    min_idle_time: int
+    start_id: str
+    count: int
 
 
 def as_bytes(x: bytes | str) -> bytes:
@@ -203,7 +217,8 @@ class RedisStreamConsumer(Generic[M]):
         count = count or self.cfg.read_count
         out: list[Delivery[M]] = []
         if self._claim_due():
-            out.extend(self._claimed(self.client.xautoclaim(**self._autoclaim_args(count))))
+            claim = self.client.xautoclaim(**self._autoclaim_args(count))
+            out.extend(self._claimed(claim[0], claim[1]))
             if out:
                 return out
         block = self.cfg.block_ms if block_ms is None else block_ms
@@ -234,17 +249,17 @@ class RedisStreamConsumer(Generic[M]):
         letters, acknowledging deleted entries) stay synchronous, on a thread."""
         count = count or self.cfg.read_count
         if self._claim_due():
-            resp: Any = await aclient.xautoclaim(**self._autoclaim_args(count))
-            if resp[1]:
-                claimed = await asyncio.to_thread(self._claimed, resp)
+            claim = await aclient.xautoclaim(**self._autoclaim_args(count))
+            if claim[1]:
+                claimed = await asyncio.to_thread(self._claimed, claim[0], claim[1])
                 if claimed:
                     return claimed
             else:
-                self._claim_cursor = as_str(resp[0])
+                self._claim_cursor = as_str(claim[0])
         block = self.cfg.block_ms if block_ms is None else block_ms
         if self._read_from != ">":  # the history is read once, at start: the sync path
             return await asyncio.to_thread(self.read, count, block_ms)
-        resp = await aclient.xreadgroup(
+        resp: Any = await aclient.xreadgroup(
             self.group, self.name, {self.stream: ">"}, count=count, block=block or None
         )
         entries = [e for _stream, es in resp or [] for e in es]
@@ -252,7 +267,7 @@ class RedisStreamConsumer(Generic[M]):
             return await asyncio.to_thread(self._decode_entries, entries, 1)
         return self._decode_entries(entries, 1)
 
-    def _decode_entries(self, entries: list[Any], deliveries: int) -> list[Delivery[M]]:
+    def _decode_entries(self, entries: Sequence[ReadEntry], deliveries: int) -> list[Delivery[M]]:
         out: list[Delivery[M]] = []
         for entry_id, fields in entries:
             if fields is None:  # 6.2 answers a deleted-but-pending entry with no fields
@@ -282,7 +297,7 @@ class RedisStreamConsumer(Generic[M]):
         self._next_claim = time.monotonic() + self.cfg.claim_every_ms / 1000
         return True
 
-    def _autoclaim_args(self, count: int) -> dict[str, Any]:
+    def _autoclaim_args(self, count: int) -> _AutoclaimArgs:
         """XAUTOCLAIM of up to `count` entries idle past `claim_idle_ms`, from the cursor."""
         return {
             "name": self.stream,
@@ -293,10 +308,11 @@ class RedisStreamConsumer(Generic[M]):
             "count": count,
         }
 
-    def _claimed(self, resp: Any) -> list[Delivery[M]]:
-        """Deliveries of an XAUTOCLAIM reply: counted, dead-lettered past max_deliveries."""
-        self._claim_cursor = as_str(resp[0])
-        entries = [(as_str(eid), fields) for eid, fields in resp[1]]
+    def _claimed(self, cursor: bytes | str, claimed: Sequence[ReadEntry]) -> list[Delivery[M]]:
+        """Deliveries of an XAUTOCLAIM reply (its cursor and entries): counted,
+        dead-lettered past max_deliveries."""
+        self._claim_cursor = as_str(cursor)
+        entries = [(as_str(eid), fields) for eid, fields in claimed]
         if not entries:
             return []
         counts = self._delivery_counts([eid for eid, _ in entries])
@@ -331,7 +347,7 @@ class RedisStreamConsumer(Generic[M]):
         rows = pipe.execute()
         return {as_str(r["message_id"]): int(r["times_delivered"]) for row in rows for r in row}
 
-    def _decode(self, entry_id: str, fields: dict[Any, Any], deliveries: int) -> Delivery[M] | None:
+    def _decode(self, entry_id: str, fields: RawFields, deliveries: int) -> Delivery[M] | None:
         try:
             msg = decode(fields, self.cls)
         except WireError as err:
@@ -381,9 +397,7 @@ class RedisStreamConsumer(Generic[M]):
                 justid=True,
             )
 
-    def dead_letter(
-        self, entry_id: str, fields: dict[Any, Any], reason: str, deliveries: int
-    ) -> None:
+    def dead_letter(self, entry_id: str, fields: RawFields, reason: str, deliveries: int) -> None:
         """Move an entry to the dead-letter stream with its reason (and ack it)."""
         letter = DeadLetter(
             source=self.stream,
@@ -435,12 +449,16 @@ def waits_out(err: BaseException) -> bool:
 _BUSY = re.compile(r"(?:^|: )BUSY ")
 
 
-class _Budget:
+class _Budget(Generic[R]):
     """What one command's retries have spent: connection errors by count, LOADING and BUSY
-    by time since the first of them."""
+    by time since the first of them. `R`: what the client's `fail` returns."""
 
     def __init__(
-        self, retry: WaitingRetry | AsyncWaitingRetry, fail: _Fail, check: _Check, count: bool
+        self,
+        retry: WaitingRetry | AsyncWaitingRetry,
+        fail: Callable[..., R],
+        check: _Check,
+        count: bool,
     ) -> None:
         retry.backoff.reset()
         self.retry = retry
@@ -451,7 +469,7 @@ class _Budget:
         self.errors = 0  # connection errors and timeouts
         self.busy_since: float | None = None
 
-    def failed(self, error: Exception) -> Any:
+    def failed(self, error: Exception) -> R:
         """Count a failure and tell the client's `fail` (what it returns); raise `error`
         when it is no reply to retry."""
         if isinstance(error, redis.ResponseError) and not waits_out(error):
@@ -479,7 +497,8 @@ class _Budget:
 
 
 _RETRIED = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError)
-_Fail = Callable[..., Any]  # what the client does after a failure (disconnect)
+_Fail = Callable[..., object]  # what the client does after a failure (disconnect)
+_AsyncFail = Callable[..., Awaitable[object]]  # `_Fail` of the asyncio client
 _Check = Callable[[Exception], bool] | None  # the client's own test of an error
 
 
@@ -518,7 +537,7 @@ class AsyncWaitingRetry(AsyncRetry):
     async def call_with_retry(
         self,
         do: Callable[[], Awaitable[T]],
-        fail: _Fail,
+        fail: _AsyncFail,
         is_retryable: _Check = None,
         with_failure_count: bool = False,
     ) -> T:
@@ -531,7 +550,7 @@ class AsyncWaitingRetry(AsyncRetry):
                 await asyncio.sleep(budget.delay(error))
 
 
-def _options(retry: Retry | AsyncRetry) -> dict[str, Any]:
+def _options(retry: Retry | AsyncRetry) -> dict[str, object]:
     """Connection options both clients share: timeouts that fit blocking stream reads,
     and `retry` on connection errors, LOADING and BUSY. No socket timeout: redis-py 8's
     default (5 s) cut every blocking read longer than that (a tool result's BLPOP waits
@@ -548,7 +567,7 @@ def _options(retry: Retry | AsyncRetry) -> dict[str, Any]:
     }
 
 
-def _cluster_options(retry: Retry | AsyncRetry) -> dict[str, Any]:
+def _cluster_options(retry: Retry | AsyncRetry) -> dict[str, object]:
     """`_options` for a Redis Cluster client: the cluster retries a whole command (and
     re-routes it after a failover) on connection errors with `retry`; no socket timeout,
     as on a single server, so a blocking read (BLPOP, XREADGROUP BLOCK) outlasts 5 s."""
@@ -561,7 +580,7 @@ def make_client(
     *,
     cluster: bool = False,
     busy_wait_s: float = BUSY_WAIT_S,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> redis.Redis:
     """A Redis client for `url` with timeouts that fit blocking stream reads, retrying
     commands across a short Redis outage (`retries` times, backoff up to 1 s) and LOADING

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar, get_args
+from typing import ClassVar, Protocol, TypeVar, TypeVarTuple, get_args
 
 import numpy as np
 import redis
@@ -107,16 +107,27 @@ class WeightsChannel(Protocol):
 
 
 CHECKSUMS: tuple[Checksum, ...] = get_args(Checksum)
-_HASHES: dict[str, Any] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+class _Hash(Protocol):
+    """What `checksum` uses of a hash object (hashlib's and xxhash's alike)."""
+
+    def update(self, data: Buffer, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+_HASHES: dict[str, Callable[[], _Hash]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 # Versions at least this big are hashed on a second thread while they are written or
 # decoded; smaller ones inline (a thread hand-off costs more than hashing them).
 HASH_ON_THREAD_BYTES = 8 << 20
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
-def overlapped(pool: Executor, nbytes: int, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
+def overlapped(pool: Executor, nbytes: int, fn: Callable[[*Ts], T], *args: *Ts) -> Callable[[], T]:
     """`fn(*args)` for a version of `nbytes`, run while the caller goes on: on `pool` from
     HASH_ON_THREAD_BYTES up, else at once. Call the result for fn's value (or its error)."""
     if nbytes >= HASH_ON_THREAD_BYTES:

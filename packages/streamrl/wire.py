@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, TypedDict, TypeVar
 
 import msgspec
 import numpy as np
+from numpy.typing import ArrayLike
 
 SCHEMA_VERSION = 1
 
@@ -132,7 +133,7 @@ class ArrayFields(TypedDict):
     logprobs: bytes
 
 
-def pack_arrays(tokens: Any, loss_mask: Any, logprobs: Any) -> ArrayFields:
+def pack_arrays(tokens: ArrayLike, loss_mask: ArrayLike, logprobs: ArrayLike) -> ArrayFields:
     """Array fields of a Trajectory from anything numpy can read."""
     t = np.asarray(tokens, dtype="<i4")
     m = np.asarray(loss_mask, dtype=np.uint8)
@@ -292,7 +293,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
+_decoders: dict[type[Message], msgspec.msgpack.Decoder[Message]] = {
     t: msgspec.msgpack.Decoder(t) for t in MESSAGE_TYPES.values()
 }
 

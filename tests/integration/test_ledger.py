@@ -20,6 +20,7 @@ from streamrl.agents.envs import ToolEnvironment, ToolLimits, ToolRecord
 from streamrl.agents.tools import CallContext, FunctionTool, Tool, ToolOutput
 from streamrl.chat.transcript import ToolCall
 from streamrl.config import ToolsConfig
+from streamrl.jsontypes import JSONObject
 from streamrl.names import Keys
 from streamrl.tools.client import ToolClient
 from streamrl.tools.ledger import AsyncToolLedger, ToolLedger, ledger_key
@@ -27,7 +28,11 @@ from streamrl.transport import make_async_client, make_client
 from streamrl.wire import ToolResult
 from tests.helpers import spawn_worker, stop, wait_for_rq_worker
 
-TEXT = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+TEXT: JSONObject = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+}
 PREFIX = "g1-m0-2"  # what the episode runner passes: <traj_id>-<turn>
 
 

@@ -64,4 +64,5 @@ def test_calculator_tool() -> None:
     assert typed.error == "argument `expression` must be of type string"
     unknown = run_call(sb, "browser", "{}", 5.0, 1024)
     assert unknown.error.startswith("unknown tool `browser`")
-    assert CALCULATOR.schema()["function"]["name"] == "calculator"
+    function = CALCULATOR.schema()["function"]
+    assert isinstance(function, dict) and function["name"] == "calculator"

@@ -30,7 +30,7 @@ from streamrl.trainer.loop import NonFiniteStepsError, TrainerLoop
 from streamrl.trainer.publish import WeightPublisher
 from streamrl.trainer.step import Batch, TrainState
 from streamrl.trainer.stub import stub_state
-from streamrl.transport import publish
+from streamrl.transport import as_str, publish
 from streamrl.weightsync import DirChannel
 from streamrl.wire import (
     DeadLetter,
@@ -141,7 +141,7 @@ def dead_groups(client: redis.Redis, keys: Keys) -> list[str]:
 def test_a_non_finite_step_keeps_the_state_and_runs_no_hook(
     rclient: redis.Redis, keys: Keys, tmp_path: Path, checkpointer: ocp.StandardCheckpointer
 ) -> None:
-    entries = [publish(rclient, keys.groups, group(f"g{i}")).decode() for i in range(6)]
+    entries = [as_str(publish(rclient, keys.groups, group(f"g{i}"))) for i in range(6)]
     root = tmp_path / "checkpoints"
     cfg = config(max_nonfinite_steps=3)
     loop = make_loop(
@@ -173,7 +173,7 @@ def test_a_group_too_stale_when_taken_is_dropped_not_trained(
     # Issue 15 item 4: every member is checked when the trainer takes the group (the
     # trainer may have moved on since the grouper emitted it), the oldest one included.
     publish(rclient, keys.groups, group("g0", ([5], [4])))
-    stale = publish(rclient, keys.groups, group("g1", ([3], [5]))).decode()  # 3 behind v6
+    stale = as_str(publish(rclient, keys.groups, group("g1", ([3], [5]))))  # 3 behind v6
     publish(rclient, keys.groups, group("g2", ([5], [4])))
     root = tmp_path / "checkpoints"
     cfg = parse_config(
@@ -257,7 +257,7 @@ def test_a_dead_lettered_group_replayed_by_the_operator_trains(
     # A non-finite step's groups are dead-lettered; once the cause is mended the operator
     # replays them (`streamrl queues --replay-dead`): a new entry of the same group, which
     # the trainer must train, not skip as already handled.
-    first = [publish(rclient, keys.groups, group(f"g{i}")).decode() for i in range(2)]
+    first = [as_str(publish(rclient, keys.groups, group(f"g{i}"))) for i in range(2)]
     root = tmp_path / "checkpoints"
     step = ScriptedStep(["nan", "ok", "ok"])
     loop = make_loop(config(), rclient, keys, root, step, checkpointer, max_steps=1)

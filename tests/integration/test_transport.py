@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from streamrl.config import TransportConfig
 from streamrl.names import Keys
-from streamrl.transport import RedisStreamConsumer, publish
+from streamrl.transport import RedisStreamConsumer, as_str, publish
 from streamrl.wire import DeadLetter, Task, decode
 from tests.conftest import entries
 
@@ -173,7 +173,7 @@ def test_every_claimed_entry_is_checked_against_max_deliveries(
     a claimed id off the one XPENDING page read, and it counted as a first delivery)."""
     cfg = TransportConfig(block_ms=10, claim_idle_ms=60_000, claim_every_ms=10, max_deliveries=5)
     c = RedisStreamConsumer(rclient, keys, keys.tasks, "cg", "b", Task, cfg)
-    ids = [publish(rclient, keys.tasks, _task(i)).decode() for i in range(32)]
+    ids = [as_str(publish(rclient, keys.tasks, _task(i))) for i in range(32)]
     rclient.xreadgroup("cg", "a", {keys.tasks: ">"}, count=1)  # ids[0]: a, which died
     rclient.xreadgroup("cg", "b", {keys.tasks: ">"}, count=30)  # ids[1:31]: b, working
     rclient.xreadgroup("cg", "a", {keys.tasks: ">"}, count=1)  # ids[31]: a

@@ -20,10 +20,11 @@ from streamrl.agents.tools import (
 )
 from streamrl.chat.transcript import ToolCall
 from streamrl.config import ToolsConfig
+from streamrl.jsontypes import JSONObject
 from streamrl.tasks.registry import tool_limits
 from streamrl.wire import ToolResult
 
-ECHO_PARAMS = {
+ECHO_PARAMS: JSONObject = {
     "type": "object",
     "properties": {"text": {"type": "string"}},
     "required": ["text"],

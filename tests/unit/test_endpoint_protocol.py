@@ -12,6 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from streamrl.chat.transcript import parse_turn
 from streamrl.endpoint.protocol import (
     ApiError,
+    AssistantMessage,
     Reply,
     assistant_message,
     call_id,
@@ -228,7 +229,7 @@ def test_a_streamed_response_rebuilds_the_same_message() -> None:
     assert parsed[-1].choices == [] and parsed[-1].usage is not None
     assert parsed[-1].usage.completion_tokens == 9
     # without usage asked: no usage chunk; a text turn streams its text
-    plain = {"role": "assistant", "content": "five"}
+    plain: AssistantMessage = {"role": "assistant", "content": "five"}
     events = list(chunks(Reply("c", "policy", 0, plain, "stop", 1, 1), include_usage=False))
     bodies = [json.loads(e[6:]) for e in events[:-1]]
     assert [b["choices"][0]["delta"].get("content") for b in bodies] == ["", "five", None]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from streamrl.chat.hf import HFChat
 from streamrl.chat.tiny_tokenizer import build_tiny_tokenizer
 from streamrl.chat.transcript import Transcript
-from streamrl.endpoint.protocol import ApiError, parse_request
+from streamrl.endpoint.protocol import ApiError, AssistantMessage, parse_request
 from streamrl.endpoint.session import EndpointSession, TranscriptEdited, before_stop, stop_cut
 from streamrl.tasks.arithmetic import calculator_call
 from streamrl.tools.registry import CALCULATOR
@@ -28,13 +29,13 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> HFChat:
     return HFChat.from_dir(out)
 
 
-def request(messages: list[dict[str, Any]], **fields: Any) -> Any:
+def request(messages: list[Mapping[str, Any]], **fields: Any) -> Any:
     return parse_request(json.dumps({"model": "policy", "messages": messages, **fields}))
 
 
 def serve(
-    s: EndpointSession, messages: list[dict[str, Any]], text: str, version: int = 0
-) -> dict[str, Any]:
+    s: EndpointSession, messages: list[Mapping[str, Any]], text: str, version: int = 0
+) -> AssistantMessage:
     """One call: the prompt prepared, `text` 'sampled' (its ids and the stop token), kept."""
     pending = s.prepare(request(messages, tools=TOOLS))
     assert pending.prompt == s.transcript.tokens + pending.added
@@ -42,12 +43,12 @@ def serve(
     return s.record(pending, ids, [-0.25] * len(ids), version)
 
 
-def three_turns(chat: HFChat) -> tuple[EndpointSession, list[dict[str, Any]], list[str]]:
+def three_turns(chat: HFChat) -> tuple[EndpointSession, list[Mapping[str, Any]], list[str]]:
     """An agent's episode of three calls: two calculator calls, then the answer; the
     messages as the openai client sends them back (the returned message as it came)."""
     s = EndpointSession(chat, "g7-m1", max_context=1024)
     turns = [calculator_call("37+58"), calculator_call("95*2"), "<answer>190</answer>"]
-    msgs: list[dict[str, Any]] = [
+    msgs: list[Mapping[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": PROMPT},
     ]
@@ -91,7 +92,7 @@ def test_the_endpoints_tokens_are_the_built_in_dialogues(chat: HFChat) -> None:
 
 def test_re_serialised_arguments_are_the_same_call(chat: HFChat) -> None:
     s = EndpointSession(chat, "e", max_context=1024)
-    msgs: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    msgs: list[Mapping[str, Any]] = [{"role": "user", "content": PROMPT}]
     reply = serve(s, msgs, calculator_call("1+1"))
     call = reply["tool_calls"][0]
     spaced = json.dumps(json.loads(call["function"]["arguments"]), indent=2)
@@ -126,7 +127,9 @@ def test_an_edited_history_is_refused_and_changes_nothing(chat: HFChat, edit: st
     elif edit == "user text":
         msgs[1] = {"role": "user", "content": "Compute 1+1."}
     else:
-        tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": "other"}}]
+        function = TOOLS[0]["function"]
+        assert isinstance(function, dict)
+        tools = [{**TOOLS[0], "function": {**function, "description": "other"}}]
     before = (list(s.transcript.tokens), list(s.wire), s.turns)
     with pytest.raises(TranscriptEdited) as info:
         s.prepare(request(msgs, tools=tools))
@@ -209,7 +212,7 @@ def test_stop_sequences_cut_the_turn_at_the_token_that_completes_them(chat: HFCh
 
 def test_a_turn_cut_by_a_stop_sequence_trains_on_what_was_kept(chat: HFChat) -> None:
     s = EndpointSession(chat, "g3-m0", max_context=1024)
-    msgs: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    msgs: list[Mapping[str, Any]] = [{"role": "user", "content": PROMPT}]
     pending = s.prepare(request(msgs, tools=TOOLS, stop=["DONE"]))
     sampled = chat.assistant_turn("The sum is 95. DONE and then more words")
     keep = stop_cut(chat, sampled, ["DONE"])

@@ -58,7 +58,7 @@ def _episode(calls: list[int]) -> tuple[CountingAgent, Environment]:
 
     async def score(answer: str | None, records: list[ToolRecord], ctx: CallContext) -> float:
         # The reward depends on every call's record: restored ones count too.
-        return float(sum(int(r.args["n"]) for r in records)) if answer == "done" else -1.0
+        return float(sum(int(str(r.args["n"])) for r in records)) if answer == "done" else -1.0
 
     env = ToolEnvironment("alpha bravo", [tool, FinishTool()], score, ToolLimits())
     return CountingAgent(), env

@@ -50,7 +50,8 @@ def test_a_pass_summary_counts_every_episode_once() -> None:
     assert s["reward_mean"]["value"] == pytest.approx(0.3)
     assert s["truncation_rate"]["value"] == 0.2 and s["error_rate"]["value"] == 0.4
     # pooled over calls: 1 + 1 + 0 + 1 + 1 well formed of 1 + 2 + 0 + 1 + 1
-    assert (s["tool_calls"], s["tool_call_wellformed_rate"]["value"]) == (5, 0.8)
+    wellformed = s["tool_call_wellformed_rate"]
+    assert wellformed is not None and (s["tool_calls"], wellformed["value"]) == (5, 0.8)
     assert summarize(outs, 0.5)["solve_rate"]["value"] == 0.4
     assert summarize([_o(0, 1.0, calls=0, wf=0)], 1.0)["tool_call_wellformed_rate"] is None
 
@@ -79,6 +80,8 @@ def test_a_mixture_is_summarized_per_task_by_hand() -> None:
     assert list(got) == ["a", "b"]
     assert (got["a"]["n"], got["a"]["solve_rate"], got["b"]["solve_rate"]) == (2, 0.5, 1.0)
     assert got["a"]["greedy"]["episodes"] == 2 and got["b"]["greedy"]["episodes"] == 1
-    assert got["a"]["sampled"]["pass_at_k"]["2"]["value"] == pytest.approx(0.5)
-    assert got["b"]["sampled"]["solve_rate"]["value"] == 0.0
+    a_sampled, b_sampled = got["a"]["sampled"], got["b"]["sampled"]
+    assert a_sampled is not None and b_sampled is not None
+    assert a_sampled["pass_at_k"]["2"]["value"] == pytest.approx(0.5)
+    assert b_sampled["solve_rate"]["value"] == 0.0
     assert by_task(split, greedy, [], 0, 1.0)["a"]["sampled"] is None

@@ -4,6 +4,7 @@ window of records a resume may need."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -13,7 +14,7 @@ from streamrl import checkpoints as ckpts
 from streamrl.trainer.resume import CheckpointMeta, window_start
 
 
-def write_meta(root: Path, step: int, meta: dict[str, object]) -> Path:
+def write_meta(root: Path, step: int, meta: Mapping[str, object]) -> Path:
     path = ckpts.step_dir(root, step)
     path.mkdir(parents=True)
     (path / ckpts.META).write_text(json.dumps(meta))

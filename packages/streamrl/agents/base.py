@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.chat.transcript import ToolCall, ToolCallError
+from streamrl.jsontypes import JSONObject
 
 
 class ToolInfraError(RuntimeError):
@@ -77,13 +78,13 @@ class Environment(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the episode held (called once, also after an error)."""
 
-    def save_state(self) -> dict[str, Any] | None:
+    def save_state(self) -> JSONObject | None:
         """What the environment keeps across turns, at a turn boundary (JSON-like values:
         msgpack-encoded into the episode's saved state), or None: it cannot be resumed, and
         an episode that loses its worker starts over (the default)."""
         return None
 
-    def restore_state(self, state: dict[str, Any]) -> None:
+    def restore_state(self, state: JSONObject) -> None:
         """Take back a `save_state` result, after `reset` on a fresh environment: the
         episode goes on from that turn boundary without making its earlier steps again."""
         raise NotImplementedError(f"{type(self).__name__} saves a state it cannot restore")

@@ -7,7 +7,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from streamrl.agents.base import Action, Environment, Reset, StepResult, ToolInfraError
 from streamrl.agents.flow import CircuitBreaker, RateLimiter
@@ -20,6 +19,7 @@ from streamrl.agents.tools import (
     parse_arguments,
 )
 from streamrl.chat.transcript import ToolCall, ToolCallError
+from streamrl.jsontypes import JSON, JSONObject
 from streamrl.tools.ledger import AsyncToolLedger, ledger_key
 from streamrl.wire import ToolResult
 
@@ -29,7 +29,7 @@ class ToolRecord:
     """One call an episode made, with what came back."""
 
     name: str
-    args: dict[str, Any]
+    args: JSONObject
     output: ToolOutput
 
 
@@ -70,7 +70,7 @@ class ToolLimits:
             "external": asyncio.Semaphore(self.max_external_calls),
         }
 
-    async def run(self, tool: Tool, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    async def run(self, tool: Tool, args: JSONObject, ctx: CallContext) -> ToolOutput:
         limiter = self.rates.get(tool.name)
         if limiter is not None:
             await limiter.acquire()
@@ -139,7 +139,7 @@ class ToolEnvironment(Environment):
         )
         return StepResult(observations=[r.render() for r in results], done=False)
 
-    def save_state(self) -> dict[str, Any] | None:
+    def save_state(self) -> JSONObject | None:
         """The calls made so far, with their outputs (the scorer reads them)."""
         return {
             "records": [
@@ -147,11 +147,11 @@ class ToolEnvironment(Environment):
             ]
         }
 
-    def restore_state(self, state: dict[str, Any]) -> None:
-        self.records = [
-            ToolRecord(name, args, ToolOutput(ok, output, error))
-            for name, args, ok, output, error in state["records"]
-        ]
+    def restore_state(self, state: JSONObject) -> None:
+        records = state["records"]
+        if not isinstance(records, list):
+            raise TypeError(f"saved records {records!r}: not a list")
+        self.records = [_record(r) for r in records]
 
     def _finish_answer(self, calls: list[ToolCall | ToolCallError]) -> str | None:
         finish = self.tools.get("finish")
@@ -192,7 +192,7 @@ class ToolEnvironment(Environment):
         return out
 
     async def _once(
-        self, ledger: AsyncToolLedger, tool: Tool, args: dict[str, Any], ctx: CallContext
+        self, ledger: AsyncToolLedger, tool: Tool, args: JSONObject, ctx: CallContext
     ) -> ToolOutput:
         """The call through the ledger: a ToolInfraError records nothing and propagates."""
 
@@ -209,3 +209,19 @@ class ToolEnvironment(Environment):
 
         result = await ledger.run_once(ledger_key(ctx.call_id, tool.name, args), ctx.call_id, run)
         return ToolOutput(result.ok, result.output, result.error)
+
+
+def _record(saved: JSON) -> ToolRecord:
+    """A `ToolRecord` of `ToolEnvironment.save_state`: [name, args, ok, output, error]."""
+    if not isinstance(saved, list):
+        raise TypeError(f"a saved record {saved!r}: not a list")
+    name, args, ok, output, error = saved
+    if not (
+        isinstance(name, str)
+        and isinstance(args, dict)
+        and isinstance(ok, bool)
+        and isinstance(output, str)
+        and isinstance(error, str)
+    ):
+        raise TypeError(f"a saved record {saved!r}: not [name, args, ok, output, error]")
+    return ToolRecord(name, args, ToolOutput(ok, output, error))

@@ -14,9 +14,10 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from streamrl.agents.base import ToolInfraError
+from streamrl.jsontypes import JSON, JSONObject
 from streamrl.wire import ToolResult
 
 ToolKind = Literal["local", "sandbox", "external"]
@@ -35,7 +36,7 @@ class ToolArgumentError(ValueError):
     """Arguments a tool cannot accept; the message goes back to the agent."""
 
 
-def parse_arguments(parameters: dict[str, Any], arguments: str) -> dict[str, Any]:
+def parse_arguments(parameters: JSONObject, arguments: str) -> JSONObject:
     """Decode a call's JSON arguments and check them against a flat JSON-object schema
     (required names, no unknown names, JSON types of the values)."""
     try:
@@ -46,17 +47,30 @@ def parse_arguments(parameters: dict[str, Any], arguments: str) -> dict[str, Any
         ) from None
     if not isinstance(args, dict):
         raise ToolArgumentError("arguments must be a JSON object")
-    props: dict[str, Any] = parameters.get("properties", {})
-    for name in parameters.get("required", []):
+    props = parameters.get("properties", {})
+    required = parameters.get("required", [])
+    if not isinstance(props, dict) or not isinstance(required, list):
+        raise TypeError(f"not a JSON-object schema `check_schema` accepts: {parameters!r}")
+    for name in required:
         if name not in args:
             raise ToolArgumentError(f"missing required argument `{name}`")
     for name, value in args.items():
         if name not in props:
             raise ToolArgumentError(f"unknown argument `{name}`")
-        want = _JSON_TYPES[props[name]["type"]]
+        kind = _property_type(props[name])
+        want = _JSON_TYPES[kind]
         if not isinstance(value, want) or isinstance(value, bool) is not (want is bool):
-            raise ToolArgumentError(f"argument `{name}` must be of type {props[name]['type']}")
+            raise ToolArgumentError(f"argument `{name}` must be of type {kind}")
     return args
+
+
+def _property_type(spec: JSON) -> str:
+    """The JSON type a property's schema names (one of `_JSON_TYPES`, as `check_schema`
+    requires)."""
+    kind = spec["type"] if isinstance(spec, dict) else None
+    if not isinstance(kind, str):
+        raise TypeError(f"a property schema without a JSON type: {spec!r}")
+    return kind
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
@@ -87,7 +101,7 @@ def check_schema(name: object, description: object, parameters: object) -> None:
         )
 
 
-def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+def function_schema(name: str, description: str, parameters: JSONObject) -> JSONObject:
     """A tool as chat templates list it (OpenAI function format)."""
     return {
         "type": "function",
@@ -126,17 +140,17 @@ class Tool:
 
     name: str
     description: str
-    parameters: dict[str, Any]  # a JSON schema of type object
+    parameters: JSONObject  # a JSON schema of type object
     kind: ToolKind = "local"
     idempotent: bool = True
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self) -> JSONObject:
         return function_schema(self.name, self.description, self.parameters)
 
-    def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    def apply(self, args: JSONObject, ctx: CallContext) -> ToolOutput:
         raise NotImplementedError(f"{type(self).__name__} implements neither apply nor apply_async")
 
-    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    async def apply_async(self, args: JSONObject, ctx: CallContext) -> ToolOutput:
         return await asyncio.to_thread(self.apply, args, ctx)
 
 
@@ -147,12 +161,12 @@ class FunctionTool(Tool):
 
     name: str
     description: str
-    parameters: dict[str, Any]
+    parameters: JSONObject
     fn: Callable[..., str]
     kind: ToolKind = "local"
     idempotent: bool = True
 
-    def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    def apply(self, args: JSONObject, ctx: CallContext) -> ToolOutput:
         try:
             return ToolOutput(True, str(self.fn(**args)))
         except Exception as err:
@@ -175,11 +189,11 @@ class SandboxTool(Tool):
 
     name: str
     description: str
-    parameters: dict[str, Any]
+    parameters: JSONObject
     caller: ToolCaller
     kind: ToolKind = "sandbox"
 
-    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    async def apply_async(self, args: JSONObject, ctx: CallContext) -> ToolOutput:
         result = await self.caller.call(self.name, json.dumps(args), ctx.call_id)
         if result.infra:
             raise ToolInfraError(f"tool `{self.name}` call {ctx.call_id}: {result.error}")
@@ -192,7 +206,7 @@ class FinishTool(Tool):
 
     name: str = "finish"
     description: str = "Give your final answer and end the episode."
-    parameters: dict[str, Any] = field(
+    parameters: JSONObject = field(
         default_factory=lambda: {
             "type": "object",
             "properties": {"answer": {"type": "string", "description": "The final answer."}},
@@ -200,5 +214,5 @@ class FinishTool(Tool):
         }
     )
 
-    def apply(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    def apply(self, args: JSONObject, ctx: CallContext) -> ToolOutput:
         return ToolOutput(True, str(args["answer"]))

@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -55,9 +55,12 @@ from streamrl.chat.tiny_tokenizer import CHAT_TEMPLATE as CHATML_TEMPLATE
 from streamrl.chat.transcript import ParsedTurn, parse_turn
 from streamrl.config import ModelConfig
 from streamrl.errors import FatalError
+from streamrl.jsontypes import JSON, JSONObject
 
-Message = dict[str, Any]
-Tools = list[dict[str, Any]]
+Message = JSONObject
+Tools = list[JSONObject]
+# A conversation as `render` takes it: messages of JSON values, read and never changed.
+Messages = Sequence[Mapping[str, JSON]]
 
 # Files of which at least one marks a directory as holding a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -247,12 +250,12 @@ class HFChat:
         return self._stop_ids
 
     def render(
-        self, messages: list[Message], tools: Tools | None = None, generation_prompt: bool = False
+        self, messages: Messages, tools: Tools | None = None, generation_prompt: bool = False
     ) -> str:
         """The template's text of `messages` (and `tools`, listed as the template does)."""
         self.require_template("render a conversation")
         # transformers also takes callables as tools; ours are JSON schemas.
-        schemas: list[dict[Any, Any] | Callable[..., Any]] | None = None
+        schemas: list[JSONObject] | None = None
         if tools is not None:
             schemas = [*tools]
         try:
@@ -268,14 +271,14 @@ class HFChat:
         assert isinstance(text, str)  # tokenize=False on one conversation gives its text
         return text
 
-    def prompt_ids(self, messages: list[Message], tools: Tools | None = None) -> list[int]:
+    def prompt_ids(self, messages: Messages, tools: Tools | None = None) -> list[int]:
         """Ids of `messages` followed by the generation prompt: where sampling starts."""
         return self.encode(self.render(messages, tools, generation_prompt=True))
 
     def continuation_ids(
         self,
-        messages_so_far: list[Message],
-        new_messages: list[Message],
+        messages_so_far: Messages,
+        new_messages: Messages,
         tools: Tools | None = None,
     ) -> list[int]:
         """Ids that follow a sampled assistant turn: `new_messages`, then the generation prompt.
@@ -340,7 +343,7 @@ class HFChat:
             f"none of the stop tokens {[self.decode([i]) for i in self._stop_ids]}"
         )
 
-    def _turn_end_in(self, text: str, last: Message) -> str:
+    def _turn_end_in(self, text: str, last: Mapping[str, JSON]) -> str:
         """`text` up to and including the end marker of its last (assistant) turn."""
         end = text.rfind(self.turn_end)
         # The turn is the text since the previous end marker; its content must be there,

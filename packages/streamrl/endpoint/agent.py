@@ -29,9 +29,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -67,7 +67,7 @@ def load_agent(ref: str, field: str = "task.agent") -> AgentMain:
             f"{field} = {ref!r}: {fn!r} is not an async function (`async def main(base_url, "
             "api_key, prompt, data)`)"
         )
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ async def play(
     main: AgentMain,
     episode: str,
     prompt: str,
-    data: dict[str, Any],
+    data: Mapping[str, object],
     seed: Callable[[int], int],
     timeout_s: float,
     max_calls: int,

@@ -40,8 +40,8 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
+from streamrl.jsontypes import JSONObject
 from streamrl.tools.bwrap import CALL_ENV, BubblewrapSandbox, StatusPipe
 from streamrl.tools.sandbox import ExecResult, SandboxUnavailableError, prlimit_args
 
@@ -89,7 +89,7 @@ class CommandAgent:
         self.prlimit = prlimit
 
     async def __call__(
-        self, *, base_url: str, api_key: str, prompt: str, data: dict[str, Any]
+        self, *, base_url: str, api_key: str, prompt: str, data: JSONObject
     ) -> str | None:
         stdin = json.dumps({"prompt": prompt, "data": data}).encode()
         result = await (

@@ -27,14 +27,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
 from streamrl.chat.transcript import ParsedTurn, ToolCall, parse_call
+from streamrl.jsontypes import JSONObject
 
 MAX_STOP = 4  # stop sequences a request may carry (OpenAI's own limit)
 FinishReason = Literal["stop", "length", "tool_calls"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 # Accepted fields whose value the endpoint does not implement: field -> why.
 _UNSUPPORTED = {
@@ -55,6 +57,19 @@ _UNSUPPORTED = {
 }
 
 
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
 class ApiError(Exception):
     """A request the endpoint refuses: HTTP `status`, OpenAI's error body (`body()`)."""
 
@@ -71,7 +86,7 @@ class ApiError(Exception):
         self.status = status
         self.code = code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status in (401, 403):
             kind = "authentication_error" if self.status == 401 else "permission_error"
@@ -105,7 +120,7 @@ class ToolCallOut(_Strict):
 class Message(_Strict):
     """One message of `messages`; `content` as text (parts joined)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallOut] | None = None
@@ -123,7 +138,7 @@ class Message(_Strict):
 class FunctionDef(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, JsonValue] | None = None  # a JSON schema
     strict: bool | None = None
 
 
@@ -212,7 +227,7 @@ def parse_request(body: bytes | str) -> ChatRequest:
         return _refuse(param, first["msg"], data)
 
 
-def _refuse(param: str, msg: str, data: dict[str, Any]) -> ChatRequest:
+def _refuse(param: str, msg: str, data: JSONObject) -> ChatRequest:
     """Say what is wrong with `param` in words a user acts on."""
     if param == "n":
         raise ApiError(f"`n` = {data.get('n')!r}: only one choice a request (n = 1)", param)
@@ -227,6 +242,69 @@ def _refuse(param: str, msg: str, data: dict[str, Any]) -> ChatRequest:
     raise ApiError(f"`{param}`: {msg}", param)
 
 
+class FunctionOut(TypedDict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(TypedDict):
+    """One call of an assistant message, as the endpoint returns it."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionOut
+
+
+class AssistantMessage(TypedDict):
+    """The assistant message of a served call (`tool_calls` only when it made calls)."""
+
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: NotRequired[list[ToolCallMessage]]
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]  # always empty (`top_logprobs` = 0)
+
+
+class Logprobs(TypedDict):
+    content: list[TokenLogprob]
+    refusal: None
+
+
+class Choice(TypedDict):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: Logprobs | None
+
+
+class Completion(TypedDict):
+    """A whole (non-streamed) response."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
 def call_id(episode: str, turn: int, index: int) -> str:
     """The id of call `index` of the episode's model turn `turn` (stable across a replay)."""
     return f"call_{episode}_t{turn}_{index}"
@@ -234,7 +312,7 @@ def call_id(episode: str, turn: int, index: int) -> str:
 
 def assistant_message(
     text: str, parsed: ParsedTurn, episode: str, turn: int, tools_offered: bool
-) -> dict[str, Any]:
+) -> AssistantMessage:
     """The assistant message of a sampled turn: its text without the `<tool_call>` blocks
     as `content`, its well-formed calls as `tool_calls` (when the request offered tools;
     else the blocks stay in the text). A malformed block stays in the text."""
@@ -242,7 +320,7 @@ def assistant_message(
     content = text
     if calls:
         content = _strip_calls(text)
-    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    message: AssistantMessage = {"role": "assistant", "content": content or None}
     if calls:
         message["tool_calls"] = [
             {
@@ -269,7 +347,7 @@ def _strip_calls(text: str) -> str:
     return "".join(out).strip()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -285,17 +363,21 @@ class Reply:
     rid: str
     model: str
     created: int
-    message: dict[str, Any]
+    message: AssistantMessage
     finish: FinishReason
     prompt_tokens: int
     completion_tokens: int
 
 
-def completion(r: Reply, logprobs: list[tuple[str, float]] | None = None) -> dict[str, Any]:
+def completion(r: Reply, logprobs: list[tuple[str, float]] | None = None) -> Completion:
     """A whole (non-streamed) response: one choice. `logprobs`: (token text, log-prob)
     of each sampled token, when the request asked for them."""
-    choice: dict[str, Any] = {"index": 0, "message": r.message, "finish_reason": r.finish}
-    choice["logprobs"] = None if logprobs is None else _logprobs(logprobs)
+    choice: Choice = {
+        "index": 0,
+        "message": r.message,
+        "finish_reason": r.finish,
+        "logprobs": None if logprobs is None else _logprobs(logprobs),
+    }
     return {
         "id": r.rid,
         "object": "chat.completion",
@@ -306,7 +388,7 @@ def completion(r: Reply, logprobs: list[tuple[str, float]] | None = None) -> dic
     }
 
 
-def _logprobs(pairs: list[tuple[str, float]]) -> dict[str, Any]:
+def _logprobs(pairs: list[tuple[str, float]]) -> Logprobs:
     return {
         "content": [
             {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
@@ -324,7 +406,7 @@ def chunks(r: Reply, include_usage: bool) -> Iterator[str]:
     when the agent sees the text, not what is sampled."""
     message = r.message
 
-    def event(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+    def event(choices: list[dict[str, object]], extra: dict[str, object] | None = None) -> str:
         obj = {
             "id": r.rid,
             "object": "chat.completion.chunk",
@@ -339,7 +421,7 @@ def chunks(r: Reply, include_usage: bool) -> Iterator[str]:
         [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
     )
     if message.get("content"):
-        delta = {"content": message["content"]}
+        delta: dict[str, object] = {"content": message["content"]}
         yield event([{"index": 0, "delta": delta, "finish_reason": None}])
     for i, call in enumerate(message.get("tool_calls") or []):
         delta = {"tool_calls": [{"index": i, **call}]}

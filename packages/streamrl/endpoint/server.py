@@ -111,7 +111,7 @@ class Endpoint:
         await site.start()
         self.host, self.port = host, int(self._runner.addresses[0][1])
         if unix:
-            # Any local uid may connect (a root worker's sandboxed programs run as another
+            # Every local uid may connect (a root worker's sandboxed programs run as another
             # uid), as any may reach the TCP port: the episode's key is what admits a call.
             self._socket_dir = tempfile.mkdtemp(prefix="streamrl-endpoint-")
             os.chmod(self._socket_dir, 0o755)

@@ -26,13 +26,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from streamrl.agents.envs import ToolRecord
 from streamrl.agents.tools import ToolOutput
 from streamrl.chat.hf import ChatError, HFChat
 from streamrl.chat.transcript import Transcript
-from streamrl.endpoint.protocol import ApiError, ChatRequest, Message, assistant_message
+from streamrl.endpoint.protocol import (
+    ApiError,
+    AssistantMessage,
+    ChatRequest,
+    Message,
+    Role,
+    assistant_message,
+)
+from streamrl.jsontypes import JSONObject
 
 FIRST_ROLES = ("system", "developer", "user")
 LATER_ROLES = ("tool", "user")
@@ -45,15 +53,26 @@ class TranscriptEdited(ApiError):
         super().__init__(message, param=param, code="transcript_edited")
 
 
+class WireMessage(TypedDict):
+    """A message as the agent must send it back (`normalise`)."""
+
+    role: Role
+    content: str
+    name: NotRequired[str]
+    tool_call_id: NotRequired[str]
+    # each call as (id, name, arguments as a JSON value, or the text when it is no JSON)
+    tool_calls: NotRequired[list[tuple[str, str, object]]]
+
+
 @dataclass(frozen=True)
 class Pending:
     """A call's prompt, computed and not yet kept (`EndpointSession.record` keeps it)."""
 
     prompt: list[int]  # the whole prompt to sample from
     added: list[int]  # its ids the session did not hold (template, not trained)
-    wire: list[dict[str, Any]]  # the request's messages new to the session, normalised
-    template: list[dict[str, Any]]  # the same as the template renders them
-    tools: list[dict[str, Any]] | None  # the request's tools (a first call fixes them)
+    wire: list[WireMessage]  # the request's messages new to the session, normalised
+    template: list[JSONObject]  # the same as the template renders them
+    tools: list[JSONObject] | None  # the request's tools (a first call fixes them)
     room: int  # tokens the conversation may still sample (a call samples at most these)
 
 
@@ -64,10 +83,10 @@ def _arguments(raw: str) -> object:
         return raw
 
 
-def normalise(m: Message) -> dict[str, Any]:
+def normalise(m: Message) -> WireMessage:
     """What of a message must be sent back unchanged: role, text, name, tool_call_id; an
     assistant message's calls as (id, name, arguments as a JSON value)."""
-    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    out: WireMessage = {"role": m.role, "content": m.text()}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:
@@ -92,9 +111,9 @@ class EndpointSession:
         self.max_context = max_context
         self.max_prompt = max_context if max_prompt is None else max_prompt
         self.transcript = Transcript()
-        self.wire: list[dict[str, Any]] = []
-        self.template: list[dict[str, Any]] = []
-        self.tools: list[dict[str, Any]] | None = None
+        self.wire: list[WireMessage] = []
+        self.template: list[JSONObject] = []
+        self.tools: list[JSONObject] | None = None
         self.turns = 0  # sampled turns
 
     def prepare(self, req: ChatRequest) -> Pending:
@@ -140,7 +159,7 @@ class EndpointSession:
         prompt = [*self.transcript.tokens, *added]
         return self._pending(req, prompt, added, new, template, self.tools)
 
-    def _first(self, req: ChatRequest, tools: list[dict[str, Any]] | None) -> Pending:
+    def _first(self, req: ChatRequest, tools: list[JSONObject] | None) -> Pending:
         for i, m in enumerate(req.messages):
             if m.role not in FIRST_ROLES:
                 raise ApiError(
@@ -169,8 +188,8 @@ class EndpointSession:
         prompt: list[int],
         added: list[int],
         new: list[Message],
-        template: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
+        template: list[JSONObject],
+        tools: list[JSONObject] | None,
     ) -> Pending:
         asked = req.token_limit or 1
         if len(prompt) + asked > self.max_context:
@@ -183,7 +202,7 @@ class EndpointSession:
         room = self.max_context - len(prompt)
         return Pending(prompt, added, [normalise(m) for m in new], template, tools, room)
 
-    def _template(self, m: Message) -> dict[str, Any]:
+    def _template(self, m: Message) -> JSONObject:
         role = "system" if m.role == "developer" else m.role
         return {"role": role, "content": self.chat.as_text(m.text())}
 
@@ -194,7 +213,7 @@ class EndpointSession:
         logprobs: list[float],
         version: int,
         stops: list[str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> AssistantMessage:
         """Keep a served call: its new messages, the template's ids, the sampled `ids`
         (their log-probs, the policy `version`); the assistant message to return. With the
         request's `stops` (given when one of them cut the turn), `ids` are those `stop_cut`

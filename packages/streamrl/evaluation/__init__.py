@@ -28,20 +28,21 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import numpy as np
 import structlog
 
-from streamrl.agents.base import Action, Agent, Reset, StepResult
+from streamrl.agents.base import Action, Agent, Environment, Reset, StepResult
 from streamrl.agents.tools import ToolArgumentError, parse_arguments
 from streamrl.chat.transcript import ToolCall
 from streamrl.config import Config
 from streamrl.evaluation import stats as evalstats
+from streamrl.jsontypes import JSONObject, number
 from streamrl.model.spec import ModelSpec, PyTree
 from streamrl.names import RunPaths
 from streamrl.tasks.heldout import HELDOUT_CURSOR, mixture_heldout_tasks
@@ -57,6 +58,80 @@ WORKER = "eval"
 
 class EvalError(RuntimeError):
     """An evaluation that cannot run as asked (checkpoint, baseline); the message says why."""
+
+
+# -- the result (`streamrl eval --json`, eval/step-N.json) ---------------------------------
+
+Figure = dict[str, float | int]  # an estimate: value, lo, hi, n (`evalstats.Estimate.as_dict`)
+
+
+class PassFigures(TypedDict):
+    """The figures of one pass (`summarize`); the sampled pass adds `samples` and
+    `pass_at_k` (`summarize_sampled`)."""
+
+    episodes: int
+    solve_rate: Figure
+    reward_mean: Figure
+    tool_call_wellformed_rate: Figure | None  # None: no tool calls
+    tool_calls: int
+    truncation_rate: Figure
+    error_rate: Figure
+    turns_mean: Figure
+    tokens_mean: Figure
+    transcripts_digest: str
+    samples: NotRequired[int]
+    pass_at_k: NotRequired[dict[str, Figure]]  # k (as text) -> pass@k
+
+
+class TaskResult(TypedDict):
+    """A mixture's result for one of its tasks (`by_task`)."""
+
+    n: int
+    greedy: PassFigures
+    sampled: PassFigures | None
+    solve_rate: float | int  # the greedy one
+
+
+class Split(TypedDict):
+    first_cursor: int
+    digest: str  # `split_digest`
+
+
+class Gate(TypedDict):
+    """The gate's verdict in a result (`streamrl eval --gate`)."""
+
+    baseline: str
+    baseline_solve_rate: float
+    tolerance: float
+    passed: bool
+    reason: str
+
+
+class EvalResult(TypedDict):
+    """What `evaluate` returns (the module doc); `streamrl eval --gate` adds `gate`, the
+    run's evaluator `written_at` (`streamrl.evaluation.watch`)."""
+
+    schema: int
+    policy: str
+    step: int | None
+    task: str
+    seed: int
+    n: int
+    samples: int
+    solve_threshold: float
+    split: Split
+    greedy: PassFigures
+    sampled: PassFigures | None
+    solve_rate: float | int  # the greedy one
+    tasks: NotRequired[dict[str, TaskResult]]  # a mixture's, by task label
+    elapsed_s: float
+    gate: NotRequired[Gate]
+
+
+class _MixtureTasks(TypedDict, total=False):
+    """`EvalResult.tasks` where the result has it (a mixture's), to unpack in its place."""
+
+    tasks: dict[str, TaskResult]
 
 
 # -- what one episode tells ----------------------------------------------------------------
@@ -82,7 +157,7 @@ class CountingAgent(Agent):
 
     def __init__(self, inner: Agent) -> None:
         self.inner = inner
-        self.schemas: dict[str, dict[str, Any]] = {}
+        self.schemas: dict[str, JSONObject] = {}
         self.calls = 0
         self.wellformed = 0
 
@@ -131,7 +206,7 @@ def _rate(k: int, n: int) -> dict[str, float | int]:
     return evalstats.wilson(k, n).as_dict()
 
 
-def summarize(outcomes: Sequence[Outcome], solve_threshold: float) -> dict[str, Any]:
+def summarize(outcomes: Sequence[Outcome], solve_threshold: float) -> PassFigures:
     """The figures of one pass (every episode counts once), each with its 95 % interval."""
     n = len(outcomes)
     solved = sum(o.reward >= solve_threshold for o in outcomes)
@@ -165,7 +240,7 @@ def pass_ks(samples: int) -> list[int]:
 
 def summarize_sampled(
     outcomes: Sequence[Outcome], tasks: int, samples: int, solve_threshold: float
-) -> dict[str, Any]:
+) -> PassFigures:
     """`summarize` plus pass@k over tasks (`samples` episodes each)."""
     correct = [0] * tasks
     for o in outcomes:
@@ -185,21 +260,25 @@ def by_task(
     sampled: Sequence[Outcome],
     samples: int,
     solve_threshold: float,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, TaskResult]:
     """A mixture's result per task (by label, `Task.kind`): each task's held-out split
     summarized alone, as the whole result is (its `n`, greedy and sampled figures and
     solve rate). The whole result pools them: every task's n episodes count alike."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, TaskResult] = {}
     for label in dict.fromkeys(t.kind for t in tasks):
         mine = [i for i, t in enumerate(tasks) if t.kind == label]
         index = {i: k for k, i in enumerate(mine)}  # pass@k counts tasks from 0
         g = summarize([o for o in greedy if o.task in index], solve_threshold)
-        part: dict[str, Any] = {"n": len(mine), "greedy": g, "sampled": None}
+        part_sampled = None
         if samples:
             own = [dataclasses.replace(o, task=index[o.task]) for o in sampled if o.task in index]
-            part["sampled"] = summarize_sampled(own, len(mine), samples, solve_threshold)
-        part["solve_rate"] = g["solve_rate"]["value"]
-        out[label] = part
+            part_sampled = summarize_sampled(own, len(mine), samples, solve_threshold)
+        out[label] = {
+            "n": len(mine),
+            "greedy": g,
+            "sampled": part_sampled,
+            "solve_rate": g["solve_rate"]["value"],
+        }
     return out
 
 
@@ -379,7 +458,7 @@ async def run_pass(
     async def one(index: int, task: Task, member: int) -> Outcome:
         agents: list[CountingAgent] = []
 
-        def make() -> tuple[Agent, Any]:
+        def make() -> tuple[Agent, Environment]:
             agent, env = episodes.make(task, member)
             agents.append(CountingAgent(agent))
             return agents[-1], env
@@ -409,7 +488,7 @@ def evaluate(
     samples: int,
     solve_threshold: float,
     log: structlog.stdlib.BoundLogger,
-) -> dict[str, Any]:
+) -> EvalResult:
     """The result of evaluating `policy` on the first `n` held-out tasks (module doc)."""
     from streamrl.tools.jobs import ToolRuntime, install, open_sandbox, uninstall
     from streamrl.tools.registry import load_tools
@@ -436,10 +515,16 @@ def _evaluate(
     solve_threshold: float,
     log: structlog.stdlib.BoundLogger,
     start: float,
-) -> dict[str, Any]:
+) -> EvalResult:
     n = len(tasks)
     greedy = asyncio.run(run_pass(cfg, policy, tasks, 1, True, log))
-    result: dict[str, Any] = {
+    greedy_figures = summarize(greedy, solve_threshold)
+    sampled = asyncio.run(run_pass(cfg, policy, tasks, samples, False, log)) if samples else []
+    sampled_figures = summarize_sampled(sampled, n, samples, solve_threshold) if samples else None
+    mixture: _MixtureTasks = {}
+    if len(cfg.mixture) > 1:
+        mixture["tasks"] = by_task(tasks, greedy, sampled, samples, solve_threshold)
+    result: EvalResult = {
         "schema": RESULT_SCHEMA,
         "policy": policy.source,
         "step": policy.step,
@@ -449,16 +534,12 @@ def _evaluate(
         "samples": samples,
         "solve_threshold": solve_threshold,
         "split": {"first_cursor": HELDOUT_CURSOR, "digest": split_digest(tasks)},
-        "greedy": summarize(greedy, solve_threshold),
-        "sampled": None,
+        "greedy": greedy_figures,
+        "sampled": sampled_figures,
+        "solve_rate": greedy_figures["solve_rate"]["value"],
+        **mixture,
+        "elapsed_s": round(time.monotonic() - start, 3),
     }
-    sampled = asyncio.run(run_pass(cfg, policy, tasks, samples, False, log)) if samples else []
-    if samples:
-        result["sampled"] = summarize_sampled(sampled, n, samples, solve_threshold)
-    result["solve_rate"] = result["greedy"]["solve_rate"]["value"]
-    if len(cfg.mixture) > 1:
-        result["tasks"] = by_task(tasks, greedy, sampled, samples, solve_threshold)
-    result["elapsed_s"] = round(time.monotonic() - start, 3)
     log.info("eval_done", solve_rate=result["solve_rate"], elapsed_s=result["elapsed_s"])
     return result
 
@@ -466,7 +547,7 @@ def _evaluate(
 # -- the gate ------------------------------------------------------------------------------
 
 
-def read_baseline(path: Path) -> dict[str, Any]:
+def read_baseline(path: Path) -> JSONObject:
     """A stored `streamrl eval --json` result (EvalError when it is not one)."""
     try:
         data = json.loads(path.read_text())
@@ -482,9 +563,10 @@ def read_baseline(path: Path) -> dict[str, Any]:
 
 
 def gate_result(
-    result: dict[str, Any], baseline: dict[str, Any], tolerance: float
+    result: Mapping[str, object], baseline: JSONObject, tolerance: float
 ) -> evalstats.GateVerdict:
-    """The gate's verdict on `result` against `baseline` (EvalError for another task)."""
+    """The gate's verdict on `result` (this run's, `EvalResult`) against `baseline`
+    (`read_baseline`'s; EvalError for another task)."""
     if baseline["task"] != result["task"]:
         raise EvalError(
             f"--gate: the baseline evaluated task {baseline['task']!r}, this run "
@@ -498,28 +580,32 @@ def gate_result(
     ):
         if theirs is not None and ours != theirs:
             raise EvalError(f"--gate: the baseline's {what} is {theirs!r}, this run's {ours!r}")
-    if isinstance(baseline.get("n"), int) and int(result["n"]) < baseline["n"]:
+    ours_n, theirs_n = result["n"], baseline.get("n")
+    if isinstance(theirs_n, int) and isinstance(ours_n, int) and ours_n < theirs_n:
         raise EvalError(
-            f"--gate: this run evaluates {result['n']} tasks, the baseline {baseline['n']}: "
+            f"--gate: this run evaluates {ours_n} tasks, the baseline {theirs_n}: "
             "evaluate at least as many (--n)"
         )
-    s = result["greedy"]["solve_rate"]
+    s = _get(result, "greedy", "solve_rate")
+    if not isinstance(s, dict):
+        raise EvalError("--gate: this run's result has no greedy solve rate")
     current = evalstats.Estimate(s["value"], s["lo"], s["hi"], s["n"])
-    return evalstats.gate(current, float(baseline["solve_rate"]), tolerance)
+    return evalstats.gate(current, number(baseline["solve_rate"]), tolerance)
 
 
-def _get(data: dict[str, Any], *path: str) -> Any:
+def _get(data: object, *path: str) -> object:
+    """`data[path[0]][path[1]]...` of nested JSON objects, None where one is missing."""
     for key in path:
         if not isinstance(data, dict):
             return None
-        data = data.get(key)  # type: ignore[assignment]
+        data = data.get(key)
     return data
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: EvalResult) -> str:
     """The result as lines for a person."""
 
-    def est(e: dict[str, Any] | None, pct: bool = True) -> str:
+    def est(e: Figure | None, pct: bool = True) -> str:
         if e is None:
             return "n/a (no tool calls)"
         if pct:
@@ -532,8 +618,7 @@ def render(result: dict[str, Any]) -> str:
         f"task {result['task']}: {result['n']} held-out tasks "
         f"(split {result['split']['digest']}), 95% intervals in brackets",
     ]
-    for name in ("greedy", "sampled"):
-        p = result[name]
+    for name, p in (("greedy", result["greedy"]), ("sampled", result["sampled"])):
         if p is None:
             continue
         head = name if name == "greedy" else f"sampled, {p['samples']} per task"

@@ -24,11 +24,15 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
+from streamrl.jsontypes import JSON, JSONObject, json_object
 from streamrl.names import RunPaths
+
+if TYPE_CHECKING:
+    import structlog
 
 PENDING = "pending"
 RUNNING = "running"
@@ -127,7 +131,7 @@ def set_aside(root: Path, path: Path) -> Path:
     return target
 
 
-def write_result(root: Path, step: int, result: dict[str, Any]) -> Path:
+def write_result(root: Path, step: int, result: Mapping[str, object]) -> Path:
     """eval/step-N.json, written beside and renamed into place (never half-written)."""
     root.mkdir(parents=True, exist_ok=True)
     path = result_path(root, step)
@@ -137,7 +141,7 @@ def write_result(root: Path, step: int, result: dict[str, Any]) -> Path:
     return path
 
 
-def _read_result(path: Path) -> dict[str, Any] | None:
+def _read_result(path: Path) -> JSONObject | None:
     try:
         data = json.loads(path.read_text())
         float(data["solve_rate"])
@@ -147,19 +151,19 @@ def _read_result(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_results(root: Path) -> list[dict[str, Any]]:
+def read_results(root: Path) -> list[JSONObject]:
     """The run's evaluation results, by step (unreadable files skipped)."""
     return [r for _, path in _steps(root, _RESULT) if (r := _read_result(path)) is not None]
 
 
-def results_after(root: Path, step: int) -> list[dict[str, Any]]:
+def results_after(root: Path, step: int) -> list[JSONObject]:
     """The results of the steps after `step`, by step, parsing no other file (the sinks
     worker asks at each pass; unreadable files skipped)."""
     paths = [path for s, path in _steps(root, _RESULT) if s > step]
     return [r for path in paths if (r := _read_result(path)) is not None]
 
 
-def latest_result(root: Path) -> dict[str, Any] | None:
+def latest_result(root: Path) -> JSONObject | None:
     """The result of the highest step that reads, parsing no other file (the launcher's
     progress line asks every few seconds, and a long run has many results)."""
     for _, path in reversed(_steps(root, _RESULT)):
@@ -169,7 +173,26 @@ def latest_result(root: Path) -> dict[str, Any] | None:
     return None
 
 
-def eval_summary(root: Path) -> dict[str, Any]:
+# -- reading a result (a JSON document: `read_results` checked only its solve rate and step)
+
+
+def task_results(result: JSONObject) -> JSONObject:
+    """A mixture's result per task (`tasks`, by task label); {} for a run of one task."""
+    return json_object(result.get("tasks") or {})
+
+
+class EvalSummary(TypedDict):
+    """What summary.json tells of the held-out evaluations (`eval_summary`)."""
+
+    eval_solve_rate_first: JSON
+    eval_solve_rate_last: JSON
+    eval_step_first: JSON
+    eval_step_last: JSON
+    eval: list[list[JSON]]  # [step, solve rate] of each evaluation
+    eval_tasks: dict[str, list[list[JSON]]]  # a mixture's: task label -> [step, solve rate]
+
+
+def eval_summary(root: Path) -> EvalSummary:
     """What summary.json tells of the held-out evaluations: the first and last solve rate
     and their steps, and every (step, solve rate)."""
     results = read_results(root)
@@ -184,11 +207,11 @@ def eval_summary(root: Path) -> dict[str, Any]:
         # a mixture's: each task's held-out solve rate by step
         "eval_tasks": {
             label: [
-                [r["step"], r["tasks"][label]["solve_rate"]]
+                [r["step"], json_object(task_results(r)[label])["solve_rate"]]
                 for r in results
-                if label in (r.get("tasks") or {})
+                if label in task_results(r)
             ]
-            for label in dict.fromkeys(k for r in results for k in (r.get("tasks") or {}))
+            for label in dict.fromkeys(k for r in results for k in task_results(r))
         },
     }
 
@@ -215,9 +238,9 @@ def snapshot_written_at(path: Path) -> float | None:
 
 def watch(
     root: Path,
-    evaluate: Callable[[int, Path], dict[str, Any]],
+    evaluate: Callable[[int, Path], Mapping[str, object]],
     stop: Callable[[], bool],
-    log: Any,
+    log: structlog.stdlib.BoundLogger,
     poll_s: float = 0.5,
     every: bool = False,
 ) -> int:
@@ -245,8 +268,7 @@ def watch(
             log.error("eval_snapshot_unreadable", step=step, error=str(err))
             set_aside(root, path)
             continue
-        result["step"] = step
-        result["written_at"] = snapshot_written_at(path)
+        result = {**result, "step": step, "written_at": snapshot_written_at(path)}
         write_result(root, step, result)
         shutil.rmtree(path, ignore_errors=True)
         done += 1

@@ -30,6 +30,7 @@ from typing import Any
 import redis
 import structlog
 from redis.commands.core import Script
+from redis.typing import EncodableT
 
 from streamrl import counters
 from streamrl.config import Config
@@ -66,7 +67,7 @@ WAITING_EVERY_S = 0.2  # how often a grouper publishes the groups waiting for th
 WAITING_TTL_MS = 10_000  # a count older than this is gone (no grouper runs to renew it)
 
 # A script with its KEYS and ARGV, to run in a pipeline.
-_Call = tuple[Script, list[Any], list[Any]]
+_Call = tuple[Script, list[str], list[EncodableT]]
 
 # What an add-member answer other than `complete` makes of the trajectory.
 _ADD_OUTCOMES: dict[str, OutcomeKind] = {
@@ -226,7 +227,7 @@ class Grouper:
 
     def _add_call(self, d: Delivery[Trajectory]) -> _Call:
         t = d.msg
-        args = [
+        args: list[EncodableT] = [
             t.group_id,
             t.member,
             encode_body(t),

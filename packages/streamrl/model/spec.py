@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -278,13 +278,15 @@ def _family(cfg: Mapping[str, object]) -> Family:
     return model_type
 
 
-def _reject_unsupported(cfg: Mapping[str, Any]) -> None:
+def _reject_unsupported(cfg: Mapping[str, object]) -> None:
     """Raise on settings that change the model in ways this code does not implement."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise SpecError(f"`hidden_act` {cfg['hidden_act']!r} unsupported (only 'silu')")
     if cfg.get("use_sliding_window", False):
         raise SpecError("`use_sliding_window` true: sliding-window attention is unsupported")
     layer_types = cfg.get("layer_types") or []
+    if not isinstance(layer_types, Iterable):
+        raise TypeError(f"`layer_types` {layer_types!r} is not a list")
     if any(kind != "full_attention" for kind in layer_types):
         raise SpecError(f"`layer_types` {layer_types!r}: only full_attention is supported")
     if cfg.get("mlp_bias", False):

@@ -36,7 +36,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
 
 import msgspec
 import redis
@@ -355,8 +357,8 @@ def device_memory_probe() -> dict[str, float]:
     started JAX's backends: asking for devices first would start them here, on the sampler's
     thread, before a multi-process trainer's `jax.distributed.initialize` (a CI run's
     trainer process died of it: "Unable to initialize backend 'cpu'")."""
-    jax: Any = sys.modules.get("jax")
-    bridge: Any = sys.modules.get("jax._src.xla_bridge")
+    jax: ModuleType | None = sys.modules.get("jax")
+    bridge: ModuleType | None = sys.modules.get("jax._src.xla_bridge")
     if jax is None or bridge is None or not bridge.backends_are_initialized():
         return {}
     used = peak = 0
@@ -383,7 +385,7 @@ def encode_sample(values: Mapping[str, float]) -> bytes:
     return _encoder.encode(values)
 
 
-def decode_sample(fields: Mapping[Any, Any]) -> dict[str, float]:
+def decode_sample(fields: Mapping[bytes | str, bytes | str]) -> dict[str, float]:
     """The values of one entry of a worker's metrics stream."""
     raw = fields.get(VALUES_FIELD.encode(), fields.get(VALUES_FIELD))
     if raw is None:
@@ -423,7 +425,7 @@ class Sampler:
         self.failures = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
-        self._server: Any = None
+        self._server: WSGIServer | None = None
 
     def start(self) -> Sampler:
         if self.prometheus_port:

@@ -92,7 +92,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis
 import structlog
@@ -100,6 +100,7 @@ import structlog
 from streamrl import counters as c
 from streamrl.config import Config
 from streamrl.evaluation import watch as evalrun
+from streamrl.jsontypes import integer, json_object, number
 from streamrl.names import Keys
 from streamrl.run.liveness import Liveness
 from streamrl.run.summary import Stats, read_stats
@@ -243,16 +244,16 @@ def run_values(totals: Mapping[str, float], rates: Mapping[str, float]) -> dict[
     }
 
 
-def eval_values(result: Mapping[str, Any], task: str) -> dict[str, float]:
+def eval_values(result: Mapping[str, object], task: str) -> dict[str, float]:
     """One held-out evaluation's figures by name (a `streamrl eval --json` result): its
     greedy solve rate with its 95 % interval, mean reward, error and truncation rates."""
-    greedy = result.get("greedy") or {}
+    greedy = json_object(result.get("greedy") or {})
     prefix = f"{EVAL}{tag_part(task)}/"
-    out = {f"{prefix}solve_rate": float(result["solve_rate"])}
-    solve = greedy.get("solve_rate") or {}
+    out = {f"{prefix}solve_rate": number(result["solve_rate"])}
+    solve = json_object(greedy.get("solve_rate") or {})
     for key, name in (("lo", "solve_rate_lo"), ("hi", "solve_rate_hi")):
         if key in solve:
-            out[prefix + name] = float(solve[key])
+            out[prefix + name] = number(solve[key])
     for key, name in (
         ("reward_mean", "reward"),
         ("error_rate", "error_rate"),
@@ -260,7 +261,7 @@ def eval_values(result: Mapping[str, Any], task: str) -> dict[str, float]:
     ):
         figure = greedy.get(key)
         if isinstance(figure, Mapping) and "value" in figure:
-            out[prefix + name] = float(figure["value"])
+            out[prefix + name] = number(figure["value"])
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
@@ -277,7 +278,7 @@ class Progress:
 
 
 class Sink(Protocol):
-    """One destination (`streamrl.obs.sink_backends`). Any method may raise: `Guarded`
+    """One destination (`streamrl.obs.sink_backends`). Each method may raise: `Guarded`
     disables the sink at its first failure."""
 
     name: str
@@ -464,11 +465,11 @@ class Exporter:
         if done is not None:
             for result in evalrun.results_after(self.eval_root, done):
                 values = eval_values(result, self.task)
-                for label, part in (result.get("tasks") or {}).items():
-                    values.update(eval_values(part, label))
-                wall = float(result.get("written_at") or self.clock())
+                for label, part in evalrun.task_results(result).items():
+                    values.update(eval_values(json_object(part), label))
+                wall = number(result.get("written_at") or self.clock())
                 for s in self.sinks:
-                    s.evaluation(int(result["step"]), values, wall)
+                    s.evaluation(integer(result["step"]), values, wall)
         for s in self.sinks:
             s.flush()
         return len(records)

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import redis
 from rich.console import Console, Group
@@ -38,6 +37,7 @@ from rich.text import Text
 
 from streamrl import counters
 from streamrl.evaluation import watch as evalrun
+from streamrl.jsontypes import JSONObject, integer, json_object, number
 from streamrl.names import Keys
 from streamrl.obs import metrics as m
 from streamrl.obs.metrics import decode_sample
@@ -78,7 +78,7 @@ class Snapshot:
     stats: dict[str, str]
     beat_age_s: dict[str, float]  # worker id -> seconds since its beat last changed
     taken_at: float  # unix seconds
-    heldout: dict[str, Any] | None = None  # the evaluator's newest result (a run directory)
+    heldout: JSONObject | None = None  # the evaluator's newest result (a run directory)
     # a mixture's reward and solve rate per task over the trainer's last TASK_STEPS steps
     tasks: dict[str, TaskFigures] = field(default_factory=dict)
 
@@ -249,7 +249,7 @@ def render(snap: Snapshot) -> Group:
 def _task_labels(snap: Snapshot) -> list[str]:
     """The tasks of a mixture the snapshot shows figures of (one task: no table)."""
     labels = set(counters.by_task(snap.stats)) | set(snap.tasks)
-    labels |= set((snap.heldout or {}).get("tasks") or {})
+    labels |= set(evalrun.task_results(snap.heldout or {}))
     return sorted(labels)
 
 
@@ -263,7 +263,7 @@ def _tasks_table(snap: Snapshot) -> Table:
     for col in cols:
         t.add_column(col, justify="left" if col == "task" else "right")
     counts = counters.by_task(snap.stats)
-    heldout = (snap.heldout or {}).get("tasks") or {}
+    heldout = evalrun.task_results(snap.heldout or {})
     for label in _task_labels(snap):
         c = counts.get(label, {})
         f = snap.tasks.get(label)
@@ -273,7 +273,7 @@ def _tasks_table(snap: Snapshot) -> Table:
             *(str(c.get(name, 0)) for name in counters.PER_TASK),
             _fmt(f.reward_mean if f else None, ".3f"),
             _fmt(f.solve_rate if f else None, ".1%"),
-            _fmt(float(h["solve_rate"]) if h else None, ".2f"),
+            _fmt(number(json_object(h)["solve_rate"]) if h else None, ".2f"),
         )
     return t
 
@@ -310,10 +310,10 @@ def _queues_table(snap: Snapshot) -> Table:
     return t
 
 
-def _heldout(result: dict[str, Any] | None) -> str:
+def _heldout(result: JSONObject | None) -> str:
     if result is None:
         return "-"
-    return f"{float(result['solve_rate']):.2f} @ step {int(result['step'])}"
+    return f"{number(result['solve_rate']):.2f} @ step {integer(result['step'])}"
 
 
 def _backlog(snap: Snapshot) -> str:

@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol, TypedDict
 
 import numpy as np
 import xxhash
@@ -204,6 +204,17 @@ def _framed(tag: bytes, body: bytes) -> bytes:
     return tag + _varint(len(body)) + body
 
 
+class _Columns(TypedDict):
+    """Where a span's values go in its packet pair (`TraceWriter._layout`): the start and
+    end timestamps, the track uuid in each packet, and each flow id."""
+
+    start: int
+    uuid: int
+    flows: list[int]
+    end: int
+    end_uuid: int
+
+
 class TraceWriter:
     """One worker's trace file. Not thread-safe: `Tracer` puts a lock around it.
 
@@ -235,7 +246,7 @@ class TraceWriter:
         self._names: dict[str, bytes] = {}  # span name -> its encoded name field
         # (name, flows, ended flows) -> the spans batched, and the packet layout of such spans
         self._batched: dict[tuple[str, int, int], list[tuple[int, ...]]] = {}
-        self._layouts: dict[tuple[str, int, int], tuple[bytes, dict[str, Any]]] = {}
+        self._layouts: dict[tuple[str, int, int], tuple[bytes, _Columns]] = {}
         self._high, self._high_bytes = -1, b""  # the last timestamp's bits above 28
         self._sequence_id = _id64(f"sequence/{worker}/{pid}") & 0xFFFFFFFF or 1
         self._sequence = _SEQUENCE + _varint(self._sequence_id)
@@ -422,7 +433,7 @@ class TraceWriter:
                 out[:, col : col + 8] = ids[:, i]
         return out.tobytes()
 
-    def _layout(self, name: str, flows: int, ends: int) -> tuple[bytes, dict[str, Any]]:
+    def _layout(self, name: str, flows: int, ends: int) -> tuple[bytes, _Columns]:
         """The packet pair of a span `name` with `flows` and `ends` flow ids, zeros where
         the values go, and the columns they go at."""
         key = (name, flows, ends)
@@ -445,7 +456,7 @@ class TraceWriter:
         end_ev = _SLICE_END + _TRACK_UUID + zero_uuid
         end_body = _TIMESTAMP + zero_ts + _framed(_TRACK_EVENT, end_ev) + self._sequence
         end_head = _PACKET + _varint(len(end_body))
-        at = {
+        at: _Columns = {
             "start": len(head) + 1,
             "uuid": ev_at + uuid_at,
             "flows": [ev_at + f for f in flow_at],
@@ -758,7 +769,8 @@ class TraceSummary:
 
     def add(self, trace: Trace) -> None:
         names = tracks_of(trace)
-        self.processes.extend(names.process.values())
+        # a file a writer rolled over to names its process again
+        self.processes += [q for q in names.process.values() if q not in self.processes]
         for p in trace.packet:
             if p.HasField("track_event"):
                 e = p.track_event

@@ -41,14 +41,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import redis
 import redis.asyncio as aioredis
 import structlog
+from redis.typing import EncodableT, FieldT
 
 from streamrl import counters
+from streamrl.agents.base import Agent, Environment
 from streamrl.capacity import ADVERTISE_SCRIPT
 from streamrl.config import Config
 from streamrl.names import Keys
@@ -73,6 +74,7 @@ from streamrl.run.tasks import cancel_and_wait
 from streamrl.tasks.registry import Episodes
 from streamrl.transport import (
     Delivery,
+    Pipeline,
     RedisStreamConsumer,
     ahkeys_str,
     ahmget_bytes,
@@ -555,7 +557,7 @@ class RolloutWorker:
             self._failure = ep.exception()
 
     async def _episode(self, d: Delivery[Task], member: int, state: EpisodeState | None) -> None:
-        def make() -> Any:
+        def make() -> tuple[Agent, Environment]:
             return self.episodes.make(d.msg, member)
 
         try:
@@ -616,7 +618,7 @@ class RolloutWorker:
             for d in acked
         )
 
-        def count(p: Any) -> None:
+        def count(p: Pipeline) -> None:
             if batch:
                 p.hincrby(stats, counters.TRAJECTORIES, len(batch))
             for field, k in fields.items():
@@ -699,7 +701,7 @@ class RolloutWorker:
 
     def _stage_episode_states(
         self,
-        p: Any,
+        p: Pipeline,
         states: dict[str, bytes],
         batch: list[tuple[Delivery[Task], Trajectory, bool]],
         acked: list[Delivery[Task]],
@@ -715,7 +717,8 @@ class RolloutWorker:
             if d.entry_id not in done
         }
         if states or marks:
-            p.hset(key, mapping={**states, **marks})
+            mapping: dict[FieldT, EncodableT] = {k: v for k, v in (states | marks).items()}
+            p.hset(key, mapping=mapping)
         for d in acked:
             p.hdel(key, *(traj_id(d.msg, m) for m in d.msg.member_indices()))
 

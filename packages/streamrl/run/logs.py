@@ -17,9 +17,10 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
@@ -125,11 +126,11 @@ def configure_logging(
     stream: TextIO | None = None,
     level: int = logging.INFO,
     file: LogFile | None = None,
-    **ids: Any,
+    **ids: object,
 ) -> structlog.stdlib.BoundLogger:
     """Configure this process's structlog output (to `file`, else `stream`, else stdout)
     and return a logger bound to its ids."""
-    factory: Any = structlog.PrintLoggerFactory(file=stream or sys.stdout)
+    factory: Callable[..., WrappedLogger] = structlog.PrintLoggerFactory(file=stream or sys.stdout)
     if file is not None:
         events = file.logger()
 
@@ -154,7 +155,7 @@ def configure_logging(
     return log
 
 
-def _log_unraisable(log: structlog.stdlib.BoundLogger, info: Any) -> None:
+def _log_unraisable(log: structlog.stdlib.BoundLogger, info: sys.UnraisableHookArgs) -> None:
     """Python's report of an exception it could not raise (a `__del__` that failed, a
     coroutine collected while suspended) as one log event, instead of the interpreter's
     plain lines on stderr, which would break a log of one JSON object per line."""

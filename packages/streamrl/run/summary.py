@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import TYPE_CHECKING, get_args
 
 import redis
 import structlog
@@ -20,6 +20,10 @@ from streamrl import counters as c
 from streamrl.names import Keys
 from streamrl.transport import hgetall_bytes, xrange_entries
 from streamrl.wire import Status, TaskFigures, TrainMetrics, WireError, decode
+
+if TYPE_CHECKING:
+    from streamrl.evaluation.watch import EvalSummary
+    from streamrl.jsontypes import JSON
 
 # What the launcher prints of the summary when the run ends.
 SUMMARY_SHOWN = (
@@ -68,13 +72,13 @@ def summarize(
     stats: Stats,
     rewards: list[float],
     dead: int | None,
-    evals: Mapping[str, Any],
+    evals: EvalSummary,
     procs: list[ProcRecord],
     redis_restarts: int,
     resumed: bool,
     available: bool = True,
     task_steps: Sequence[tuple[int, Mapping[str, TaskFigures]]] = (),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """summary.json. `stats`: the counters (the last read, when Redis is gone for good:
     `available` False, and then no `rewards` per step and `dead` None); `rewards`: each
     step's mean reward, in step order; `evals`: the evaluator's (`evalrun.eval_summary`);
@@ -118,8 +122,8 @@ def summarize(
 def task_summary(
     stats: Stats,
     task_steps: Sequence[tuple[int, Mapping[str, TaskFigures]]],
-    evals: Mapping[str, Sequence[Sequence[float]]],
-) -> dict[str, dict[str, Any]]:
+    evals: Mapping[str, Sequence[Sequence[JSON]]],
+) -> dict[str, dict[str, object]]:
     """A mixture's figures per task (empty for a run of one task): its counters
     (`counters.PER_TASK`), groups trained, the mean reward of its first and last steps
     (`reward_ends` over the steps that trained any of its groups), its rewards and solve
@@ -128,7 +132,7 @@ def task_summary(
     labels = sorted(set(counts) | {label for _, fs in task_steps for label in fs} | set(evals))
     if len(labels) < 2:
         return {}
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, object]] = {}
     for label in labels:
         steps = [(step, fs[label]) for step, fs in task_steps if label in fs]
         first, last = reward_ends([f.reward_mean for _, f in steps])
@@ -153,7 +157,7 @@ def progress_line(
     groups_per_min: float,
     reward: float,
     dead: int,
-    heldout: Mapping[str, Any] | None = None,
+    heldout: Mapping[str, object] | None = None,
 ) -> str:
     """The launcher's progress line; `heldout`: the evaluator's newest result, if any."""
     line = (

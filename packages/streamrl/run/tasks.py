@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from typing import Any
 
 # How long a cancelled task has to end before it is cancelled again: long enough for the
 # cleanup a cancel starts (a commit's reply, a pool's release), short for a stop.
 AGAIN_S = 1.0
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], again_s: float = AGAIN_S) -> int:
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]], again_s: float = AGAIN_S) -> int:
     """Cancel `tasks` and return once every one has ended (cancelled, failed or returned),
     each task's outcome retrieved (no "exception was never retrieved" at exit). A task that
     swallowed its cancellation is cancelled again every `again_s`; one that never ends
@@ -28,7 +27,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], again_s: float = A
     cancelled more than once."""
     tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
-    again: set[asyncio.Task[Any]] = set()
+    again: set[asyncio.Task[object]] = set()
     first = True
     while pending:
         if not first:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,7 @@ from streamrl.agents.base import Environment
 from streamrl.agents.envs import ToolEnvironment, ToolRecord
 from streamrl.agents.tools import CallContext, SandboxTool, Tool, ToolOutput
 from streamrl.config import TaskConfig
+from streamrl.jsontypes import JSONObject
 from streamrl.tasks.base import (
     Demonstration,
     EpisodeContext,
@@ -130,7 +131,7 @@ class SlowTool(Tool):
         self.parameters = inner.parameters
         self.kind = inner.kind
 
-    async def apply_async(self, args: dict[str, Any], ctx: CallContext) -> ToolOutput:
+    async def apply_async(self, args: JSONObject, ctx: CallContext) -> ToolOutput:
         await asyncio.sleep(self.options.delay(self.ctx.rng("tool_latency", ctx.call_id)))
         return await self.inner.apply_async(args, ctx)
 

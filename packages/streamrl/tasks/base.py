@@ -36,6 +36,7 @@ from streamrl.agents.base import Agent, Environment
 from streamrl.agents.envs import ToolLimits, ToolRecord
 from streamrl.agents.tools import CallContext, SandboxTool, ToolCaller
 from streamrl.config import TaskConfig
+from streamrl.jsontypes import JSONObject
 from streamrl.wire import Task
 
 
@@ -56,7 +57,7 @@ class Prompt:
 
     text: str
     answer: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Demonstration:
     the assistant's turns and the tool results between them (len(turns) - 1 of them)."""
 
     task: Task
-    tools: list[dict[str, Any]]
+    tools: list[JSONObject]
     turns: list[str]
     tool_results: list[str]
 
@@ -112,7 +113,7 @@ class EpisodeServices:
 
     caller: ToolCaller
     limits: ToolLimits
-    tool_schemas: dict[str, dict[str, Any]]
+    tool_schemas: dict[str, JSONObject]
     seed: int = 0
     options: BaseModel = field(default_factory=NoOptions)
     reward: Reward | None = None
@@ -161,7 +162,16 @@ class EpisodeContext:
         if schema is None:
             raise KeyError(f"no tool `{name}`; tools: {sorted(self.services.tool_schemas)}")
         fn = schema["function"]
-        return SandboxTool(fn["name"], fn["description"], fn["parameters"], self.caller)
+        if not isinstance(fn, dict):
+            raise TypeError(f"tool `{name}`: a schema without a function: {schema!r}")
+        called, description, parameters = fn["name"], fn["description"], fn["parameters"]
+        if not (
+            isinstance(called, str)
+            and isinstance(description, str)
+            and isinstance(parameters, dict)
+        ):
+            raise TypeError(f"tool `{name}`: not a function schema: {fn!r}")
+        return SandboxTool(called, description, parameters, self.caller)
 
     async def score(self, answer: str | None, calls: list[ToolRecord], _: CallContext) -> float:
         """The configured reward of the episode's end (a `Scorer` for the built-in
@@ -210,7 +220,7 @@ class TaskDef(Generic[OptionsT]):
             "override TaskDef.prompt"
         )
 
-    def from_row(self, row: dict[str, Any]) -> Prompt:
+    def from_row(self, row: dict[str, object]) -> Prompt:
         """The prompt of a dataset row: `task.prompt_field` (required), `task.answer_field`
         (optional) and the whole row as data."""
         return Prompt(

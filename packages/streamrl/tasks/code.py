@@ -13,14 +13,14 @@ import json
 import random
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from streamrl.agents.base import Environment, ToolInfraError
 from streamrl.agents.envs import ToolEnvironment, ToolRecord
 from streamrl.agents.tools import CallContext, FinishTool, ToolCaller
 from streamrl.config import TaskConfig
+from streamrl.jsontypes import JSON
 from streamrl.tasks import base
 from streamrl.tools.registry import PYTHON
 from streamrl.wire import Task
@@ -33,8 +33,8 @@ NUM_TESTS = 6
 @dataclass(frozen=True)
 class Problem:
     text: str
-    inputs: list[list[Any]]  # positional arguments of each hidden test
-    expected: list[Any]
+    inputs: Sequence[Sequence[object]]  # positional arguments of each hidden test (JSON values)
+    expected: Sequence[object]  # what each returns (JSON values)
     solution: str  # a reference body of `solve(x)` (one return expression), for warm starts
     wrong: str  # a plausible wrong one
 
@@ -166,7 +166,7 @@ class Script:
     tool_results: list[str]
 
 
-def _call(name: str, **args: Any) -> str:
+def _call(name: str, **args: JSON) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
 
 
@@ -180,9 +180,11 @@ def demonstration(
         return Script(turns=[_call("finish", answer=source)], tool_results=[])
     first = p.inputs[0][0]
     trial = f"{source}print(solve({first!r}))"
-    ns: dict[str, Any] = {}
+    ns: dict[str, object] = {}
     exec(compile(source, "<demo>", "exec"), ns)  # trusted: our own reference code
-    shown = f"exit status: 0\nstdout:\n{ns[ENTRY](first)}"
+    solve = ns[ENTRY]
+    assert callable(solve)  # `_source` defines it
+    shown = f"exit status: 0\nstdout:\n{solve(first)}"
     return Script(
         turns=[_call("python", code=trial), _call("finish", answer=source)],
         tool_results=[shown],
@@ -198,12 +200,12 @@ def extract_code(answer: str) -> str:
     return (m.group(1) if m else answer).strip()
 
 
-def tests_arguments(code: str, inputs: list[list[Any]], marker: str) -> str:
+def tests_arguments(code: str, inputs: Sequence[Sequence[JSON]], marker: str) -> str:
     """Arguments of the worker-side `run_tests` tool."""
     return json.dumps({"code": code, "entry": ENTRY, "inputs": inputs, "marker": marker})
 
 
-def passed_fraction(output: str, marker: str, expected: list[Any]) -> float:
+def passed_fraction(output: str, marker: str, expected: Sequence[JSON]) -> float:
     """Fraction of tests whose returned value equals the expected one (JSON-normalised).
     The last line carrying the marker counts; no such line: 0."""
     lines = [ln for ln in output.splitlines() if ln.startswith(marker)]

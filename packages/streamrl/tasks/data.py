@@ -14,7 +14,8 @@ import importlib
 import json
 import random
 from pathlib import Path
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Protocol
 
 from streamrl.config import TaskConfig
 from streamrl.plugins import PluginError
@@ -24,17 +25,22 @@ class DataError(PluginError):
     """A dataset that cannot be read; names `task.dataset` and the file."""
 
 
+# A data row: column -> value (JSON values from a JSONL file; Arrow's Python values, such as
+# datetime or bytes, from a table), passed to the task as its prompt's data.
+Row = dict[str, object]
+
+
 class Rows(Protocol):
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    def __getitem__(self, index: int) -> Row: ...
 
 
 class JsonlRows:
     """A JSONL file read into memory once, one JSON object a line (blank lines skipped)."""
 
     def __init__(self, path: Path) -> None:
-        rows: list[dict[str, Any]] = []
+        rows: list[Row] = []
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -53,21 +59,32 @@ class JsonlRows:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Row:
         return self._rows[index]
+
+
+class Table(Protocol):
+    """What `ArrowRows` uses of a `pyarrow.Table`."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def slice(self, offset: int, length: int) -> Table: ...
+
+    def to_pylist(self) -> list[Row]: ...
 
 
 class ArrowRows:
     """Rows of an Arrow table (Parquet, or a saved `datasets` dataset)."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Table) -> None:
         self._table = table
 
     def __len__(self) -> int:
         return int(self._table.num_rows)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        row: dict[str, Any] = self._table.slice(index, 1).to_pylist()[0]
+    def __getitem__(self, index: int) -> Row:
+        row: Row = self._table.slice(index, 1).to_pylist()[0]
         return row
 
 
@@ -98,7 +115,7 @@ def open_rows(cfg: TaskConfig) -> Rows:
     return rows
 
 
-def _module(name: str, path: Path) -> Any:
+def _module(name: str, path: Path) -> ModuleType:
     """An optional dependency of the data readers, or a DataError that says where it is."""
     try:
         return importlib.import_module(name)
@@ -143,7 +160,7 @@ class DataSource:
         epoch, position = divmod(cursor, len(self.rows))
         return self._order(epoch)[position] if self.shuffle else position
 
-    def row(self, cursor: int) -> dict[str, Any]:
+    def row(self, cursor: int) -> Row:
         return self.rows[self.row_index(cursor)]
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - one source per process, a few epochs

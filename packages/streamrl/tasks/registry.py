@@ -16,7 +16,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from streamrl.agents.agents import ModelAgent, ToolAgent
 from streamrl.agents.base import Agent, Environment
@@ -179,7 +179,7 @@ class Episodes:
         return self.of(task).make(task, member)
 
 
-def _part(ref: str, field: str, builtin: dict[str, Any] | None = None) -> Any:
+def _part(ref: str, field: str, builtin: Mapping[str, object] | None = None) -> Any:
     obj = builtin[ref] if builtin and ref in builtin else load_object(ref, field)
     if not callable(obj):
         raise PluginError(f"field `{field}`: `{ref}` is {_what(obj)}, not callable")
@@ -223,7 +223,7 @@ def load_episodes(cfg: Config, caller: ToolCaller, limits: ToolLimits | None = N
 
 
 class _NoCaller:
-    async def call(self, name: str, arguments: str, call_id: str) -> Any:
+    async def call(self, name: str, arguments: str, call_id: str) -> NoReturn:
         raise RuntimeError("no tool workers in a plug-in check")
 
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from streamrl.agents.base import Action, Environment, Reset, StepResult
 from streamrl.agents.envs import ToolRecord
 from streamrl.agents.tools import CallContext
+from streamrl.jsontypes import JSONObject
 from streamrl.tasks.base import EpisodeContext, Prompt, TaskDef, lognormal_s
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
@@ -133,11 +134,14 @@ class SyntheticEnvironment(Environment):
         reward = await self.ctx.score(action.answer, [], CallContext(f"{call_prefix}-score"))
         return StepResult(observations=[], done=True, reward=reward)
 
-    def save_state(self) -> dict[str, Any] | None:
+    def save_state(self) -> JSONObject | None:
         return {"steps": self.steps}
 
-    def restore_state(self, state: dict[str, Any]) -> None:
-        self.steps = int(state["steps"])
+    def restore_state(self, state: JSONObject) -> None:
+        steps = state["steps"]
+        if not isinstance(steps, int | float | str):
+            raise TypeError(f"a saved step count {steps!r}: not a number")
+        self.steps = int(steps)
 
 
 class SyntheticTask(TaskDef[SyntheticOptions]):

@@ -62,7 +62,7 @@ argv[0] found on env PATH is the server's own interpreter, and whose env sets th
 PYTHON* variables as the server's (PYTHONUNBUFFERED aside) and the same LC_ALL, LC_CTYPE
 and LANG (after CPython's C locale coercion), is not exec'd: after the same
 session/fd/rlimit/uid steps the child runs SOURCE as `python3 -c` would, so a call does
-not pay for an interpreter start and the imports of `PRELOAD`. Any other call (other
+not pay for an interpreter start and the imports of `PRELOAD`. Every other call (other
 flags, another interpreter, another env) is exec'd. As in a fresh interpreter:
 `__main__` is a new module (`__name__`, `__doc__`, `__package__`, `__loader__`, `__spec__`,
 `__annotations__`, `__builtins__`); sys.argv is ["-c", *args]; sys.path[0] is "";
@@ -129,7 +129,10 @@ import time
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard
+
+if TYPE_CHECKING:
+    import ctypes
 
 PROTOCOL_VERSION = 1
 REQUEST_PREFIX = struct.Struct(">II")  # header length, body length
@@ -338,13 +341,13 @@ def parse_header(raw: bytes) -> Call | Ping:
         raise MalformedRequestError(str(err), request_id) from None
 
 
-def _parse_ping(obj: dict[str, Any], request_id: int) -> Ping:
+def _parse_ping(obj: dict[str, object], request_id: int) -> Ping:
     if set(obj) != {"id", "argv", "ping"} or obj["argv"] != []:
         raise MalformedRequestError('a ping is exactly {"id", "argv": [], "ping": true}')
     return Ping(request_id)
 
 
-def _parse_call(obj: dict[str, Any], request_id: int) -> Call:
+def _parse_call(obj: dict[str, object], request_id: int) -> Call:
     unknown = sorted(set(obj) - set(HEADER_FIELDS) - {"ping"})
     missing = [k for k in HEADER_FIELDS if k not in obj]
     if unknown or missing:
@@ -358,7 +361,8 @@ def _parse_call(obj: dict[str, Any], request_id: int) -> Call:
         _clean_str(k) and k and "=" not in k and _clean_str(v) for k, v in env.items()
     ):
         raise MalformedRequestError("env must map names (no '=', no NUL) to str")
-    if not _clean_str(obj["cwd"]) or not obj["cwd"]:
+    cwd = obj["cwd"]
+    if not _clean_str(cwd) or not cwd:
         raise MalformedRequestError("cwd must be a non-empty str without NUL")
     if isinstance(limit, bool) or not isinstance(limit, int | float):
         raise MalformedRequestError("time_limit_s must be a number")
@@ -373,11 +377,11 @@ def _parse_call(obj: dict[str, Any], request_id: int) -> Call:
         memory_bytes=_bounded(obj, "memory_bytes", 0),
         fsize_bytes=_bounded(obj, "fsize_bytes", 0),
         env=dict(env),
-        cwd=obj["cwd"],
+        cwd=cwd,
     )
 
 
-def _bounded(obj: dict[str, Any], name: str, low: int) -> int:
+def _bounded(obj: dict[str, object], name: str, low: int) -> int:
     value = obj[name]
     if not _is_int(value) or not low <= value < _MAX_ID:
         raise MalformedRequestError(f"{name} must be an int in [{low}, 2**63), not {_brief(value)}")
@@ -389,11 +393,11 @@ def _brief(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _clean_str(value: object) -> bool:
+def _clean_str(value: object) -> TypeGuard[str]:
     """A str that can be an exec argument: no NUL, encodable for the OS."""
     if not isinstance(value, str) or "\0" in value:
         return False
@@ -421,7 +425,7 @@ class ServerConfig:
     locale_env: Mapping[str, str]  # the server's LC_ALL, LC_CTYPE, LANG
     stdio_encoding: str
     stdio_errors: str
-    libc: Any  # ctypes.CDLL or None: prctl and the SysV IPC calls
+    libc: ctypes.CDLL | None  # prctl and the SysV IPC calls (None: no libc)
     children_file: str | None  # /proc/self/task/PID/children, when the kernel has it
 
 
@@ -460,7 +464,7 @@ def _plain_interpreter() -> bool:
     return not any(changed) and not sys._xoptions
 
 
-def _load_libc() -> Any:
+def _load_libc() -> ctypes.CDLL | None:
     try:
         import ctypes
 
@@ -469,7 +473,7 @@ def _load_libc() -> Any:
         return None
 
 
-def _prctl(libc: Any, option: int, value: int) -> bool:
+def _prctl(libc: ctypes.CDLL | None, option: int, value: int) -> bool:
     return libc is not None and libc.prctl(option, value, 0, 0, 0) == 0
 
 
@@ -579,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _config(args: argparse.Namespace, libc: Any) -> ServerConfig:
+def _config(args: argparse.Namespace, libc: ctypes.CDLL | None) -> ServerConfig:
     drop = os.geteuid() == 0
     uid, gid = args.call_uid if drop else (os.getuid(), os.getgid())
     children = f"/proc/self/task/{os.getpid()}/children"
@@ -1056,7 +1060,7 @@ def _fresh_stdio(cfg: ServerConfig, unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = streams[2]  # type: ignore[misc]
 
 
-def _exec_source(source: str, namespace: dict[str, Any]) -> int:
+def _exec_source(source: str, namespace: dict[str, object]) -> int:
     """Compile and run SOURCE; handle its end as the interpreter does. The status."""
     try:
         exec(compile(source, "<string>", "exec"), namespace)
@@ -1172,13 +1176,14 @@ def _cleanup_child(cfg: ServerConfig) -> bool:
 
 def _remove_ipc(cfg: ServerConfig) -> bool:
     """Remove the SysV shared memory, semaphores and message queues of the call uid."""
-    if cfg.libc is None:
+    libc = cfg.libc
+    if libc is None:
         return True
     ok = True
     for kind, remove in (
-        ("shm", lambda i: cfg.libc.shmctl(i, _IPC_RMID, None)),
-        ("sem", lambda i: cfg.libc.semctl(i, 0, _IPC_RMID)),
-        ("msg", lambda i: cfg.libc.msgctl(i, _IPC_RMID, None)),
+        ("shm", lambda i: libc.shmctl(i, _IPC_RMID, None)),
+        ("sem", lambda i: libc.semctl(i, 0, _IPC_RMID)),
+        ("msg", lambda i: libc.msgctl(i, _IPC_RMID, None)),
     ):
         for ipc_id in _ipc_ids(f"/proc/sysvipc/{kind}", cfg.call_uid):
             if remove(ipc_id) != 0:

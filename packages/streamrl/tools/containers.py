@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import docker
 import docker.errors
@@ -618,7 +618,7 @@ class ContainerSandbox:
                 workdir=WORKDIR,
                 environment={"HOME": WORKDIR, "TMPDIR": "/tmp"},
             )
-            attached: Any = api.exec_start(created["Id"], socket=True)
+            attached = api.exec_start(created["Id"], socket=True)
         except docker.errors.APIError:
             raise
         except _ENGINE_ERRORS as err:
@@ -659,10 +659,14 @@ def attach_server(
     return attached, CallChannel(attached.raw, grace_s=grace_s)
 
 
+class _Closable(Protocol):
+    def close(self) -> object: ...
+
+
 class _Attached:
     """An exec's hijacked HTTP connection: the raw socket under the SDK's wrappers."""
 
-    def __init__(self, attached: Any, where: str) -> None:
+    def __init__(self, attached: _Closable, where: str) -> None:
         # For unix and tcp hosts the SDK hands back a SocketIO over the connection's socket
         # (TLS and ssh transports are not supported).
         self._io = attached

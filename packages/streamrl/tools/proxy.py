@@ -57,11 +57,11 @@ import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import quote, urlencode
 
 import structlog
 
+from streamrl.jsontypes import JSON
 from streamrl.run.tasks import cancel_and_wait
 from streamrl.tools.containers import LABEL
 from streamrl.tools.proxy_rules import (
@@ -142,7 +142,7 @@ class SandboxProxy:
         # asyncio's stream server drops its reference to a connection's task once the
         # client hangs up: held here, a task still relaying (or closing) is never collected
         # mid-await, and stop() ends those left.
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def serve(self, stop: asyncio.Event) -> None:
         path = self.cfg.listen_path
@@ -283,7 +283,13 @@ class SandboxProxy:
         status, info = await self._upstream_json("GET", f"/containers/{ref}/json")
         if status == 404:
             raise Refused(f"no such container: {ref}", 404)
-        if status != 200 or not isinstance(info, dict) or not FULL_ID.match(info.get("Id", "")):
+        full_id = info.get("Id", "") if isinstance(info, dict) else None
+        if (
+            status != 200
+            or not isinstance(info, dict)
+            or not isinstance(full_id, str)
+            or not FULL_ID.match(full_id)
+        ):
             raise Refused(f"the engine could not inspect {ref} (status {status})", 502)
         fault = check_container(info, self.cfg)
         if fault:
@@ -368,7 +374,7 @@ class SandboxProxy:
         writer.write(_closing_head(head) + raw)
         await writer.drain()
 
-    async def _upstream_json(self, method: str, path: str) -> tuple[int, Any]:
+    async def _upstream_json(self, method: str, path: str) -> tuple[int, JSON]:
         """One request of the proxy's own to the engine (an inspect): status and JSON."""
         try:
             r, w = await asyncio.open_unix_connection(self.cfg.upstream_path)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from streamrl.agents.tools import (
     ToolArgumentError,
@@ -21,6 +21,7 @@ from streamrl.agents.tools import (
     parse_arguments,
 )
 from streamrl.config import ToolsConfig
+from streamrl.jsontypes import JSONObject
 from streamrl.plugins import PluginError, load_object
 from streamrl.tools import harness
 from streamrl.tools.sandbox import TRUNCATED, ExecResult, Sandbox
@@ -54,16 +55,16 @@ class Tool:
 
     name: str
     description: str
-    parameters: dict[str, Any]
-    command: Callable[[dict[str, Any]], tuple[list[str], bytes]]
+    parameters: JSONObject
+    command: Callable[[JSONObject], tuple[list[str], bytes]]
     report: Callable[[ExecResult, float], Outcome] | None = None
     needs_isolation: bool = True
 
-    def schema(self) -> dict[str, Any]:
+    def schema(self) -> JSONObject:
         return function_schema(self.name, self.description, self.parameters)
 
 
-def _calculator_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+def _calculator_command(args: JSONObject) -> tuple[list[str], bytes]:
     # -I: isolated (no env vars, no user site); -S: no site import. Starts in ~10 ms.
     return [sys.executable, "-I", "-S", CALCULATOR_MAIN], str(args["expression"]).encode()
 
@@ -81,16 +82,16 @@ CALCULATOR = Tool(
 )
 
 
-def _python_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+def _python_command(args: JSONObject) -> tuple[list[str], bytes]:
     # -I: no environment variables or user site; -S: the standard library only.
     return [sys.executable, "-I", "-S", "-c", str(args["code"])], b""
 
 
-def _shell_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+def _shell_command(args: JSONObject) -> tuple[list[str], bytes]:
     return ["/bin/sh", "-c", str(args["command"])], b""
 
 
-def _run_tests_command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+def _run_tests_command(args: JSONObject) -> tuple[list[str], bytes]:
     return [sys.executable, "-I", "-S", "-c", harness.SOURCE], json.dumps(args).encode()
 
 
@@ -161,7 +162,7 @@ TOOLS: dict[str, Tool] = {t.name: t for t in (CALCULATOR, PYTHON, SHELL, RUN_TES
 def python_tool(
     name: str,
     description: str,
-    parameters: dict[str, Any],
+    parameters: JSONObject,
     source: str,
     report: Callable[[ExecResult, float], Outcome] | None = None,
     needs_isolation: bool = True,
@@ -171,7 +172,7 @@ def python_tool(
     prints is the result (`report`, default `interpret`: a non-zero exit is a tool error).
     `needs_isolation`: see `Tool`; keep the default unless `source` only parses its input."""
 
-    def command(args: dict[str, Any]) -> tuple[list[str], bytes]:
+    def command(args: JSONObject) -> tuple[list[str], bytes]:
         return [sys.executable, "-I", "-S", "-c", source], json.dumps(args).encode()
 
     return Tool(name, description, parameters, command, report, needs_isolation)

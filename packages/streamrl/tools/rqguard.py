@@ -11,7 +11,8 @@ at error level and fails it with the reason (no retry), then serves the next job
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from rq import SimpleWorker
@@ -22,6 +23,9 @@ from rq.queue import Queue
 from streamrl.run.liveness import Liveness
 from streamrl.tools import JOB_PATH
 from streamrl.tools.jobs import run_tool_call
+
+if TYPE_CHECKING:
+    from redis.client import Pipeline
 
 
 class RefusedJobError(RuntimeError):
@@ -42,7 +46,7 @@ class ToolCallJob(Job):
     """A job that can only be the tool call: the stored name is checked, never imported."""
 
     @property
-    def func(self) -> Any:
+    def func(self) -> Callable[..., dict[str, object]]:
         reason = refusal(self)
         if reason is not None:
             raise RefusedJobError(reason)
@@ -85,7 +89,7 @@ class ToolCallWorker(SimpleWorker):
         self.liveness = liveness or Liveness()
         self.call_limit_s = call_limit_s  # a job is a busy step this long
 
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+    def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
         """rq's heartbeat, which its loop sends each time round (after each job, each
         dequeue timeout): the loop's liveness tick too (`streamrl.run.liveness`)."""
         self.liveness.tick()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
 import msgspec
@@ -24,6 +23,8 @@ import redis
 import structlog
 
 from streamrl import checkpoints as ckpts
+from streamrl.jsontypes import JSONObject
+from streamrl.model.spec import PyTree
 from streamrl.names import Keys
 from streamrl.trainer.cluster import Cluster
 from streamrl.trainer.step import TrainState
@@ -54,9 +55,9 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
         """The meta.json of the checkpoint directory `path` (OSError, msgspec errors)."""
         return msgspec.json.decode((path / ckpts.META).read_bytes(), type=cls)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """As the JSON it is written as (lists, not tuples)."""
-        out: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(self))
+        out: JSONObject = msgspec.json.decode(msgspec.json.encode(self))
         return out
 
     @property
@@ -74,7 +75,7 @@ class Restored:
     checkpoint: ckpts.Checkpoint
     meta: CheckpointMeta
     snapshot: ckpts.QueueSnapshot
-    tree: dict[str, Any]
+    tree: dict[str, PyTree]  # `TrainState.checkpoint_tree`
 
 
 def find_restorable(

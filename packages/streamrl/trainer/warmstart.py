@@ -25,7 +25,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +238,7 @@ def cache_key(cfg: Config, ckpt: Path | None = None) -> str:
     nor `model.init`.
     """
     ckpt = ensure_checkpoint(cfg) if ckpt is None else ckpt
-    inputs: dict[str, Any] = {
+    inputs: dict[str, object] = {
         "version": WARMSTART_VERSION,
         "checkpoint": _checkpoint_identity(cfg, ckpt),
         "seed": cfg.model_seed,
