@@ -25,7 +25,9 @@ Figures, per row:
 - episodes/s over the same window;
 - evictions: parked sessions the engine evicted for another request (each one prefills its
   whole conversation again), from the rollout's `rollout_stop` line;
-- the admission limit at the end, and its trims.
+- the admission limit at the end, and its trims;
+- the engine's decode calls: rows a call (and the share of them active: the rest pad the
+  batch to a power of two) and the positions a row attended (the call's live span).
 
 The baseline is the best fixed row of the same run (the highest median goodput): "of best
 fixed" is a row's median goodput over it; "paired" the median over rounds of the row's
@@ -206,11 +208,27 @@ def run_row(
         tokens_per_episode=sum(t["tokens"] for t in ok) / max(1, len(ok)),
         episodes_s=len(trajs) / window,
         evictions=stop["kv"].get("evictions", 0),
+        **decode_batches(stop["kv"]),
         limit=stop.get("admission_limit"),
         trims=stop.get("admission_trims"),
         grows=stop.get("admission_grows"),
     )
     return row
+
+
+def decode_batches(kv: dict[str, int]) -> dict[str, float]:
+    """What the engine's decode calls covered (its `kv_stats`): rows a call (active ones
+    plus padding to a power of two), the share of them active, and the positions each row
+    attended (the call's live span: the bucket of its longest row's reach, so a long
+    conversation in a batch makes every row of it attend that far)."""
+    calls, rows = kv.get("decode_calls", 0), kv.get("decode_rows", 0)
+    if not calls or not rows:
+        return {}
+    return {
+        "rows_per_call": rows / calls,
+        "active_share": kv.get("decode_active", 0) / rows,
+        "span_per_row": kv.get("decode_positions", 0) / rows,
+    }
 
 
 def median(xs: list[float]) -> float:
@@ -288,6 +306,10 @@ def main() -> None:
                 "limit": [r["limit"] for r in ok],
                 "trims": sum(r["trims"] or 0 for r in ok),
                 "wall_s": median([r["wall_s"] for r in ok]),
+                **{
+                    k: median([r[k] for r in ok if k in r])
+                    for k in ("rows_per_call", "active_share", "span_per_row")
+                },
             }
         )
     fixed = [r for r in rows if r["row"].startswith("fixed")]
@@ -312,9 +334,10 @@ def main() -> None:
     )
     print(
         "| row | goodput tok/s (runs) | of best fixed | paired | rounds >= it | episodes/s "
-        "| tokens/episode | evictions | limit at end | trims | wall s |"
+        "| tokens/episode | evictions | limit at end | trims | decode rows/call (active) "
+        "| span/row | wall s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         failed = f" ({len(r['failed'])} failed: {r['failed'][0][:80]})" if r["failed"] else ""
         print(
@@ -322,6 +345,7 @@ def main() -> None:
             f"| {r['goodput'] / best:.2f} | {r['paired']:.2f} | {r['wins']}/{r['runs']} "
             f"| {r['episodes_s']:.2f} | {r['tokens']:.0f} "
             f"| {r['evictions']:.0f} | {', '.join(map(str, r['limit']))} | {r['trims']} "
+            f"| {r['rows_per_call']:.1f} ({r['active_share']:.0%}) | {r['span_per_row']:.0f} "
             f"| {r['wall_s']:.0f} |"
         )
     if args.out:

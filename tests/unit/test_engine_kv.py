@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamrl.model.engine import Engine, EngineConfig, suffix_bucket
+from streamrl.model.engine import Engine, EngineConfig, span_bucket, suffix_bucket
 from streamrl.model.llm import init_params
 from streamrl.model.sampling import GenRequest, GenResult
 from tests.unit.test_engine import PARAMS, SAMPLING, SPEC, STOP, prompt, reference_logprobs
@@ -286,10 +286,18 @@ def test_parked_and_empty_slots_cost_a_decode_call_nothing() -> None:
     firsts = [GenRequest(prompt(10 + i, 20), TURN, seed=i, session=f"p{i}") for i in range(7)]
     parked = e.generate(firsts)
     assert e.parked == 7 and e.active == 0
-    calls, rows = e.decode_calls, e.decode_rows
+    before = e.kv_stats()
     new = GenRequest(prompt(30, 25), TURN, seed=99, session="new")
     [got] = e.generate([new])
-    assert e.decode_calls > calls and e.decode_rows - rows == e.decode_calls - calls
+    after = e.kv_stats()
+    calls = after["decode_calls"] - before["decode_calls"]
+    assert calls > 0 and after["decode_rows"] - before["decode_rows"] == calls
+    assert after["decode_active"] - before["decode_active"] == calls  # no padding row
+    # each call attended its one row's live span: the first bucket (64) for a 25-token
+    # prompt and its turn, not the pool's length
+    assert after["decode_positions"] - before["decode_positions"] == calls * span_bucket(
+        25 + TURN, e.pool_len
+    )
     [alone] = make_engine(True, slots=1, stop=()).generate([new])
     assert got.tokens == alone.tokens
     np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5)

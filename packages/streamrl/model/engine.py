@@ -245,6 +245,8 @@ class Engine:
         self.evictions = 0  # parked slots taken for other requests
         self.decode_calls = 0  # decode chunks run
         self.decode_rows = 0  # rows those covered (active slots, plus padding to a bucket)
+        self.decode_active = 0  # active rows of those (the rest: padding to the bucket)
+        self.decode_positions = 0  # rows x live span summed: the positions attended
 
     # -- public ----------------------------------------------------------------------------
 
@@ -305,7 +307,7 @@ class Engine:
         return len(self._parked)
 
     def kv_stats(self) -> dict[str, int]:
-        """Prefill and KV-reuse counters since the engine started."""
+        """Prefill, KV-reuse and decode-batch counters since the engine started."""
         return {
             "prefills": self.prefills,
             "prefill_tokens": self.prefill_tokens,
@@ -314,6 +316,10 @@ class Engine:
             "evictions": self.evictions,
             "invalidated": self.invalidated,
             "parked": len(self._parked),
+            "decode_calls": self.decode_calls,
+            "decode_rows": self.decode_rows,
+            "decode_active": self.decode_active,
+            "decode_positions": self.decode_positions,
         }
 
     @property
@@ -471,6 +477,8 @@ class Engine:
         self.pool = pool
         self.decode_calls += 1
         self.decode_rows += n
+        self.decode_active += len(active)
+        self.decode_positions += n * span
         toks, lps = np.asarray(toks), np.asarray(lps)
         counts, stopped = np.asarray(counts), np.asarray(stopped)
         return self._collect([i for i, _ in active], toks, lps, counts, stopped)
