@@ -37,7 +37,6 @@ Restart (DESIGN.md, "Checkpoint and restart"):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -46,14 +45,14 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import redis
 import structlog
-import xxhash
 from redis.typing import EncodableT, FieldT
 
+from streamrl.hashing import HASHES, SHA256, XXH3
 from streamrl.names import Keys
 from streamrl.tasks.base import group_cursor
 from streamrl.transport import as_bytes, as_str, entry_id_key, xrange_entries
@@ -680,22 +679,8 @@ def _fsync_dir(path: Path) -> None:
 # Checksums in the commit marker: sha256 for meta and the snapshot (small, and what a
 # restore trusts), xxh3_128 for the state files (about 10 GB/s on one core: it catches
 # corruption and same-size edits of a large state at little cost).
-SHA256, XXH3 = "sha256", "xxh3_128"
-
-
-class _Hash(Protocol):
-    """What `_digest` uses of a hash object (hashlib's and xxhash's alike)."""
-
-    def update(self, data: bytes, /) -> None: ...
-
-    def hexdigest(self) -> str: ...
-
-
-_HASHES: dict[str, Callable[[], _Hash]] = {SHA256: hashlib.sha256, XXH3: xxhash.xxh3_128}
-
-
 def _digest(path: Path, kind: str) -> str:
-    h = _HASHES[kind]()
+    h = HASHES[kind]()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)

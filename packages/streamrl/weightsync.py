@@ -27,7 +27,6 @@ version those versions' adapters apply to (`WeightsChannel.prune`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
@@ -40,9 +39,9 @@ from typing import ClassVar, Protocol, TypeVar, TypeVarTuple, get_args
 
 import numpy as np
 import redis
-import xxhash
 
 from streamrl.config import ChannelName, Checksum
+from streamrl.hashing import HASHES
 from streamrl.names import Keys, RunPaths
 from streamrl.transport import hgetall_bytes, xrevrange_entries
 from streamrl.wire import Weights, WireError, decode
@@ -109,16 +108,6 @@ class WeightsChannel(Protocol):
 CHECKSUMS: tuple[Checksum, ...] = get_args(Checksum)
 
 
-class _Hash(Protocol):
-    """What `checksum` uses of a hash object (hashlib's and xxhash's alike)."""
-
-    def update(self, data: Buffer, /) -> None: ...
-
-    def hexdigest(self) -> str: ...
-
-
-_HASHES: dict[str, Callable[[], _Hash]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
 # Versions at least this big are hashed on a second thread while they are written or
 # decoded; smaller ones inline (a thread hand-off costs more than hashing them).
 HASH_ON_THREAD_BYTES = 8 << 20
@@ -144,9 +133,9 @@ ALIGN = 64
 def checksum(algorithm: str, *pieces: Buffer) -> str:
     """`<algorithm>:<hex digest>` of the concatenation of `pieces`. Both hashes let other
     threads run meanwhile. Raises WeightsError for an algorithm not in CHECKSUMS."""
-    if algorithm not in _HASHES:
+    if algorithm not in HASHES:
         raise WeightsError(f"unknown checksum algorithm {algorithm!r} (known: {CHECKSUMS})")
-    h = _HASHES[algorithm]()
+    h = HASHES[algorithm]()
     for p in pieces:
         h.update(p)
     return f"{algorithm}:{h.hexdigest()}"
