@@ -134,6 +134,7 @@ def _log_stop(
     ctx: WorkerContext, worker: RolloutWorker, policy: Policy, follower: WeightFollower
 ) -> None:
     server = policy.server
+    occupancy = server.occupancy()
     ctx.log.info(
         "rollout_stop",
         episodes=worker.started,
@@ -154,6 +155,13 @@ def _log_stop(
         admission_limit=worker.admission.limit,
         admission_grows=worker.admission.grows,
         admission_trims=worker.admission.trims,
+        admission_ceiling=worker.admission.ceiling,
+        # decode calls by rows: [calls, active rows, seconds] (admission's latency term)
+        decode_costs={
+            n: [c.calls, c.active, round(c.seconds, 3)]
+            for n, c in (occupancy.costs if occupancy else {}).items()
+            if c.calls
+        },
     )
 
 

@@ -25,7 +25,9 @@ Figures, per row:
 - episodes/s over the same window;
 - evictions: parked sessions the engine evicted for another request (each one prefills its
   whole conversation again), from the rollout's `rollout_stop` line;
-- the admission limit at the end, and its trims;
+- the admission limit at the end, its trims and its latency ceiling (None: none capped);
+- the engine's decode calls by their rows (a bucket): milliseconds a call took per active
+  row, the cost per token that the latency ceiling compares;
 - the engine's decode calls: rows a call (and the share of them active: the rest pad the
   batch to a power of two) and the positions a row attended (the call's live span).
 
@@ -212,8 +214,17 @@ def run_row(
         limit=stop.get("admission_limit"),
         trims=stop.get("admission_trims"),
         grows=stop.get("admission_grows"),
+        ceiling=stop.get("admission_ceiling"),
+        costs=row_costs(stop.get("decode_costs", {})),
     )
     return row
+
+
+def row_costs(costs: dict[str, list[float]]) -> dict[str, float]:
+    """Milliseconds a decode call took per active row, by the call's rows (the engine's
+    `decode_costs`: what adaptive admission's latency term compares), for buckets of 20
+    calls or more."""
+    return {n: round(1000 * c[2] / c[1], 3) for n, c in costs.items() if c[0] >= 20 and c[1]}
 
 
 def decode_batches(kv: dict[str, int]) -> dict[str, float]:
@@ -305,6 +316,11 @@ def main() -> None:
                 "tokens": median([r["tokens_per_episode"] for r in ok]),
                 "limit": [r["limit"] for r in ok],
                 "trims": sum(r["trims"] or 0 for r in ok),
+                "ceiling": [r.get("ceiling") for r in ok],
+                "costs": {
+                    n: median([r["costs"][n] for r in ok if n in r.get("costs", {})])
+                    for n in sorted({n for r in ok for n in r.get("costs", {})}, key=int)
+                },
                 "wall_s": median([r["wall_s"] for r in ok]),
                 **{
                     k: median([r[k] for r in ok if k in r])
@@ -335,9 +351,9 @@ def main() -> None:
     print(
         "| row | goodput tok/s (runs) | of best fixed | paired | rounds >= it | episodes/s "
         "| tokens/episode | evictions | limit at end | trims | decode rows/call (active) "
-        "| span/row | wall s |"
+        "| span/row | ceiling | decode ms a row, by rows a call | wall s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|---:|")
     for r in rows:
         failed = f" ({len(r['failed'])} failed: {r['failed'][0][:80]})" if r["failed"] else ""
         print(
@@ -346,6 +362,8 @@ def main() -> None:
             f"| {r['episodes_s']:.2f} | {r['tokens']:.0f} "
             f"| {r['evictions']:.0f} | {', '.join(map(str, r['limit']))} | {r['trims']} "
             f"| {r['rows_per_call']:.1f} ({r['active_share']:.0%}) | {r['span_per_row']:.0f} "
+            f"| {', '.join(str(c) for c in r['ceiling'])} "
+            f"| {' '.join(f'{n}: {ms:.2f}' for n, ms in r['costs'].items())} "
             f"| {r['wall_s']:.0f} |"
         )
     if args.out:

@@ -555,8 +555,10 @@ class RolloutConfig(_Section):
             '"auto" sets): the limit follows the engine (streamrl.rollout.admission): it '
             "starts at the KV pool's slots (one an episode), drops below the episodes "
             "running (none preempted) when the engine evicts a parked session or a request "
-            "finds no slot, and grows while slots are free and the limit binds; "
-            "max_concurrency is then the hard cap."
+            "finds no slot, is held at its latency ceiling (the largest decode batch whose "
+            "cost per token is within 5 % of the cheapest, once measured), and grows while "
+            "slots are free, the ceiling allows and the limit binds; max_concurrency is then "
+            "the hard cap."
         ),
     )
     max_concurrency_cap: int = Field(

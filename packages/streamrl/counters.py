@@ -105,7 +105,8 @@ EPISODES_RESUMED_SAVED_S = _field(
 ADMISSION_TRIMS = _field(
     "admission_trims", "counter", "rollout.worker", "status, operators (queues --json)", False,
     'times adaptive admission (rollout.max_concurrency = "auto") cut its limit below the '
-    "episodes running, on an eviction or a full KV pool",
+    "episodes running, on an eviction, a full KV pool or its latency ceiling (a bigger "
+    "decode batch that costs more per token)",
 )  # fmt: skip
 BACKPRESSURE_PAUSES = _field(
     "backpressure_pauses", "counter", "rollout.worker", "queues", False,

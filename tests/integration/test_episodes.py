@@ -370,6 +370,12 @@ async def _run_turns(
         # its parked slot back is not counted), so adaptive admission would never trim
         assert max(o.waiting for o in seen) == 0 and max(o.pressure for o in seen) <= 1
         assert most == 4 if reuse else 1 <= most <= 4
+        # and the decode calls it timed by their rows (admission's latency term): the
+        # calls that did not compile, each with one to `rows` active rows
+        costs = server.occupancy().costs
+        assert set(costs) == {1, 2, 4}
+        assert 0 < sum(c.calls for c in costs.values()) <= engine.decode_calls
+        assert all(c.calls <= c.active <= n * c.calls for n, c in costs.items())
         for _ in range(200):  # the episodes' end_session calls reach the engine thread
             if engine.parked == 0 and server._inbox.empty():
                 break

@@ -2,11 +2,23 @@
 
 import pytest
 
-from streamrl.rollout.admission import Admission, Occupancy
+from streamrl.model.engine import DecodeCost
+from streamrl.rollout.admission import Admission, Occupancy, batch_ceiling
 
 
-def occ(held: int, waiting: int = 0, evictions: int = 0, slots: int = 32) -> Occupancy:
-    return Occupancy(slots=slots, held=held, waiting=waiting, evictions=evictions)
+def occ(
+    held: int,
+    waiting: int = 0,
+    evictions: int = 0,
+    slots: int = 32,
+    costs: dict[int, DecodeCost] | None = None,
+) -> Occupancy:
+    return Occupancy(slots, held, waiting, evictions, costs or {})
+
+
+def ms(per_row: dict[int, float], calls: int = 100) -> dict[int, DecodeCost]:
+    """Decode costs of `calls` calls a bucket, every row active, at `per_row` ms a row."""
+    return {n: DecodeCost(calls, calls * n, calls * n * m / 1000) for n, m in per_row.items()}
 
 
 def test_a_fixed_limit_never_moves() -> None:
@@ -78,3 +90,51 @@ def test_bad_settings_are_refused() -> None:
         Admission(cap=8, auto=True, start=0)
     with pytest.raises(ValueError, match="cap 8"):
         Admission(cap=8, auto=True, start=9)
+
+
+def test_the_batch_ceiling_is_the_largest_bucket_within_the_margin_of_the_cheapest() -> None:
+    # ms a row: 1: 10, 2: 6, 4: 4.0 (cheapest), 8: 4.1 (within 5 %: <= 4.2), 16: 5.0
+    # (dearer): a decode call of 16 rows makes each token cost 22 % more than one of 8:
+    # the ceiling is 8.
+    assert batch_ceiling(ms({1: 10, 2: 6, 4: 4.0, 8: 4.1, 16: 5.0})) == 8
+    # memory-bound (an accelerator): twice the rows cost about one call more: the largest
+    # bucket is the cheapest a token: nothing capped
+    assert batch_ceiling(ms({1: 10, 2: 5, 4: 2.5, 8: 1.3, 16: 0.7})) is None
+    # compute-bound but flat (4.0, 4.1, 4.15: all within 5 %): nothing capped
+    assert batch_ceiling(ms({4: 4.0, 8: 4.1, 16: 4.15})) is None
+    # a bucket with fewer than MIN_CALLS (64) calls is not judged: 16 (63 calls) aside,
+    # 8 costs 25 % more than 4: the ceiling is 4
+    costs = ms({4: 4.0, 8: 5.0}) | ms({16: 1.0}, calls=63)
+    assert batch_ceiling(costs) == 4
+    assert batch_ceiling(ms({16: 1.0}, calls=63)) is None  # nothing judged
+    assert batch_ceiling({}) is None
+    # padding counts: bucket 8's calls decoded 6 active rows each: 8 rows' time over 6
+    # tokens: 3.6 ms x 8 / 6 = 4.8 ms a token against bucket 4's 4.0: the ceiling is 4
+    padded = ms({4: 4.0}) | {8: DecodeCost(100, 600, 100 * 8 * 3.6 / 1000)}
+    assert batch_ceiling(padded) == 4
+    assert batch_ceiling(padded, margin=0.25) is None  # 4.8 <= 4.0 x 1.25
+
+
+def test_the_latency_ceiling_trims_to_it_and_stops_growth_until_it_lifts() -> None:
+    a = Admission(cap=64, auto=True, start=16)
+    # no bucket judged yet: hold at the pool
+    assert a.update(16, 4, occ(16, slots=16)) == "hold" and a.ceiling is None
+    # 16-row calls cost 25 % more a token than 8-row ones: trim to 8 (none preempted)
+    dear = ms({4: 4.2, 8: 4.0, 16: 5.0})
+    assert a.update(16, 4, occ(16, slots=16, costs=dear)) == "trim"
+    assert a.limit == 8 and a.ceiling == 8 and a.trims == 1
+    # 12 still running, 4 waiting to start, slots free: the limit binds but the ceiling
+    # holds it
+    assert a.update(12, 4, occ(12, slots=16, costs=dear)) == "hold" and a.limit == 8
+    assert a.update(8, 4, occ(8, slots=16, costs=dear)) == "hold" and a.limit == 8
+    # an eviction (0 -> 2 since the first look) still trims below it: 9/10 of 8 running: 7
+    assert a.update(8, 4, occ(8, slots=16, evictions=2, costs=dear)) == "trim" and a.limit == 7
+    # growth within the ceiling: 7 -> 8, then held
+    assert a.update(7, 4, occ(7, slots=16, evictions=2, costs=dear)) == "grow" and a.limit == 8
+    assert a.update(8, 4, occ(8, slots=16, evictions=2, costs=dear)) == "hold"
+    # the 8-row calls grew dearer (the machine's load moved): 16 is within 5 % of the
+    # cheapest again: the ceiling lifts and the limit grows into the free slots
+    even = ms({4: 4.9, 8: 4.8, 16: 5.0})
+    assert a.update(8, 4, occ(8, slots=16, evictions=2, costs=even)) == "grow"
+    assert a.ceiling is None and a.limit == 9
+    assert a.trims == 2 and a.grows == 2

@@ -315,3 +315,22 @@ def test_parked_and_empty_slots_cost_a_decode_call_nothing() -> None:
     for a, w in zip(again, whole, strict=True):
         assert a.tokens == w.tokens
         np.testing.assert_allclose(a.logprobs, w.logprobs, atol=1e-5)
+
+
+def test_decode_calls_are_timed_by_their_rows_without_the_calls_that_compiled() -> None:
+    """`decode_costs`: each decode call's wall time under its row bucket, with its active
+    rows (adaptive admission's latency term); a call that traced a program is left out.
+    Three sequences of one budget, no stop: every call is a bucket of 4 rows, 3 active."""
+    e = make_engine(True, slots=4, stop=())
+    assert set(e.decode_costs) == {1, 2, 4}
+    batch = [GenRequest(prompt(10 + i, 20), TURN, seed=i) for i in range(3)]
+    e.generate(batch)
+    calls, traced = e.decode_calls, e.compile_counts["decode"]
+    assert calls > traced >= 1
+    c = e.decode_costs[4]
+    assert c.calls == calls - traced and c.active == 3 * c.calls and c.seconds > 0
+    assert e.decode_costs[1].calls == e.decode_costs[2].calls == 0
+    e.generate(batch)  # the same shapes: nothing traced, every call timed
+    assert e.compile_counts["decode"] == traced
+    more = e.decode_costs[4]
+    assert more.calls == c.calls + (e.decode_calls - calls) and more.seconds > c.seconds

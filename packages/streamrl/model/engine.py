@@ -54,9 +54,11 @@ over the whole vocabulary, before top-k/top-p (see `streamrl.model.sampling`).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,14 @@ PROMPT_BUCKET = 64
 SUFFIX_BUCKET = 16  # shortest suffix prefill (see `suffix_bucket`)
 SPAN_BUCKET = 64  # fewest cache positions a decode call attends over (see `span_bucket`)
 POOL_ALIGN = 8
+
+
+class DecodeCost(NamedTuple):
+    """Decode calls of one row bucket since the engine started (see `Engine.decode_costs`)."""
+
+    calls: int
+    active: int  # active rows summed over the calls (each decodes `decode_chunk` tokens)
+    seconds: float  # their wall time, from the call to its results on the host
 
 
 def pow2(n: int) -> int:
@@ -247,6 +257,19 @@ class Engine:
         self.decode_rows = 0  # rows those covered (active slots, plus padding to a bucket)
         self.decode_active = 0  # active rows of those (the rest: padding to the bucket)
         self.decode_positions = 0  # rows x live span summed: the positions attended
+        # Wall seconds of the decode calls by their rows (a bucket), with the calls and the
+        # active rows they decoded: what a token costs at each batch size (adaptive
+        # admission's latency term). Calls that traced a program are left out (a compile
+        # is not the batch's cost). Every bucket's key exists from the start and its value
+        # is replaced whole, so another thread may copy the dict at any time.
+        self.decode_costs: dict[int, DecodeCost] = {
+            n: DecodeCost(0, 0, 0.0) for n in self._row_buckets()
+        }
+
+    def _row_buckets(self) -> list[int]:
+        """The rows a decode call can cover: `bucket(active)` for 1..num_slots active."""
+        m, slots = self._row_multiple, self.cfg.num_slots
+        return sorted({min(round_up(pow2(a), m), slots) for a in range(1, slots + 1)})
 
     # -- public ----------------------------------------------------------------------------
 
@@ -471,6 +494,7 @@ class Engine:
         # with a budget (an empty slot has none; a row without one has finished).
         reach = int((lengths + np.minimum(self.cfg.decode_chunk, budget))[budget > 0].max())
         span = span_bucket(reach, self.pool_len) if self.cfg.live_span else self.pool_len
+        traced, start = self.compile_counts["decode"], time.perf_counter()
         pool, toks, lps, counts, stopped = self._decode(
             self.params, self.pool, rows, last, lengths, budget, seeds, produced, span=span
         )
@@ -481,6 +505,11 @@ class Engine:
         self.decode_positions += n * span
         toks, lps = np.asarray(toks), np.asarray(lps)
         counts, stopped = np.asarray(counts), np.asarray(stopped)
+        if self.compile_counts["decode"] == traced:
+            c = self.decode_costs[n]
+            self.decode_costs[n] = DecodeCost(
+                c.calls + 1, c.active + len(active), c.seconds + time.perf_counter() - start
+            )
         return self._collect([i for i, _ in active], toks, lps, counts, stopped)
 
     def _collect(

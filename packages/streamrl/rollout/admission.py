@@ -20,6 +20,19 @@ first model call to its end, so the pool takes exactly `slots` episodes without 
 - **grow** when slots are free, no eviction happened, and the limit binds (as many episodes
   run as it allows, and more wait to start): + min(free, max(1, limit / 8)), up to the hard
   cap (`max_concurrency_cap`).
+- **cap by latency** (the model-call latency term): the engine times its decode calls by
+  their rows (`Engine.decode_costs`: a bucket, a power of two); a bucket's cost per token
+  is its calls' seconds over the active rows they decoded. Once buckets have `MIN_CALLS`
+  calls each, the *ceiling* is the largest of them whose cost per token is within
+  `LATENCY_MARGIN` of the cheapest; when a larger bucket costs more than that (a bigger
+  batch makes every token dearer: the host's cores are saturated, or the episodes' own work
+  takes CPU from the engine), the limit is held at the ceiling, trimmed to it if above
+  (counted as a trim), and grows no further. Where batching is cheap (an accelerator,
+  memory-bound decode: a call of twice the rows costs about what one call did) the ceiling
+  is the largest bucket measured and caps nothing. The buckets interleave within every
+  second (episodes park on tools and return), so a slow minute of the machine hits both
+  sides of the comparison; the figures are counted from the engine's start, without the
+  calls that traced a program.
 - otherwise **hold**.
 
 The worker starts the limit at the pool (within the cap: `Config.concurrency_estimate`), so
@@ -35,12 +48,20 @@ it binds, up to the cap. A fixed `max_concurrency` is a limit that never moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # the engine imports jax; the rule stays light
+    from streamrl.model.engine import DecodeCost
 
 TICK_S = 0.25  # how often the worker looks at its engine
 TRIM = 0.9  # the limit after a trim, as a share of the episodes running
 GROW_DIV = 8  # growth per look: limit / GROW_DIV, at least 1
+# A decode bucket is judged once it has this many calls (a call is ~10-50 ms on a CPU).
+MIN_CALLS = 64
+# The ceiling: the largest bucket whose cost per token is within this share of the cheapest.
+LATENCY_MARGIN = 0.05
 
 Action = Literal["grow", "trim", "hold", "fixed"]
 
@@ -53,6 +74,8 @@ class Occupancy:
     held: int  # slots decoding a request or parked for a session's next turn
     waiting: int  # requests waiting for a slot
     evictions: int  # parked slots taken for other requests since the engine started
+    # decode calls by their rows since the engine started (`Engine.decode_costs`)
+    costs: Mapping[int, DecodeCost] = field(default_factory=dict)
 
     @property
     def pressure(self) -> float:
@@ -62,6 +85,22 @@ class Occupancy:
     def free(self, running: int) -> int:
         """Slots neither `running` episodes nor anything else holds or awaits."""
         return self.slots - max(running, self.held + self.waiting)
+
+
+def batch_ceiling(
+    costs: Mapping[int, DecodeCost], margin: float = LATENCY_MARGIN, min_calls: int = MIN_CALLS
+) -> int | None:
+    """The largest decode bucket worth filling, or None while nothing caps it: of the
+    buckets with `min_calls` calls, the largest whose seconds per decoded row is within
+    `margin` of the cheapest one's, when a larger judged bucket costs more than that."""
+    per_token = {
+        n: c.seconds / c.active for n, c in costs.items() if c.calls >= min_calls and c.active
+    }
+    if not per_token:
+        return None
+    cheapest = min(per_token.values())
+    ceiling = max(n for n, p in per_token.items() if p <= cheapest * (1 + margin))
+    return ceiling if ceiling < max(per_token) else None
 
 
 @dataclass
@@ -74,6 +113,7 @@ class Admission:
     limit: int = 0
     trims: int = 0
     grows: int = 0
+    ceiling: int | None = None  # the latency cap (`batch_ceiling`), once buckets say so
     _evictions: int | None = None
 
     def __post_init__(self) -> None:
@@ -97,10 +137,18 @@ class Admission:
                 self.trims += 1
                 return "trim"
             return "hold"
+        if occ is not None:
+            self.ceiling = batch_ceiling(occ.costs)
+            if self.ceiling is not None and self.limit > self.ceiling:
+                self.limit = self.ceiling
+                self.trims += 1
+                return "trim"
         binds = running >= self.limit and waiting_to_start > 0
         room = self.cap - self.limit
         if occ is not None:
             room = min(room, occ.free(running))
+        if self.ceiling is not None:
+            room = min(room, self.ceiling - self.limit)
         if binds and room > 0:
             self.limit += min(room, max(1, self.limit // GROW_DIV))
             self.grows += 1

@@ -124,6 +124,7 @@ class EngineServer:
             # inbox, which also carries session ends and cancels)
             waiting=e.unplaced,
             evictions=e.evictions,
+            costs=dict(e.decode_costs),  # keys fixed, values replaced whole: a safe copy
         )
 
     async def generate(self, request: GenRequest) -> tuple[GenResult, int]:

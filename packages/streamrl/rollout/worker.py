@@ -524,6 +524,7 @@ class RolloutWorker:
         """Adaptive admission: one look at the engine every TICK_S; a grown limit wakes the
         reader and the starter, a trim is counted, logged and traced (the limit's track)."""
         self.tracer.counter("admission_limit", self.admission.limit, time.time_ns())
+        ceiling = self.admission.ceiling
         while not self._stopping:
             await asyncio.sleep(TICK_S)
             before = self.admission.limit
@@ -541,9 +542,13 @@ class RolloutWorker:
                     running=self.active,
                     pressure=None if occupancy is None else round(occupancy.pressure, 3),
                     evictions=None if occupancy is None else occupancy.evictions,
+                    ceiling=self.admission.ceiling,  # set: the latency cap trimmed
                 )
             if self.admission.limit != before:
                 self.tracer.counter("admission_limit", self.admission.limit, time.time_ns())
+            if self.admission.ceiling != ceiling:
+                ceiling = self.admission.ceiling
+                self.tracer.counter("admission_ceiling", ceiling or 0, time.time_ns())
 
     def _count_active(self, delta: int) -> None:
         now = time.monotonic()
