@@ -25,14 +25,14 @@ first model call to its end, so the pool takes exactly `slots` episodes without 
   is its calls' seconds over the active rows they decoded. Once buckets have `MIN_CALLS`
   calls each, the *ceiling* is the largest of them whose cost per token is within
   `LATENCY_MARGIN` of the cheapest; when a larger bucket costs more than that (a bigger
-  batch makes every token dearer: the host's cores are saturated, or the episodes' own work
-  takes CPU from the engine), the limit is held at the ceiling, trimmed to it if above
-  (counted as a trim), and grows no further. Where batching is cheap (an accelerator,
-  memory-bound decode: a call of twice the rows costs about what one call did) the ceiling
-  is the largest bucket measured and caps nothing. The buckets interleave within every
-  second (episodes park on tools and return), so a slow minute of the machine hits both
-  sides of the comparison; the figures are counted from the engine's start, without the
-  calls that traced a program.
+  batch makes every token dearer), the limit is held at the ceiling, trimmed to it if
+  above (counted as a trim), and grows no further while it stands. Where batching pays (an
+  accelerator's memory-bound decode, and the dev machine's CPU too) the largest bucket is
+  the cheapest and nothing is capped. The comparison is made within a run, so a slow minute
+  of the machine weighs on both sides alike; it leans toward the bigger batch (in a run of
+  many episodes the small calls come in lulls, while the episodes' own Python holds the
+  interpreter, and cost more a row than in a run of few: docs/scale.md). The figures are
+  counted from the engine's start, without the calls that traced a program.
 - otherwise **hold**.
 
 The worker starts the limit at the pool (within the cap: `Config.concurrency_estimate`), so
