@@ -188,7 +188,9 @@ def test_what_a_tool_worker_must_not_do_is_refused(
     finally:
         unrelated.remove(force=True)
         client.close()
-    on_engine = {c.name for c in engine.containers.list(all=True)}
+    # names from the list call alone: `containers.list` inspects each container it listed,
+    # and one that another test removed in between fails the inspect ("no such container")
+    on_engine = {n.lstrip("/") for c in engine.api.containers(all=True) for n in c["Names"]}
     assert on_engine.isdisjoint(names)
     assert set(labelled(engine)) == set(sandbox.container_ids)
     events = [json.loads(line) for line in log.read_text().splitlines()]
