@@ -263,13 +263,13 @@ class Engine:
         # is not the batch's cost). Every bucket's key exists from the start and its value
         # is replaced whole, so another thread may copy the dict at any time.
         self.decode_costs: dict[int, DecodeCost] = {
-            n: DecodeCost(0, 0, 0.0) for n in self._row_buckets()
+            self._row_bucket(a): DecodeCost(0, 0, 0.0) for a in range(1, cfg.num_slots + 1)
         }
 
-    def _row_buckets(self) -> list[int]:
-        """The rows a decode call can cover: `bucket(active)` for 1..num_slots active."""
-        m, slots = self._row_multiple, self.cfg.num_slots
-        return sorted({min(round_up(pow2(a), m), slots) for a in range(1, slots + 1)})
+    def _row_bucket(self, active: int) -> int:
+        """The rows of a decode call over `active` slots: a power of two (a multiple of the
+        mesh's data axis), at most the pool's slots."""
+        return min(round_up(pow2(active), self._row_multiple), self.cfg.num_slots)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -475,7 +475,7 @@ class Engine:
         # The active slots, lowest first, as the call's rows; the rest of the bucket are
         # padding rows: slot num_slots, out of range (their writes are dropped).
         active = [(i, s) for i, s in enumerate(self._slots) if s is not None]
-        n = min(round_up(pow2(len(active)), self._row_multiple), self.cfg.num_slots)
+        n = self._row_bucket(len(active))
         rows = np.full((n,), self.cfg.num_slots, np.int32)
         last = np.zeros((n,), np.int32)
         lengths = np.zeros((n,), np.int32)
